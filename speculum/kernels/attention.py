@@ -1,0 +1,39 @@
+"""Attention and KV-write ops. Default kernels: the ``spec`` reference implementations."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculum.spec import attention as spec_attention
+from speculum.spec import paged as spec_paged
+
+__all__ = ["paged_attention", "write_kv"]
+
+
+@torch.library.custom_op("speculum::write_kv", mutates_args=("cache",))
+def write_kv(cache: Tensor, slots: Tensor, values: Tensor) -> None:
+    """Write ``values [batch, q, kv_head, head_dim]`` into ``cache`` at flat ``slots``."""
+    spec_paged.write_kv(cache, slots, values)
+
+
+@torch.library.custom_op("speculum::paged_attention", mutates_args=())
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    prefix_lens: Tensor,
+    q_lens: Tensor,
+    new_mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention of new tokens over their paged prefix and each other (see ``spec.attention``)."""
+    return spec_attention.paged_attention(
+        q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale
+    )
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale):
+    return torch.empty_like(q)

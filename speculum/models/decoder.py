@@ -1,0 +1,218 @@
+"""One Llama-family decoder over the paged KV cache.
+
+Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
+a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
+writes the new tokens' K/V into the pool (the owned resource) and returns hidden states; logits
+are a separate call so that pipelines compute them only where they are needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from speculum import kernels
+from speculum.models.config import DecoderConfig
+from speculum.state.forward import ForwardBatch
+from speculum.state.kv import KVPool
+
+__all__ = ["DecoderModel", "RMSNorm", "rope_inv_freq", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last axis of ``x`` and scale it by ``weight``."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
+    """Rotary inverse frequencies, with linear or Llama 3.1 frequency scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(
+    x: Float[Tensor, "batch q head head_dim"],
+    positions: Int[Tensor, "batch q"],
+    inv_freq: Float[Tensor, " half"],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Rotate halves of ``x`` by ``positions * inv_freq`` (the non-interleaved convention)."""
+    freqs = positions.float()[..., None] * inv_freq.to(x.device)
+    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged cache."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, rotate, write K/V into the pool, attend, and project back."""
+        b, q, _ = x.shape
+        qs = self.q_proj(x).view(b, q, self.num_heads, self.head_dim)
+        ks = self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
+        vs = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qs, ks = self.q_norm(qs), self.k_norm(ks)
+        qs = apply_rope(qs, batch.positions, inv_freq)
+        ks = apply_rope(ks, batch.positions, inv_freq)
+        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
+        kernels.write_kv(k_cache, batch.slots, ks)
+        kernels.write_kv(v_cache, batch.slots, vs)
+        out = kernels.paged_attention(
+            qs,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.prefix_lens,
+            batch.q_lens,
+            batch.new_mask,
+            1.0 / math.sqrt(self.head_dim),
+        )
+        return self.o_proj(out.reshape(b, q, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor) -> Tensor:
+        """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
+        x = x + self.self_attn(self.input_layernorm(x), batch, pool, inv_freq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' ``model.*``)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """A Llama-family causal LM over the paged KV cache.
+
+    Weights are fixed during inference; the only state a forward changes is the K/V it writes
+    into the pool at ``batch.slots``.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_rope(self) -> None:
+        """Recompute the rotary table (after ``to_empty`` wiped buffers)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.model.embed_tokens.weight.device)
+
+    def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
+        """A zeroed KV pool shaped for this model."""
+        weight = self.model.embed_tokens.weight
+        return KVPool.allocate(
+            num_layers=self.config.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+    def forward(
+        self, batch: ForwardBatch, pool: KVPool, capture_layers: tuple[int, ...] = ()
+    ) -> tuple[Float[Tensor, "batch q hidden"], tuple[Float[Tensor, "batch q hidden"], ...]]:
+        """Final-normed hidden states of the new tokens, and the outputs of ``capture_layers``.
+
+        ``capture_layers[i] = n`` returns the residual stream leaving layer ``n`` (what
+        transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
+        """
+        x = self.model.embed_tokens(batch.input_ids)
+        captured: dict[int, Tensor] = {}
+        for n, layer in enumerate(self.model.layers):
+            x = layer(x, batch, pool, self.inv_freq)
+            if n in capture_layers:
+                captured[n] = x
+        return self.model.norm(x), tuple(captured[n] for n in capture_layers)
+
+    def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
+        """Float32 next-token logits of final-normed hidden states."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,162 @@
+"""Strict Hugging Face checkpoint I/O: ``config.json`` plus one or many safetensors files.
+
+Every weight the decoder declares must be in the checkpoint and every tensor in the checkpoint
+must be one the decoder declares; otherwise loading fails naming the keys. The only tolerated
+extras are a tied ``lm_head.weight`` (some exporters write it) and rotary ``inv_freq`` buffers
+(older exporters wrote them); neither carries information the config does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from speculum.models.config import DecoderConfig
+from speculum.models.decoder import DecoderModel
+
+__all__ = [
+    "CheckpointError",
+    "load_model",
+    "load_state_dict",
+    "check_keys",
+    "save_model",
+    "random_model",
+    "DTYPES",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as it is: files or weights missing or extra."""
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no *.safetensors weights in {folder}; save the model with safetensors "
+            "(transformers: save_pretrained(..., safe_serialization=True))"
+        )
+    return files
+
+
+def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (single file, sharded with an index, or many files)."""
+    folder = Path(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    if key in tensors:
+                        raise CheckpointError(f"weight {key!r} appears in two files of {folder}")
+                    tensors[key] = handle.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as err:  # safetensors raises several unrelated types for bad files
+            raise CheckpointError(f"cannot read weights file {path}: {err}") from err
+    return tensors
+
+
+def check_keys(
+    expected: dict[str, torch.Size],
+    found: dict[str, torch.Tensor],
+    where: str,
+    tolerated: frozenset[str] = frozenset(),
+) -> None:
+    """Raise :class:`CheckpointError` naming missing, unexpected or mis-shaped weights."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected) - tolerated)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights {missing}")
+        if unexpected:
+            parts.append(f"unexpected weights {unexpected}")
+        raise CheckpointError(
+            f"{where}: {'; '.join(parts)}. The checkpoint does not match its config.json "
+            "(wrong architecture, layer count or tying): fix the config or re-export the weights"
+        )
+    wrong = [
+        f"{k}: checkpoint {tuple(found[k].shape)} vs config {tuple(s)}"
+        for k, s in expected.items()
+        if found[k].shape != s
+    ]
+    if wrong:
+        raise CheckpointError(f"{where}: weight shapes disagree with config.json: {wrong}")
+
+
+def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
+    # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def load_model(
+    folder: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DecoderModel:
+    """Build the decoder a Hugging Face folder describes and load its weights strictly.
+
+    ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent).
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise CheckpointError(f"{folder} has no config.json; pass a Hugging Face model folder")
+    config = DecoderConfig.from_file(folder / "config.json")
+    if dtype is None:
+        dtype = DTYPES.get(config.dtype, torch.float32)
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    found = load_state_dict(folder)
+    tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        tolerated.add("lm_head.weight")
+    check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated))
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(found[name])
+    model.reset_rope()
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def save_model(model: DecoderModel, folder: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` that transformers and :func:`load_model` read."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {
+        name: p.detach().contiguous().cpu() for name, p in model.named_parameters()
+    }
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
+    return folder
+
+
+def random_model(config: DecoderConfig, *, seed: int = 0, std: float = 0.02) -> DecoderModel:
+    """A float32 decoder with normal(0, std) weights, unit norms and zero biases."""
+    generator = torch.Generator().manual_seed(seed)
+    model = DecoderModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return model.eval().requires_grad_(False)
+

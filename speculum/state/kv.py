@@ -1,0 +1,161 @@
+"""Paged KV cache: the pool (an owned resource) and the records that point into it.
+
+The pool's pages are allocated once and written in place by contract, like JAX's donated
+buffers. Everything else is a value: the allocator is a record holding a free-page stack, the
+batch's page tables and lengths are a record, so a snapshot of the records is a snapshot of the
+allocation, and dropping a record that pointed at rejected draft slots is the whole rollback.
+
+Page 0 is reserved as the *padding sink*: padded token rows write their K/V there, and it is
+never handed out, so padding can never overwrite a live token.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from speculum.state.record import record, replace, static
+
+__all__ = [
+    "PADDING_PAGE",
+    "KVPool",
+    "KVPoolExhausted",
+    "PageAllocator",
+    "PagedKV",
+    "new_allocator",
+    "allocate",
+    "free",
+    "allocated_pages",
+]
+
+#: Page id that padded rows write to; never allocated.
+PADDING_PAGE = 0
+
+
+class KVPoolExhausted(RuntimeError):
+    """Raised when an allocation asks for more free pages than the pool has."""
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class KVPool:
+    """The K and V pages of one model, allocated once.
+
+    ``k`` and ``v`` have shape ``[layer, page, page_size, kv_head, head_dim]``; layer ``i``'s
+    cache is ``k[i]`` (a contiguous view). Pools of a target and its draft model can share one
+    allocator and one page table, since both index pages by the same ids.
+    """
+
+    k: Tensor
+    v: Tensor
+    page_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """Zero-filled pool of ``num_pages`` pages (page 0 is the padding sink)."""
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size}: must be >= 1")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            page_size=page_size,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool, the padding sink included."""
+        return self.k.shape[1]
+
+
+@record
+class PageAllocator:
+    """Free-page stack: ``free_pages[:num_free]`` are free, the rest are garbage.
+
+    Lives on the host: allocation is decided by the scheduler, between device steps.
+    """
+
+    free_pages: Int[Tensor, " page"]
+    num_free: Int[Tensor, ""]
+    num_pages: int = static()
+
+
+def new_allocator(num_pages: int) -> PageAllocator:
+    """Allocator over pages ``1 .. num_pages - 1`` (page 0 is the padding sink).
+
+    Pages are handed out in increasing order from a fresh allocator.
+    """
+    stack = torch.arange(num_pages - 1, 0, -1, dtype=torch.int64)
+    padded = torch.cat([stack, torch.zeros(1, dtype=torch.int64)])
+    return PageAllocator(
+        free_pages=padded, num_free=torch.tensor(num_pages - 1), num_pages=num_pages
+    )
+
+
+def allocate(alloc: PageAllocator, count: int) -> tuple[PageAllocator, Int[Tensor, " count"]]:
+    """Take ``count`` pages off the free stack; the allocator handed in is unchanged.
+
+    Raises :class:`KVPoolExhausted` naming how many pages are free when ``count`` exceed them.
+    """
+    if count < 0:
+        raise ValueError(f"cannot allocate a negative number of pages ({count})")
+    num_free = int(alloc.num_free)
+    if count > num_free:
+        raise KVPoolExhausted(
+            f"KV pool exhausted: {count} pages requested, {num_free} of "
+            f"{alloc.num_pages - 1} free; finish or cancel requests, or build the engine with "
+            "more KV pages"
+        )
+    pages = alloc.free_pages[num_free - count : num_free].flip(0)
+    return replace(alloc, num_free=torch.tensor(num_free - count)), pages
+
+
+def free(alloc: PageAllocator, pages: Int[Tensor, " count"]) -> PageAllocator:
+    """Push ``pages`` back on the free stack; the allocator handed in is unchanged.
+
+    Freeing a page that is already free, or the padding sink, is an error (it would let two
+    requests share a page).
+    """
+    pages = pages.to(torch.int64).flatten()
+    num_free = int(alloc.num_free)
+    free_now = set(alloc.free_pages[:num_free].tolist())
+    bad = [p for p in pages.tolist() if p in free_now or not 0 < p < alloc.num_pages]
+    if bad or len(set(pages.tolist())) != len(pages):
+        raise ValueError(f"double free or invalid page ids {bad or pages.tolist()}")
+    stack = alloc.free_pages.clone()
+    stack[num_free : num_free + len(pages)] = pages.flip(0)
+    return replace(alloc, free_pages=stack, num_free=torch.tensor(num_free + len(pages)))
+
+
+def allocated_pages(alloc: PageAllocator) -> set[int]:
+    """Ids of the pages currently handed out (for invariants and tests)."""
+    free_now = set(alloc.free_pages[: int(alloc.num_free)].tolist())
+    return set(range(1, alloc.num_pages)) - free_now
+
+
+@record
+class PagedKV:
+    """Where a batch's tokens live in the pool.
+
+    ``page_table[b, i]`` is the page holding tokens ``i*page_size .. (i+1)*page_size - 1`` of
+    request ``b`` (unused entries are the padding sink); ``seq_lens[b]`` counts the tokens whose
+    K/V are in the cache. A token's cache index (its slot in the sequence) is distinct from its
+    rotary position: tree tokens sit in consecutive slots at depth-based positions.
+    """
+
+    page_table: Int[Tensor, "batch max_pages"]
+    seq_lens: Int[Tensor, " batch"]
+    page_size: int = static()

@@ -1,0 +1,159 @@
+"""Frozen state records: the values that flow between speculum's pure stages.
+
+A record is an attrs class that is frozen, slotted, keyword-only and compared by identity
+(tensor ``==`` is elementwise, so ``eq`` would lie). It is registered as a torch pytree: data
+fields are children, static fields (Python values that decide shapes or code paths) live in the
+treespec, so changing one recompiles on purpose.
+
+Records are built with their checked ``__init__`` at eager boundaries and with :func:`replace`
+inside compiled stages (dynamo cannot trace attrs' generated ``__init__``, but it can trace
+``object.__new__`` plus ``object.__setattr__``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, TypeVar
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = [
+    "record",
+    "static",
+    "replace",
+    "tree_equal",
+    "snapshot",
+    "fields_of",
+    "tree_map_tensors",
+    "TYPECHECK_ENV",
+]
+
+T = TypeVar("T")
+
+#: Environment variable that switches on jaxtyping + beartype checking of record constructors.
+#: The test suite sets it; benchmarks leave it unset (a checked construction costs ~50 us).
+TYPECHECK_ENV = "SPECULUM_TYPECHECK"
+
+_STATIC = "speculum_static"
+
+
+def static(**kwargs: Any) -> Any:
+    """Declare a static record field: a Python value kept in the pytree treespec.
+
+    Static fields decide shapes or code paths (``topk``, ``page_size``, a dtype); two records
+    that differ only in a static field have different treespecs, so compiled code specialises.
+    """
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata[_STATIC] = True
+    return attrs.field(metadata=metadata, **kwargs)
+
+
+def fields_of(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Names of the (data, static) fields of a record class, in declaration order."""
+    data, stat = [], []
+    for f in attrs.fields(cls):
+        (stat if f.metadata.get(_STATIC) else data).append(f.name)
+    return tuple(data), tuple(stat)
+
+
+def _typecheck_enabled() -> bool:
+    return os.environ.get(TYPECHECK_ENV, "") not in ("", "0", "false", "False")
+
+
+def record(cls: type[T]) -> type[T]:
+    """Turn a class with annotated fields into a frozen, pytree-registered state record.
+
+    Field annotations may use jaxtyping (``Int[Tensor, "batch num_draft"]``); when the
+    ``SPECULUM_TYPECHECK`` environment variable is set at class-definition time, ``__init__``
+    checks dtypes, ranks and cross-field axis sizes with beartype.
+    """
+    cls = attrs.define(frozen=True, slots=True, kw_only=True, eq=False, repr=True)(cls)
+    data_names, static_names = fields_of(cls)
+
+    def flatten(rec: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        children = [getattr(rec, n) for n in data_names]
+        context = tuple(getattr(rec, n) for n in static_names)
+        return children, context
+
+    def unflatten(children: Any, context: tuple[Any, ...]) -> Any:
+        return _build(cls, dict(zip(data_names, children)) | dict(zip(static_names, context)))
+
+    def flatten_with_keys(rec: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        children, context = flatten(rec)
+        return [(pytree.GetAttrKey(n), c) for n, c in zip(data_names, children)], context
+
+    pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=flatten_with_keys,
+    )
+    if _typecheck_enabled():
+        from beartype import beartype
+        from jaxtyping import jaxtyped
+
+        cls.__init__ = jaxtyped(cls.__init__, typechecker=beartype)  # type: ignore[method-assign]
+    return cls
+
+
+def _build(cls: type[T], values: dict[str, Any]) -> T:
+    # object.__new__ + object.__setattr__ is the construction dynamo can trace; the instance is
+    # still frozen afterwards because attrs' __setattr__ is what raises, not the slots.
+    rec = object.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(rec, name, value)
+    return rec
+
+
+def replace(rec: T, **changes: Any) -> T:
+    """Return a copy of ``rec`` with ``changes`` applied; safe inside ``torch.compile``.
+
+    Unlike ``attrs.evolve`` it runs no validation: use ``attrs.evolve`` at eager boundaries
+    where a checked construction is wanted.
+    """
+    cls = type(rec)
+    names = [f.name for f in attrs.fields(cls)]
+    unknown = set(changes) - set(names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}; fields are {names}")
+    return _build(cls, {n: changes[n] if n in changes else getattr(rec, n) for n in names})
+
+
+def _leaf_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.device == b.device
+            and bool(torch.equal(a, b))
+        )
+    return bool(a == b)
+
+
+def tree_equal(a: Any, b: Any) -> bool:
+    """Whether two pytrees of records have the same structure, static fields and leaf values.
+
+    Tensors are equal when dtype, shape, device and every element agree (NaN != NaN).
+    """
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    return spec_a == spec_b and all(_leaf_equal(x, y) for x, y in zip(leaves_a, leaves_b))
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
+    """Apply ``fn`` to every tensor leaf of ``tree``, leaving other leaves as they are."""
+    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def snapshot(tree: T) -> T:
+    """A copy of ``tree`` whose tensors are cloned, so later in-place writes cannot reach it.
+
+    Records are immutable, but CUDA-graph outputs are buffers overwritten by the next replay:
+    anything kept across steps goes through ``snapshot``.
+    """
+    return tree_map_tensors(torch.clone, tree)
