@@ -3,6 +3,7 @@
 from speculum.state.batch import batch_size, concat_rows, take_rows
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool, KVPoolExhausted, PageAllocator, PagedKV
+from speculum.state.sampling import SamplingParams
 from speculum.state.record import (
     TYPECHECK_ENV,
     fields_of,
@@ -21,6 +22,7 @@ __all__ = [
     "KVPoolExhausted",
     "PageAllocator",
     "PagedKV",
+    "SamplingParams",
     "batch_size",
     "concat_rows",
     "fields_of",
