@@ -37,3 +37,8 @@ def paged_attention(
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale):
     return torch.empty_like(q)
+
+
+@write_kv.register_fake
+def _(cache, slots, values):
+    return None

@@ -138,9 +138,7 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that transformers and :func:`load_model` read."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {
-        name: p.detach().contiguous().cpu() for name, p in model.named_parameters()
-    }
+    weights = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return folder
@@ -159,4 +157,3 @@ def random_model(config: DecoderConfig, *, seed: int = 0, std: float = 0.02) -> 
             else:
                 param.normal_(0.0, std, generator=generator)
     return model.eval().requires_grad_(False)
-

@@ -1,0 +1,1 @@
+"""The reference scheduler, engines, ``generate`` and the command line."""

@@ -12,7 +12,9 @@ from speculum.state.kv import PADDING_PAGE, PagedKV
 __all__ = ["causal_mask", "cache_slots", "write_kv", "gather_kv", "extend_batch"]
 
 
-def causal_mask(batch: int, q: int, device: torch.device | str = "cpu") -> Bool[Tensor, "batch q q"]:
+def causal_mask(
+    batch: int, q: int, device: torch.device | str = "cpu"
+) -> Bool[Tensor, "batch q q"]:
     """New token ``i`` sees new tokens ``0 .. i``."""
     return torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch, q, q)
 

@@ -3,7 +3,6 @@
 from speculum.state.batch import batch_size, concat_rows, take_rows
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool, KVPoolExhausted, PageAllocator, PagedKV
-from speculum.state.sampling import SamplingParams
 from speculum.state.record import (
     TYPECHECK_ENV,
     fields_of,
@@ -14,6 +13,7 @@ from speculum.state.record import (
     tree_equal,
     tree_map_tensors,
 )
+from speculum.state.sampling import SamplingParams
 
 __all__ = [
     "ForwardBatch",

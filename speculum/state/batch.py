@@ -6,7 +6,8 @@ with :func:`concat_rows`, whatever pipeline's state the record is.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.utils._pytree as pytree

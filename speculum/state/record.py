@@ -13,7 +13,8 @@ inside compiled stages (dynamo cannot trace attrs' generated ``__init__``, but i
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 import torch

@@ -1,0 +1,106 @@
+"""What every pipeline shares: the resources it runs on, its inputs and outputs, its shape.
+
+A pipeline is a value: a frozen record of stage functions and static config. The scheduler (ours
+or a user's) drives any pipeline through the same two calls, :func:`prefill` for prompt chunks and
+:func:`step` for one decoding round, and never looks inside the pipeline's state record beyond
+its ``kv`` field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+from jaxtyping import Int
+from torch import Tensor
+
+from speculum.models.decoder import DecoderModel
+from speculum.state.kv import KVPool, PagedKV
+from speculum.state.record import record, static
+from speculum.state.sampling import SamplingParams
+
+__all__ = [
+    "Resources",
+    "PrefillChunk",
+    "StepOutput",
+    "Pipeline",
+    "PipelineState",
+    "prefill",
+    "step",
+]
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class Resources:
+    """The owned, in-place-written things a pipeline runs on: models and their KV pools.
+
+    Weights never change during decoding; pools are written at the slots the records name.
+    """
+
+    target: DecoderModel
+    target_pool: KVPool
+
+    @property
+    def pools(self) -> tuple[KVPool, ...]:
+        """Every KV pool, in a fixed order (snapshots copy pages out of each)."""
+        return (self.target_pool,)
+
+
+class PipelineState(Protocol):
+    """A pipeline's batch state: a record whose tensor leaves all lead with the batch axis."""
+
+    kv: PagedKV
+    sampling: SamplingParams
+
+
+@record
+class PrefillChunk:
+    """The next ``q_lens[b]`` prompt tokens of each request, padded to ``q`` columns.
+
+    ``kv.seq_lens`` counts the prompt tokens already in the cache. The pipeline's prefill
+    returns its batch state and a one-token :class:`StepOutput` per row; only rows whose chunk
+    ends their prompt use them (the scheduler knows which).
+    """
+
+    kv: PagedKV
+    tokens: Int[Tensor, "batch q"]
+    q_lens: Int[Tensor, " batch"]
+    sampling: SamplingParams
+
+
+@record
+class StepOutput:
+    """Tokens a decoding round emits per request: ``tokens[b, :num_tokens[b]]``, the rest -1."""
+
+    tokens: Int[Tensor, "batch max_tokens"]
+    num_tokens: Int[Tensor, " batch"]
+
+
+@record
+class Pipeline:
+    """A decoding algorithm as a value.
+
+    ``prefill(resources, chunk) -> (state, first_tokens)`` and ``decode(resources, state) -> (state, output)``
+    are its stage compositions; ``max_tokens_per_step`` bounds ``output.num_tokens`` and
+    ``kv_lookahead`` is how many cache slots past the emitted tokens a round may write (the
+    scheduler reserves them).
+    """
+
+    name: str = static()
+    prefill: Callable[[Resources, PrefillChunk], tuple[Any, StepOutput]] = static()
+    decode: Callable[[Resources, Any], tuple[Any, StepOutput]] = static()
+    max_tokens_per_step: int = static()
+    kv_lookahead: int = static()
+
+
+def prefill(
+    pipeline: Pipeline, resources: Resources, chunk: PrefillChunk
+) -> tuple[Any, StepOutput]:
+    """Run one prefill chunk through ``pipeline``: its batch state and each row's next token."""
+    return pipeline.prefill(resources, chunk)
+
+
+def step(pipeline: Pipeline, resources: Resources, state: Any) -> tuple[Any, StepOutput]:
+    """One decoding round of ``pipeline`` over the batch ``state``."""
+    return pipeline.decode(resources, state)

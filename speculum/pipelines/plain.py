@@ -1,0 +1,64 @@
+"""Plain (non-speculative) decoding: one target forward per emitted token.
+
+The baseline every speculative pipeline must match token for token under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.spec.paged import extend_batch
+from speculum.spec.sampling import sample
+from speculum.state.kv import PagedKV
+from speculum.state.record import record, replace
+from speculum.state.sampling import SamplingParams
+
+__all__ = ["PlainState", "prefill", "decode", "pipeline"]
+
+
+@record
+class PlainState:
+    """Batch state of plain decoding: the cache and the sampled token not yet in it."""
+
+    kv: PagedKV
+    next_tokens: Int[Tensor, " batch"]
+    sampling: SamplingParams
+
+
+def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, StepOutput]:
+    """Write a prompt chunk's K/V and sample the token after each row's last chunk token.
+
+    The sample is keyed by the position it will occupy (the new sequence length), so it is the
+    same whether the prompt arrived in one chunk or many.
+    """
+    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
+    hidden, _ = resources.target(batch, resources.target_pool)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    last = hidden[rows, (chunk.q_lens - 1).clamp(min=0)]
+    seq_lens = chunk.kv.seq_lens + chunk.q_lens
+    tokens = sample(resources.target.logits(last), chunk.sampling, seq_lens)
+    state = PlainState(
+        kv=replace(chunk.kv, seq_lens=seq_lens), next_tokens=tokens, sampling=chunk.sampling
+    )
+    return state, StepOutput(tokens=tokens[:, None], num_tokens=torch.ones_like(tokens))
+
+
+def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:
+    """Feed each request's pending token, write its K/V, and sample the next one."""
+    ones = torch.ones_like(state.kv.seq_lens)
+    batch = extend_batch(state.kv, state.next_tokens[:, None], ones)
+    hidden, _ = resources.target(batch, resources.target_pool)
+    seq_lens = state.kv.seq_lens + 1
+    tokens = sample(resources.target.logits(hidden[:, 0]), state.sampling, seq_lens)
+    new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)
+    return new_state, StepOutput(tokens=tokens[:, None], num_tokens=ones)
+
+
+def pipeline() -> Pipeline:
+    """The plain decoding pipeline value."""
+    return Pipeline(
+        name="plain", prefill=prefill, decode=decode, max_tokens_per_step=1, kv_lookahead=1
+    )

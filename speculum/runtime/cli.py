@@ -1,0 +1,86 @@
+"""Command line: ``speculum generate ...`` (also ``python -m speculum``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from speculum.models.loading import DTYPES
+from speculum.pipelines import ALGORITHMS
+from speculum.runtime.generate import generate
+
+__all__ = ["main", "parser"]
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids takes comma-separated integers, e.g. 1,2,3 ({err})"
+        ) from err
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``speculum`` argument parser."""
+    top = argparse.ArgumentParser(prog="speculum", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="decode one prompt and print the completion")
+    gen.add_argument(
+        "--model",
+        help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
+        "default: the bundled tiny random model",
+    )
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--algorithm", default="plain", help=f"one of {', '.join(sorted(ALGORITHMS))}")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``speculum`` console script; returns the exit status."""
+    args = parser().parse_args(argv)
+    try:
+        (result,) = generate(
+            [args.prompt] if args.prompt is not None else [args.prompt_ids],
+            model=args.model,
+            algorithm=args.algorithm,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    except (ValueError, RuntimeError, KeyError) as err:
+        print(f"speculum: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload = {
+            "token_ids": list(result.token_ids),
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats,
+        }
+        print(json.dumps(payload))
+    else:
+        print(result.text if result.text is not None else list(result.token_ids))
+        stats = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
+        )
+        print(stats, file=sys.stderr)
+    return 0

@@ -1,0 +1,122 @@
+"""``generate``: the simple Python entry point, built on the reference scheduler."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from speculum.runtime import scheduler
+from speculum.runtime.default_model import default_model_dir
+from speculum.runtime.engine import Engine, build_engine
+
+__all__ = ["Generation", "generate", "run_to_completion"]
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class Generation:
+    """One prompt's result: generated ids (prompt excluded), their text, and statistics.
+
+    ``stats`` holds ``num_forward_steps`` (target forwards that involved the request: prefill
+    chunks plus decoding rounds), ``num_rounds`` (decoding rounds), ``accept_length_mean``
+    (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
+    ``tokens_per_second`` and ``finish_reason``.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str
+    stats: dict[str, float | int | str]
+
+
+def run_to_completion(
+    engine: Engine, state: scheduler.SchedulerState
+) -> tuple[scheduler.SchedulerState, dict[int, scheduler.Request]]:
+    """Step until every request has finished; returns the final state and finished requests."""
+    finished: dict[int, scheduler.Request] = {}
+    while not scheduler.is_idle(state):
+        state, outputs = scheduler.step(engine, state)
+        finished.update((o.rid, o.request) for o in outputs if o.finished)
+    return state, finished
+
+
+def generate(
+    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    *,
+    model: str | Path | None = None,
+    engine: Engine | None = None,
+    algorithm: str = "plain",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    stop_strings: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
+) -> list[Generation]:
+    """Generate a completion for each prompt (text, or a list of token ids).
+
+    With neither ``model`` nor ``engine``, the bundled default model runs. All prompts are
+    decoded together by the continuous-batching scheduler; each result is what that prompt
+    yields alone.
+    """
+    if engine is None:
+        engine = build_engine(
+            model or default_model_dir(), algorithm=algorithm, device=device, dtype=dtype
+        )
+    batch = [prompts] if isinstance(prompts, str) else list(prompts)
+    ids = [_prompt_ids(engine, p) for p in batch]
+    sampling = scheduler.Sampling(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+    )
+    state, rids = scheduler.new_state(engine), []
+    for prompt in ids:
+        state, rid = scheduler.add_request(
+            engine,
+            state,
+            prompt,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            stop_strings=stop_strings,
+            ignore_eos=ignore_eos,
+        )
+        rids.append(rid)
+    start = time.perf_counter()
+    _, finished = run_to_completion(engine, state)
+    elapsed = time.perf_counter() - start
+    total = sum(len(r.output) for r in finished.values())
+    return [_result(engine, finished[rid], total / max(elapsed, 1e-9)) for rid in rids]
+
+
+def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer.json in the model folder; pass ids")
+        return engine.tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float) -> Generation:
+    text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
+    rounds = request.num_rounds
+    # The first token comes out of prefill, not out of a decoding round.
+    decoded = len(request.output) - 1
+    return Generation(
+        token_ids=request.output,
+        text=text,
+        finish_reason=request.finish_reason or "length",
+        stats={
+            "num_forward_steps": request.num_forwards,
+            "num_rounds": rounds,
+            "accept_length_mean": decoded / rounds if rounds else 1.0,
+            "tokens_per_second": tokens_per_second,
+            "finish_reason": request.finish_reason or "length",
+        },
+    )

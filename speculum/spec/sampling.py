@@ -1,0 +1,287 @@
+"""Reference sampling: counter-based uniforms, filtered distributions and inverse-CDF draws.
+
+Randomness is state, not a generator: every uniform is a pure function of a request's seed, a
+stream, a counter (the token position the draw is for) and a column. A request's draws therefore
+never depend on the batch it runs in, snapshot/restore replays bit-exactly, and a Triton kernel
+can reproduce the same bits from the same four integers.
+
+The hash is MurmurHash3_x86_32 (seed 0) of six little-endian uint32 words
+``[seed_lo, seed_hi, stream, counter_lo, counter_hi, column]``, computed with int64 tensor ops
+whose intermediates stay below ``2**49``; every step of it is a bijection of each word, so two
+inputs that differ in one word never hash alike.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from speculum.state.sampling import SamplingParams
+
+__all__ = ["Stream", "uniforms", "filtered_probs", "sample", "sample_from_probs"]
+
+_MASK32 = 0xFFFFFFFF
+# Uniforms keep 23 hash bits so that (m + 0.5) / 2**23 is exact in float32: with 24 bits the
+# top midpoints fall half an ulp between floats and round (to even) onto each other and onto 1.0.
+_UNIFORM_BITS = 23
+
+
+class Stream(enum.IntEnum):
+    """Independent random streams of one request; each stage draws from its own.
+
+    Sharing one stream between drafting and acceptance correlates the draft token with its coin
+    flip and biases the output distribution (vLLM shipped that bug).
+    """
+
+    SAMPLE = 0  # plain decoding / bonus-token sampling
+    DRAFT = 1  # drawing draft tokens
+    ACCEPT = 2  # accept/reject coin flips
+    RESAMPLE = 3  # residual resampling after a rejection
+
+
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` and a 32-bit constant ``c``.
+
+    The constant is split into 16-bit halves so no product exceeds ``2**48``: int64 never
+    overflows, and the bits are the same on every backend. Only the low 16 bits of the high
+    product survive the shift by 16, so those are all that are kept.
+    """
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _rotl32(x, r: int):
+    """Rotate a 32-bit value left by ``r`` (``x << r`` stays below ``2**63`` for ``r < 32``)."""
+    return ((x << r) & _MASK32) | (x >> (32 - r))
+
+
+def _fmix32(h):
+    """MurmurHash3's finaliser: a bijection of 32-bit values that avalanches every input bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _murmur3_32(words: list):
+    """MurmurHash3_x86_32 with seed 0 of ``words`` (each a uint32 held in int64), elementwise.
+
+    Written with plain operators only, so it runs unchanged on broadcastable int64 tensors and
+    on Python ints (the tests check the published test vectors and every intermediate's range).
+    """
+    h = 0
+    for word in words:
+        k = _mul32(word, 0xCC9E2D51)
+        k = _rotl32(k, 15)
+        k = _mul32(k, 0x1B873593)
+        h = _rotl32(h ^ k, 13)
+        h = (h * 5 + 0xE6546B64) & _MASK32
+    return _fmix32(h ^ (4 * len(words)))
+
+
+def uniforms(
+    seed: Int[Tensor, " batch"],
+    stream: int,
+    counter: Int[Tensor, " batch *rows"],
+    width: int,
+) -> Float[Tensor, "batch *rows width"]:
+    """Counter-based float32 uniforms in the open interval (0, 1).
+
+    Element ``[b, *r, j]`` is a pure function of ``(seed[b], stream, counter[b, *r], j)``: rows
+    that pass the same counter get the same uniforms, so callers give every draw its own counter
+    (its token position) or column. Values are ``((h >> 9) + 0.5) / 2**23`` for the 32-bit hash
+    ``h``: 23 bits, every value exact in float32, the smallest ``2**-24`` and the largest
+    ``1 - 2**-24``.
+    """
+    if seed.dtype != torch.int64 or counter.dtype != torch.int64:
+        raise TypeError(
+            f"uniforms takes int64 seed and counter, got {seed.dtype} and {counter.dtype}: "
+            "a narrower dtype would change which bits are hashed"
+        )
+    if seed.ndim != 1 or counter.ndim < 1 or counter.shape[0] != seed.shape[0]:
+        raise ValueError(
+            f"uniforms: seed must be [batch] and counter [batch, *rows], got seed "
+            f"{tuple(seed.shape)} and counter {tuple(counter.shape)}"
+        )
+    if not 0 <= int(stream) <= _MASK32:
+        raise ValueError(f"uniforms: stream must fit in 32 bits, got {stream}")
+    seed = seed.reshape(seed.shape + (1,) * counter.ndim)  # [batch, 1 (rows), 1 (width)]
+    count = counter[..., None]
+    column = torch.arange(width, dtype=torch.int64, device=counter.device)
+    words = [
+        seed & _MASK32,
+        (seed >> 32) & _MASK32,
+        int(stream),
+        count & _MASK32,
+        (count >> 32) & _MASK32,
+        column,
+    ]
+    h = _murmur3_32(words)
+    return ((h >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS
+
+
+def _rows_where(flags: list[bool]) -> list[int]:
+    return [i for i, bad in enumerate(flags) if bad]
+
+
+def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams) -> None:
+    """Eager-side validation of logits and sampling parameters; compiled code skips it.
+
+    Costs one device-to-host sync (all checks are packed into one tensor).
+    """
+    if torch.compiler.is_compiling():
+        return
+    batch = logits.shape[0]
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
+        shape = tuple(getattr(params, name).shape)
+        if shape != (batch,):
+            raise ValueError(
+                f"SamplingParams.{name} has shape {shape} but the logits have batch {batch}: "
+                "sampling parameters are per request, one entry per batch row"
+            )
+    x = logits.reshape(batch, -1, logits.shape[-1])
+    t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
+    flags = torch.stack(
+        [
+            x.isnan().flatten(1).any(1),
+            x.isposinf().flatten(1).any(1),
+            (x == float("-inf")).all(-1).any(-1),
+            ~(t >= 0) | ~t.isfinite(),
+            k < 0,
+            ~((p > 0) & (p <= 1)),
+            ~((m >= 0) & (m <= 1)),
+        ]
+    ).tolist()
+    problems = [
+        "logits contain NaN",
+        "logits contain +inf",
+        "a row of logits is entirely -inf (no token can be drawn)",
+        "temperature is negative or not finite (0 means greedy)",
+        "top_k is negative (0 switches it off)",
+        "top_p is outside (0, 1] (1 switches it off)",
+        "min_p is outside [0, 1] (0 switches it off)",
+    ]
+    found = [
+        f"{what} in batch rows {_rows_where(row)}"
+        for what, row in zip(problems, flags, strict=True)
+        if any(row)
+    ]
+    if found:
+        raise ValueError(
+            "cannot sample: "
+            + "; ".join(found)
+            + ". Non-finite logits come from the model or a mask upstream; sampling them would "
+            "silently produce a token, so it is refused."
+        )
+
+
+def _per_request(values: Tensor, ndim: int) -> Tensor:
+    """Reshape a ``[batch]`` parameter to broadcast against a ``[batch, *rows, vocab]`` tensor."""
+    return values.reshape(values.shape + (1,) * (ndim - 1))
+
+
+def _filtered_probs_core(
+    logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams
+) -> Float[Tensor, "batch *rows vocab"]:
+    x = logits.float()
+    vocab = x.shape[-1]
+    temperature = _per_request(params.temperature.float(), x.ndim)
+    greedy = temperature == 0
+    scaled = x / torch.where(greedy, 1.0, temperature)
+    probs = torch.softmax(scaled, dim=-1)
+
+    # Filters act on the descending order of the scaled logits; the stable sort puts tied tokens
+    # lowest index first, which is what "keep exactly k, lowest index first" means.
+    order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+    sorted_p = probs.gather(-1, order)
+    rank = torch.arange(vocab, device=x.device)
+
+    top_k = _per_request(params.top_k, x.ndim)
+    in_top_k = (top_k <= 0) | (rank < top_k)
+
+    # top-p sees the top-k distribution renormalised; a token stays while the mass of the tokens
+    # before it is still short of top_p. top_p == 1 is "off" even where the float cumsum of the
+    # tail rounds up to 1 before the last token.
+    top_p = _per_request(params.top_p.float(), x.ndim)
+    topk_p = sorted_p * in_top_k
+    renorm = topk_p / topk_p.sum(-1, keepdim=True)
+    mass_before = F.pad(renorm.cumsum(-1)[..., :-1], (1, 0))
+    in_top_p = (top_p >= 1) | (mass_before < top_p)
+
+    min_p = _per_request(params.min_p.float(), x.ndim)
+    in_min_p = sorted_p >= min_p * sorted_p[..., :1]
+
+    # The most likely token always survives, so every row keeps at least one token.
+    keep_sorted = (in_top_k & in_top_p & in_min_p) | (rank == 0)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, 0.0)
+    filtered = kept / kept.sum(-1, keepdim=True)
+
+    one_hot = F.one_hot(x.argmax(-1), vocab).to(torch.float32)
+    return torch.where(greedy, one_hot, filtered)
+
+
+def filtered_probs(
+    logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams
+) -> Float[Tensor, "batch *rows vocab"]:
+    """The float32 distribution each request samples from, after every filter.
+
+    Greedy requests (``temperature == 0``) get the one-hot of the argmax (lowest index on ties).
+    Others get ``softmax(logits / temperature)``, then top-k (the ``k`` largest; ties at the
+    k-th value keep exactly ``k``, lowest index first), then top-p over the renormalised top-k
+    distribution (the shortest prefix of the descending order whose mass reaches ``top_p``),
+    then min-p (drop tokens below ``min_p`` times the largest probability), renormalised. The
+    most likely token is always kept. Parameters broadcast per request over ``*rows``.
+
+    In eager mode, NaN or +inf logits, a row of all ``-inf`` and out-of-range parameters raise
+    ``ValueError`` naming the batch rows; under ``torch.compile`` the check is skipped.
+    """
+    _check_logits(logits, params)
+    return _filtered_probs_core(logits, params)
+
+
+def sample_from_probs(
+    probs: Float[Tensor, "batch *rows vocab"], u: Float[Tensor, " batch *rows"]
+) -> Int[Tensor, " batch *rows"]:
+    """Inverse-CDF draw: the first token whose cumulative probability exceeds ``u``.
+
+    ``probs`` need not be normalised (``u`` is scaled by each row's total, so residual
+    distributions ``max(p - q, 0)`` can be passed as they are); ``u`` must lie in (0, 1). A token
+    of probability zero is never returned: its cumulative sum equals its predecessor's, so the
+    search stops earlier, and a ``u`` that float rounding puts past the last step is clamped to
+    the last token with positive probability. Rows whose total mass is zero return token 0.
+    """
+    cdf = probs.float().cumsum(-1)
+    target = (u.float() * cdf[..., -1])[..., None]
+    index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)[..., 0]
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, positions, 0).amax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def sample(
+    logits: Float[Tensor, "batch vocab"],
+    params: SamplingParams,
+    counter: Int[Tensor, " batch"],
+    stream: int = Stream.SAMPLE,
+) -> Int[Tensor, " batch"]:
+    """One token per request: argmax for greedy requests, else a draw from :func:`filtered_probs`.
+
+    The draw uses one uniform, ``uniforms(params.seed, stream, counter, 1)``, where ``counter``
+    is the position the sampled token will occupy; a request's token therefore depends only on
+    its own logits, parameters, seed and position, never on the rest of the batch. Validation
+    as in :func:`filtered_probs`.
+    """
+    _check_logits(logits, params)
+    if tuple(counter.shape) != (logits.shape[0],):
+        raise ValueError(
+            f"sample: counter must be [batch] = ({logits.shape[0]},), got {tuple(counter.shape)}"
+        )
+    probs = _filtered_probs_core(logits, params)
+    u = uniforms(params.seed, stream, counter, 1)[..., 0]
+    greedy = params.temperature == 0
+    return torch.where(greedy, logits.argmax(-1), sample_from_probs(probs, u))
