@@ -60,7 +60,7 @@ def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     for path in _weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if key in tensors:
                         raise CheckpointError(f"weight {key!r} appears in two files of {folder}")
                     tensors[key] = handle.get_tensor(key)
@@ -135,7 +135,8 @@ def load_model(
 
 
 def save_model(model: DecoderModel, folder: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` that transformers and :func:`load_model` read."""
+    """Write ``config.json`` and ``model.safetensors``, readable by transformers and
+    :func:`load_model`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
