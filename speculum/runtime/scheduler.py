@@ -174,7 +174,7 @@ def add_request(
     state: SchedulerState,
     prompt: list[int] | tuple[int, ...],
     *,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling | None = None,
     max_new_tokens: int = 64,
     stop_token_ids: tuple[int, ...] = (),
     stop_strings: tuple[str, ...] = (),
@@ -186,6 +186,7 @@ def add_request(
     the problem; the state handed in is unchanged either way.
     """
     prompt = tuple(int(t) for t in prompt)
+    sampling = sampling or Sampling()
     _validate(engine, prompt, sampling, max_new_tokens)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")

@@ -51,7 +51,10 @@ def gather_kv(
     cache: Float[Tensor, "page page_size kv_head head_dim"],
     page_table: Int[Tensor, "batch max_pages"],
 ) -> Float[Tensor, "batch seq kv_head head_dim"]:
-    """Every cache index a page table can address, in sequence order (``seq = max_pages * page_size``)."""
+    """Every cache index a page table can address, in sequence order.
+
+    ``seq = max_pages * page_size``.
+    """
     return cache[page_table].flatten(1, 2)
 
 
