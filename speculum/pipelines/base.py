@@ -82,9 +82,9 @@ class Pipeline:
     """A decoding algorithm as a value.
 
     ``prefill(resources, chunk) -> (state, first_tokens)`` and
-    ``decode(resources, state) -> (state, output)`` are its stage compositions; ``max_tokens_per_step`` bounds ``output.num_tokens`` and
-    ``kv_lookahead`` is how many cache slots past the emitted tokens a round may write (the
-    scheduler reserves them).
+    ``decode(resources, state) -> (state, output)`` are its stage compositions;
+    ``max_tokens_per_step`` bounds ``output.num_tokens`` and ``kv_lookahead`` is how many cache
+    slots past the emitted tokens a round may write (the scheduler reserves them).
     """
 
     name: str = static()
