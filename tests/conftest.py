@@ -11,7 +11,8 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Tiny test models run fastest single-threaded; thread hand-offs cost more than the math.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +23,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def tiny_config(**changes):
+    """A 2-layer, 32-wide Llama over 64 token ids (no EOS unless asked)."""
+    import attrs
+
+    from speculum.runtime.default_model import TINY_CONFIG
+
+    base = attrs.evolve(
+        TINY_CONFIG,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_ids=(),
+        bos_token_id=None,
+    )
+    return attrs.evolve(base, **changes)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny random target whose logits are peaked enough that greedy never sees near-ties."""
+    from speculum.models.loading import random_model
+
+    return random_model(tiny_config(), seed=0, std=0.3)

@@ -13,7 +13,7 @@ from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutpu
 from speculum.spec.paged import extend_batch
 from speculum.spec.sampling import sample
 from speculum.state.kv import PagedKV
-from speculum.state.record import record, replace
+from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams
 
 __all__ = ["PlainState", "prefill", "decode", "pipeline"]
@@ -40,10 +40,13 @@ def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, Step
     last = hidden[rows, (chunk.q_lens - 1).clamp(min=0)]
     seq_lens = chunk.kv.seq_lens + chunk.q_lens
     tokens = sample(resources.target.logits(last), chunk.sampling, seq_lens)
-    state = PlainState(
-        kv=replace(chunk.kv, seq_lens=seq_lens), next_tokens=tokens, sampling=chunk.sampling
+    state = make(
+        PlainState,
+        kv=replace(chunk.kv, seq_lens=seq_lens),
+        next_tokens=tokens,
+        sampling=chunk.sampling,
     )
-    return state, StepOutput(tokens=tokens[:, None], num_tokens=torch.ones_like(tokens))
+    return state, make(StepOutput, tokens=tokens[:, None], num_tokens=torch.ones_like(tokens))
 
 
 def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:
@@ -54,7 +57,7 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
     seq_lens = state.kv.seq_lens + 1
     tokens = sample(resources.target.logits(hidden[:, 0]), state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)
-    return new_state, StepOutput(tokens=tokens[:, None], num_tokens=ones)
+    return new_state, make(StepOutput, tokens=tokens[:, None], num_tokens=ones)
 
 
 def pipeline() -> Pipeline:

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import PADDING_PAGE, PagedKV
+from speculum.state.record import make
 
 __all__ = ["causal_mask", "cache_slots", "write_kv", "gather_kv", "extend_batch"]
 
@@ -71,7 +72,8 @@ def extend_batch(
     batch, q = input_ids.shape
     offsets = torch.arange(q, device=input_ids.device)[None, :]
     valid = offsets < q_lens[:, None]
-    return ForwardBatch(
+    return make(
+        ForwardBatch,
         input_ids=torch.where(valid, input_ids, 0),
         positions=kv.seq_lens[:, None] + offsets,
         slots=cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid),

@@ -6,6 +6,7 @@ from speculum.state.kv import KVPool, KVPoolExhausted, PageAllocator, PagedKV
 from speculum.state.record import (
     TYPECHECK_ENV,
     fields_of,
+    make,
     record,
     replace,
     snapshot,
@@ -26,6 +27,7 @@ __all__ = [
     "batch_size",
     "concat_rows",
     "fields_of",
+    "make",
     "record",
     "replace",
     "snapshot",

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 __all__ = [
     "record",
     "static",
+    "make",
     "replace",
     "tree_equal",
     "snapshot",
@@ -107,6 +108,17 @@ def _build(cls: type[T], values: dict[str, Any]) -> T:
     for name, value in values.items():
         object.__setattr__(rec, name, value)
     return rec
+
+
+def make(cls: type[T], **values: Any) -> T:
+    """Construct record ``cls`` from all its fields; safe inside ``torch.compile``.
+
+    Eagerly this is the checked ``cls(**values)`` (type-checked under pytest); while compiling
+    it builds the instance field by field, which dynamo can trace.
+    """
+    if torch.compiler.is_compiling():
+        return _build(cls, values)
+    return cls(**values)
 
 
 def replace(rec: T, **changes: Any) -> T:

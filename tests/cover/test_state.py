@@ -1,0 +1,175 @@
+"""Records: frozen values, pytrees with static fields, checked constructors, compile safety."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given
+from hypothesis import strategies as st
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from speculum.models.config import DecoderConfig
+from speculum.models.loading import random_model
+from speculum.pipelines import plain
+from speculum.pipelines.base import Resources
+from speculum.state import (
+    PagedKV,
+    SamplingParams,
+    concat_rows,
+    make,
+    record,
+    replace,
+    snapshot,
+    static,
+    take_rows,
+    tree_equal,
+)
+from speculum.state.kv import allocate, new_allocator
+
+
+@record
+class Pair:
+    """A test record with a data pair and a static width."""
+
+    a: Float[Tensor, "batch width"]
+    b: Int[Tensor, " batch"]
+    width: int = static()
+
+
+def pair(batch: int = 3, width: int = 2, offset: int = 0) -> Pair:
+    return Pair(
+        a=torch.arange(batch * width, dtype=torch.float32).reshape(batch, width) + offset,
+        b=torch.arange(batch, dtype=torch.int64),
+        width=width,
+    )
+
+
+def test_records_are_frozen_and_keyword_only():
+    rec = pair()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        rec.a = torch.zeros(3, 2)
+    with pytest.raises(TypeError):
+        Pair(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64), 2)
+
+
+def test_replace_returns_a_new_record_and_leaves_the_old_one():
+    rec = pair()
+    new = replace(rec, b=rec.b + 1)
+    assert torch.equal(rec.b, torch.arange(3)) and torch.equal(new.b, torch.arange(1, 4))
+    assert new.a is rec.a and new.width == 2
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        new.b = rec.b
+    with pytest.raises(TypeError, match="no field"):
+        replace(rec, c=1)
+
+
+def test_static_fields_live_in_the_treespec():
+    leaves, spec = pytree.tree_flatten(pair(width=2))
+    assert len(leaves) == 2  # a and b; width is static
+    _, other = pytree.tree_flatten(pair(width=3))
+    assert spec != other
+    rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(rebuilt, Pair) and tree_equal(rebuilt, pair(width=2))
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(-2, 2))
+def test_tree_equal_compares_values_dtypes_and_statics(batch, width, offset):
+    base = pair(batch, width)
+    assert tree_equal(base, pair(batch, width))
+    assert tree_equal(base, pair(batch, width, offset)) == (offset == 0)
+    assert not tree_equal(base, replace(base, b=base.b.to(torch.int32)))
+    assert not tree_equal(base, replace(base, width=width + 1))
+
+
+def test_snapshot_is_unaffected_by_later_in_place_writes():
+    rec = pair()
+    kept = snapshot(rec)
+    rec.a.add_(100.0)  # what a CUDA-graph replay does to its output buffers
+    assert tree_equal(kept, pair())
+
+
+def test_checked_constructor_rejects_wrong_dtype_and_inconsistent_axes():
+    with pytest.raises(Exception, match="page_table|Int"):
+        PagedKV(
+            page_table=torch.zeros(2, 3), seq_lens=torch.zeros(2, dtype=torch.int64), page_size=4
+        )
+    with pytest.raises(Exception, match="batch|seq_lens"):
+        PagedKV(
+            page_table=torch.zeros(2, 3, dtype=torch.int64),
+            seq_lens=torch.zeros(5, dtype=torch.int64),
+            page_size=4,
+        )
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_take_and_concat_rows_are_inverse(sizes, data):
+    parts = [pair(n, 2, offset=10 * i) for i, n in enumerate(sizes)]
+    whole = concat_rows(parts)
+    start = 0
+    for part in parts:
+        rows = torch.arange(start, start + part.b.shape[0])
+        assert tree_equal(take_rows(whole, rows), part)
+        start += part.b.shape[0]
+    order = torch.tensor(data.draw(st.permutations(range(start))), dtype=torch.int64)
+    shuffled = take_rows(whole, order)
+    assert tree_equal(take_rows(shuffled, torch.argsort(order)), whole)
+
+
+def test_make_builds_inside_compiled_code():
+    @torch.compile(fullgraph=True, backend="eager")
+    def shift(rec: Pair) -> Pair:
+        return make(Pair, a=rec.a * 2, b=rec.b + 1, width=rec.width)
+
+    out = shift(pair())
+    assert isinstance(out, Pair) and tree_equal(
+        out, Pair(a=pair().a * 2, b=torch.arange(1, 4), width=2)
+    )
+
+
+def _tiny_config() -> DecoderConfig:
+    from speculum.runtime.default_model import TINY_CONFIG
+
+    return attrs.evolve(
+        TINY_CONFIG,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        eos_token_ids=(),
+    )
+
+
+def test_plain_decode_stage_compiles_fullgraph_and_matches_eager():
+    """A whole stage over records (model forward, KV write, sampling, record updates) traces
+    into one graph and computes exactly what the eager stage computes."""
+    model = random_model(_tiny_config(), seed=1, std=0.2)
+    alloc = new_allocator(16)
+    alloc, pages = allocate(alloc, 4)
+    state = plain.PlainState(
+        kv=PagedKV(
+            page_table=torch.stack([pages[:2], pages[2:]]),
+            seq_lens=torch.tensor([3, 5]),
+            page_size=4,
+        ),
+        next_tokens=torch.tensor([7, 9]),
+        sampling=SamplingParams(
+            temperature=torch.tensor([0.0, 0.9]),
+            top_k=torch.tensor([0, 10]),
+            top_p=torch.tensor([1.0, 0.9]),
+            min_p=torch.tensor([0.0, 0.05]),
+            seed=torch.tensor([1, 2]),
+        ),
+    )
+    eager_pool = model.new_pool(16, 4)
+    compiled_pool = model.new_pool(16, 4)
+    eager = plain.decode(Resources(target=model, target_pool=eager_pool), state)
+    compiled_decode = torch.compile(plain.decode, fullgraph=True, backend="aot_eager")
+    compiled = compiled_decode(Resources(target=model, target_pool=compiled_pool), state)
+    assert tree_equal(eager, compiled)
+    assert torch.equal(eager_pool.k, compiled_pool.k) and torch.equal(eager_pool.v, compiled_pool.v)
