@@ -1,0 +1,158 @@
+"""The scheduler as a state machine: add / step / cancel / snapshot / restore, checked after every
+rule against a plain Python model of what each request must produce."""
+
+from __future__ import annotations
+
+import attrs
+from conftest import tiny_config
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from speculum.models.loading import random_model
+from speculum.runtime import scheduler
+from speculum.runtime.engine import engine_from_model
+from speculum.runtime.generate import run_to_completion
+from speculum.state import tree_equal
+from speculum.state.kv import allocated_pages
+
+MODEL = random_model(tiny_config(), seed=0, std=0.3)
+LIMITS = {"page_size": 4, "max_context": 40, "prefill_budget": 6, "max_batch": 3}
+PROMPTS = [(1, 2, 3), (7,) * 9, (5, 9, 11, 13, 2), tuple(range(20, 32))]
+_alone_cache: dict = {}
+
+
+def alone(prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling) -> tuple[int, ...]:
+    """What a request yields when it is the only one (the model's ground truth)."""
+    key = (prompt, max_new, sampling)
+    if key not in _alone_cache:
+        engine = engine_from_model(MODEL, **LIMITS)
+        state, _ = scheduler.add_request(
+            engine, scheduler.new_state(engine), prompt, sampling=sampling, max_new_tokens=max_new
+        )
+        _, finished = run_to_completion(engine, state)
+        (request,) = finished.values()
+        _alone_cache[key] = request.output
+    return _alone_cache[key]
+
+
+@attrs.define
+class Expected:
+    """The Python model of one request."""
+
+    tokens: tuple[int, ...]
+    output: tuple[int, ...] = ()
+    done: bool = False
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives one engine and compares it with the model after every rule."""
+
+    snapshots = Bundle("snapshots")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS)
+        self.state = scheduler.new_state(self.engine)
+        self.model: dict[int, Expected] = {}
+
+    def live(self) -> list[int]:
+        return [rid for rid, e in self.model.items() if not e.done]
+
+    @rule(
+        prompt=st.sampled_from(PROMPTS),
+        max_new=st.integers(1, 6),
+        temperature=st.sampled_from([0.0, 1.0]),
+        seed=st.integers(0, 3),
+    )
+    def add(self, prompt, max_new, temperature, seed):
+        sampling = scheduler.Sampling(
+            temperature=temperature, top_k=16 if temperature else 0, seed=seed
+        )
+        self.state, rid = scheduler.add_request(
+            self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
+        )
+        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling))
+
+    @rule()
+    def step(self):
+        self.state, outputs = scheduler.step(self.engine, self.state)
+        for out in outputs:
+            expected = self.model[out.rid]
+            expected.output += out.new_token_ids
+            assert out.request.output == expected.output
+            assert expected.output == expected.tokens[: len(expected.output)]
+            if out.finished:
+                assert expected.output == expected.tokens
+                expected.done = True
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def cancel(self, data):
+        rid = data.draw(st.sampled_from(self.live()))
+        self.state = scheduler.cancel(self.engine, self.state, rid)
+        self.model[rid].done = True
+
+    @rule(target=snapshots)
+    def snapshot(self):
+        model_copy = {rid: attrs.evolve(e) for rid, e in self.model.items()}
+        return scheduler.take_snapshot(self.engine, self.state), model_copy
+
+    @rule(saved=consumes(snapshots))
+    def restore(self, saved):
+        snap, model_copy = saved
+        self.state = scheduler.restore(self.engine, snap)
+        assert tree_equal(self.state, snap.state)
+        self.model = {rid: attrs.evolve(e) for rid, e in model_copy.items()}
+
+    @invariant()
+    def pages_are_neither_leaked_nor_shared(self):
+        held = [p for r in self.state.prefilling + self.state.running for p in r.pages]
+        assert len(held) == len(set(held)), "a page is held by two requests"
+        assert set(held) == allocated_pages(self.state.allocator), "a page leaked"
+        assert all(not r.pages for r in self.state.waiting)
+        free = self.state.allocator.free_pages[: int(self.state.allocator.num_free)].tolist()
+        assert len(free) == len(set(free)) and 0 not in free
+
+    @invariant()
+    def live_requests_match_the_model(self):
+        in_state = [r.rid for r in self.state.waiting + self.state.prefilling + self.state.running]
+        assert sorted(in_state) == sorted(self.live())
+        for request in self.state.waiting + self.state.prefilling + self.state.running:
+            assert request.output == self.model[request.rid].output
+
+    @invariant()
+    def batch_rows_follow_the_running_requests(self):
+        running = self.state.running
+        if not running:
+            assert self.state.batch is None
+            return
+        lengths = [len(r.prompt) + len(r.output) - 1 for r in running]
+        assert self.state.batch.kv.seq_lens.tolist() == lengths
+        assert self.state.batch.next_tokens.tolist() == [r.output[-1] for r in running]
+        for row, request in enumerate(running):
+            pages = self.state.batch.kv.page_table[row, : len(request.pages)]
+            assert pages.tolist() == list(request.pages)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None
+)
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_model_ground_truth_is_not_degenerate():
+    """The machine's model is only informative if different requests yield different tokens."""
+    greedy = {alone(p, 6, scheduler.Sampling()) for p in PROMPTS}
+    sampled = {
+        alone(PROMPTS[0], 6, scheduler.Sampling(temperature=1.0, top_k=16, seed=s))
+        for s in range(4)
+    }
+    assert len(greedy) == len(PROMPTS) and len(sampled) > 1
