@@ -5,10 +5,11 @@ stream, a counter (the token position the draw is for) and a column. A request's
 never depend on the batch it runs in, snapshot/restore replays bit-exactly, and a Triton kernel
 can reproduce the same bits from the same four integers.
 
-The hash is MurmurHash3_x86_32 (seed 0) of six little-endian uint32 words
-``[seed_lo, seed_hi, stream, counter_lo, counter_hi, column]``, computed with int64 tensor ops
-whose intermediates stay below ``2**49``; every step of it is a bijection of each word, so two
-inputs that differ in one word never hash alike.
+The hash is MurmurHash3_x86_32, with hash seed 0, of the 24 bytes
+``struct.pack("<qIqI", seed, stream, counter, column)`` (six little-endian uint32 words: seed
+low/high, stream, counter low/high, column). It is computed with int64 tensor ops whose
+intermediates stay in ``[0, 2**49)``, so no backend overflows and signed and logical shifts agree.
+Every step is a bijection of each word, so inputs that differ in one word never hash alike.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingPa
     problems = [
         "logits contain NaN",
         "logits contain +inf",
-        "a row of logits is entirely -inf (no token can be drawn)",
+        "a row with every logit -inf (nothing to draw)",
         "temperature is negative or not finite (0 means greedy)",
         "top_k is negative (0 switches it off)",
         "top_p is outside (0, 1] (1 switches it off)",
@@ -253,7 +254,8 @@ def sample_from_probs(
     distributions ``max(p - q, 0)`` can be passed as they are); ``u`` must lie in (0, 1). A token
     of probability zero is never returned: its cumulative sum equals its predecessor's, so the
     search stops earlier, and a ``u`` that float rounding puts past the last step is clamped to
-    the last token with positive probability. Rows whose total mass is zero return token 0.
+    the last token with positive probability. Rows whose total mass is zero return token 0; a
+    total below float32's normal range (~1e-38) makes ``u * total`` coarse.
     """
     cdf = probs.float().cumsum(-1)
     target = (u.float() * cdf[..., -1])[..., None]
