@@ -23,6 +23,13 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 class UnsupportedModel(ValueError):
@@ -58,6 +65,11 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
         """Parse a ``config.json`` dictionary, rejecting what this decoder cannot run."""
+        if not isinstance(raw, dict):
+            raise UnsupportedModel(f"config.json must hold a JSON object, not {type(raw).__name__}")
+        missing = [k for k in _REQUIRED if k not in raw]
+        if missing:
+            raise UnsupportedModel(f"config.json lacks required keys {missing}")
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:

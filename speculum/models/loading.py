@@ -112,6 +112,8 @@ def load_model(
     ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent).
     """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist or is not a folder")
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass a Hugging Face model folder")
     config = DecoderConfig.from_file(folder / "config.json")

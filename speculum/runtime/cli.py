@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         payload = {
             "token_ids": list(result.token_ids),
-            "text": result.text,
+            # The contract makes text a string; a model without a tokenizer has no text.
+            "text": result.text or "",
             "finish_reason": result.finish_reason,
             "stats": result.stats,
         }

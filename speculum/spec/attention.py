@@ -1,10 +1,13 @@
 """Reference attention over the paged KV cache, for prefill, decode, extend and tree verify.
 
-One function covers every shape: a batch of ``q`` new tokens per request (rows padded to a common
-``q`` with ``q_lens``) attends to its request's cached prefix of ``prefix_lens`` tokens and to the
-new tokens themselves under a boolean ``new_mask`` (causal for prefill/decode/extend, the tree
-mask for verify). The new tokens' K/V must already be in the cache at indices
-``prefix_lens + 0 .. q-1``.
+One function covers every shape: a batch of ``q`` query tokens per request (rows padded to a
+common ``q`` with ``q_lens``) attends to its request's cached prefix of ``prefix_lens`` tokens,
+all visible, and to a *tail* of ``t`` cache indices after the prefix under a boolean
+``new_mask[b, i, j]`` (query ``i`` sees tail index ``prefix_lens[b] + j``). Prefill, decode and
+draft-extend pass a causal mask with ``t == q``; tree verify passes the tree mask; a multi-step
+draft passes ``t > q``, its earlier steps' tokens sitting in the tail before the current step's.
+The queries' K/V must already be in the cache. Which tail entries exist is the mask's business:
+a column no valid query should see must be False.
 """
 
 from __future__ import annotations
@@ -20,23 +23,22 @@ __all__ = ["paged_attention", "visible_keys"]
 
 def visible_keys(
     prefix_lens: Int[Tensor, " batch"],
-    q_lens: Int[Tensor, " batch"],
-    new_mask: Bool[Tensor, "batch q q"],
+    new_mask: Bool[Tensor, "batch q tail"],
     seq: int,
 ) -> Bool[Tensor, "batch q seq"]:
-    """Which cache indices each new token attends to.
+    """Which cache indices each query attends to.
 
-    Index ``s`` is visible to new token ``i`` of request ``b`` when it is in the prefix
-    (``s < prefix_lens[b]``), or when it is new token ``j = s - prefix_lens[b]`` with
-    ``j < q_lens[b]`` and ``new_mask[b, i, j]``.
+    Index ``s`` is visible to query ``i`` of request ``b`` when it is in the prefix
+    (``s < prefix_lens[b]``), or when it is tail index ``j = s - prefix_lens[b] < tail`` with
+    ``new_mask[b, i, j]``.
     """
-    q = new_mask.shape[1]
+    q, tail = new_mask.shape[1], new_mask.shape[2]
     s = torch.arange(seq, device=prefix_lens.device)[None, :]
-    rel = s - prefix_lens[:, None]  # [batch, seq]: index among the new tokens
+    rel = s - prefix_lens[:, None]  # [batch, seq]: index within the tail
     in_prefix = rel < 0
-    in_new = (rel >= 0) & (rel < q_lens[:, None])
-    gathered = new_mask.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1))
-    return in_prefix[:, None, :] | (in_new[:, None, :] & gathered)
+    in_tail = (rel >= 0) & (rel < tail)
+    gathered = new_mask.gather(2, rel.clamp(0, tail - 1)[:, None, :].expand(-1, q, -1))
+    return in_prefix[:, None, :] | (in_tail[:, None, :] & gathered)
 
 
 def paged_attention(
@@ -46,10 +48,10 @@ def paged_attention(
     page_table: Int[Tensor, "batch max_pages"],
     prefix_lens: Int[Tensor, " batch"],
     q_lens: Int[Tensor, " batch"],
-    new_mask: Bool[Tensor, "batch q q"],
+    new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
 ) -> Float[Tensor, "batch q head head_dim"]:
-    """Softmax attention of new tokens over (prefix + new tokens), grouped-query aware.
+    """Softmax attention of queries over (prefix + masked tail), grouped-query aware.
 
     Computed in float32; padded query rows (``i >= q_lens[b]``) return zeros.
     """
@@ -59,12 +61,14 @@ def paged_attention(
     keys = keys.repeat_interleave(group, dim=2)
     values = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bshd->bhqs", q.float(), keys) * scale
-    visible = visible_keys(prefix_lens, q_lens, new_mask, keys.shape[1])[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # Padding rows see no key and would be NaN after softmax; they get zero weights instead
-    # (not nan_to_num, which would also hide a real NaN coming out of the model).
-    has_key = visible.any(-1, keepdim=True)
+    visible = visible_keys(prefix_lens, new_mask, keys.shape[1])
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    # A query that sees no key (padding) would be NaN after softmax; it gets all-zero weights
+    # instead (nan_to_num would also hide a real NaN coming out of the model).
+    has_key = visible.any(-1)[:, None, :, None]
     probs = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
-    out = torch.einsum("bhqs,bshd->bqhd", probs, values)
+    # Weight 0 times a stale NaN/inf in a slot nobody sees would still be NaN: zero those values.
+    seen = visible.any(1)[:, :, None, None]
+    out = torch.einsum("bhqs,bshd->bqhd", probs, torch.where(seen, values, 0.0))
     valid = torch.arange(q.shape[1], device=q.device)[None, :] < q_lens[:, None]
     return torch.where(valid[:, :, None, None], out, 0.0).to(q.dtype)

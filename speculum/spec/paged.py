@@ -32,8 +32,8 @@ def cache_slots(
     """
     q = valid.shape[1]
     index = start[:, None] + torch.arange(q, device=start.device)[None, :]
-    page_col = (index // page_size).clamp(max=page_table.shape[1] - 1)
-    page = page_table.gather(1, page_col)
+    # Out-of-range columns fail the gather rather than wrap onto a live page.
+    page = page_table.gather(1, torch.where(valid, index // page_size, 0))
     slots = page * page_size + index % page_size
     return torch.where(valid, slots, PADDING_PAGE * page_size)
 

@@ -12,11 +12,13 @@ __all__ = ["ForwardBatch"]
 
 @record
 class ForwardBatch:
-    """Inputs of one model forward over ``q`` new tokens per request (rows padded to ``q``).
+    """Inputs of one model forward over ``q`` query tokens per request (rows padded to ``q``).
 
-    ``positions`` are rotary positions; ``slots`` are the flat pool slots the new tokens' K/V
-    are written to (padding rows point at the padding sink); the new tokens occupy cache
-    indices ``prefix_lens + 0 .. q_lens - 1`` and see each other through ``new_mask``.
+    ``positions`` are rotary positions; ``slots`` are the flat pool slots the queries' K/V are
+    written to (padding rows point at the padding sink). Each query sees the whole cached prefix
+    of ``prefix_lens`` tokens and the ``tail`` cache indices after it that ``new_mask`` allows
+    (see ``spec.attention``): causal over the queries themselves for prefill and decode, the
+    tree mask for verify.
     """
 
     input_ids: Int[Tensor, "batch q"]
@@ -25,4 +27,4 @@ class ForwardBatch:
     page_table: Int[Tensor, "batch max_pages"]
     prefix_lens: Int[Tensor, " batch"]
     q_lens: Int[Tensor, " batch"]
-    new_mask: Bool[Tensor, "batch q q"]
+    new_mask: Bool[Tensor, "batch q tail"]

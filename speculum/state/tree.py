@@ -1,0 +1,59 @@
+"""Records of one speculative round: draft candidates, the draft tree, and what verify accepted."""
+
+from __future__ import annotations
+
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from speculum.state.record import record
+
+__all__ = ["DraftCandidates", "DraftTree", "AcceptResult"]
+
+
+@record
+class DraftCandidates:
+    """Every token the draft proposed in one round, in level order (EAGLE-2).
+
+    Step 0 contributes ``topk`` candidates (children of the root); each later step contributes
+    ``topk * topk`` (``topk`` children of each of the ``topk`` frontier nodes). ``parents[b, i]``
+    is the index of candidate ``i``'s parent candidate, ``-1`` for children of the root, and is
+    always smaller than ``i``. ``scores`` are cumulative draft probabilities (the product along
+    the path), so a child never outscores its parent. ``probs[b, i]`` is the draft distribution
+    candidate ``i``'s token was drawn from, over the target vocabulary (for argmax / top-k
+    drafting it is the one-hot of the token: see ``spec.tree``).
+    """
+
+    tokens: Int[Tensor, "batch num_candidates"]
+    parents: Int[Tensor, "batch num_candidates"]
+    scores: Float[Tensor, "batch num_candidates"]
+
+
+@record
+class DraftTree:
+    """A batch of draft trees of ``num_nodes`` nodes each; node 0 is the root.
+
+    The root holds the last verified token (the previous round's bonus token), whose K/V is not
+    yet in the target cache; nodes ``1 ..`` are draft tokens in level order, so every node's
+    parent has a smaller index. ``depths[b, 0] == 0``; ``parents[b, 0] == -1``.
+    ``draft_probs[b, i]`` is the distribution node ``i``'s token was drawn from (row 0 unused).
+    """
+
+    tokens: Int[Tensor, "batch num_nodes"]
+    parents: Int[Tensor, "batch num_nodes"]
+    depths: Int[Tensor, "batch num_nodes"]
+    draft_probs: Float[Tensor, "batch num_nodes vocab"]
+
+
+@record
+class AcceptResult:
+    """What verification kept of each request's tree.
+
+    ``path[b, :num_accepted[b] + 1]`` are the node indices of the root and the accepted draft
+    nodes, root first; ``emitted[b, :num_accepted[b] + 1]`` are the accepted draft tokens then
+    the bonus token. Unused entries are -1. ``num_accepted + 1`` tokens are emitted per round
+    (the acceptance length, bonus included).
+    """
+
+    path: Int[Tensor, "batch max_emit"]
+    emitted: Int[Tensor, "batch max_emit"]
+    num_accepted: Int[Tensor, " batch"]

@@ -1,0 +1,391 @@
+"""The decoder against transformers on tiny random checkpoints, strict loading, and the tokenizer.
+
+transformers initialises biases to zero and norm weights to one, which would let a forgotten
+bias or a misplaced norm pass unnoticed; every parameter is randomised before saving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from speculum.models.config import UnsupportedModel
+from speculum.models.decoder import DecoderModel
+from speculum.models.loading import CheckpointError, load_model
+from speculum.models.tokenizer import (
+    BOS,
+    EOS,
+    byte_level_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+from speculum.spec.paged import extend_batch
+from speculum.state.kv import PADDING_PAGE, PagedKV
+
+transformers.logging.disable_progress_bar()
+
+VOCAB = 96
+LAYERS = 2
+HEADS = 4
+MAX_POSITIONS = 256
+MAX_PROMPT = 12
+#: max |ours - transformers| / max |transformers|, in float32.
+RELATIVE_TOLERANCE = 1e-4
+
+# head_dim 8 or 16 with theta 1e4 gives wavelengths 6.3, 63, 628, ... (and 20, 199, ... at 16):
+# an original context of 64 puts frequencies in each of llama3's unscaled, smoothed and scaled
+# bands.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+#: name -> (transformers family, extra config), one per feature the decoder must get right.
+CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("Llama", {}),
+    "llama-bias": ("Llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama3.1-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}),
+    "linear-rope": ("Llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}}),
+    "qwen2": ("Qwen2", {}),  # q/k/v bias
+    "qwen3": ("Qwen3", {"head_dim": 24}),  # q/k norm, head_dim != hidden / heads
+    # A window no shorter than the context is accepted and changes nothing.
+    "mistral": ("Mistral", {"sliding_window": MAX_POSITIONS}),
+}
+
+
+@attrs.define(frozen=True)
+class Spec:
+    """One tiny transformers model."""
+
+    case: str
+    hidden: int
+    kv_heads: int
+    tied: bool
+    seed: int
+
+
+def hf_model(spec: Spec) -> transformers.PreTrainedModel:
+    """A transformers causal LM with every parameter (biases and norms too) random."""
+    family, extra = CASES[spec.case]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.hidden * 3 // 2,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=spec.tied,
+        **extra,
+    )
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Matrices at 1/sqrt(fan_in) keep activations O(1); vectors (norms, biases) far
+            # enough from transformers' 1 and 0 that leaving one out changes the logits.
+            std = param.shape[-1] ** -0.5 if param.dim() == 2 else 0.3
+            mean = 1.0 if "norm" in name else 0.0
+            param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
+    return model.eval()
+
+
+def specs(case: str | None = None) -> st.SearchStrategy[Spec]:
+    """Models of one or any case, tied or not, with MHA (4 KV heads) or GQA (2 or 1)."""
+    return st.builds(
+        Spec,
+        case=st.sampled_from(sorted(CASES)) if case is None else st.just(case),
+        hidden=st.sampled_from([32, 64]),
+        kv_heads=st.sampled_from([4, 2, 1]),
+        tied=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def reference(
+    hf: transformers.PreTrainedModel, prompt: list[int], capture: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits ``[seq, vocab]`` and ``[1 + len(capture), seq, hidden]`` streams.
+
+    Stream 0 is the final-normed hidden state, then the output of each captured layer:
+    ``hidden_states[n + 1]``, except for the last layer, whose ``hidden_states`` entry is
+    post-norm; its output is read at the final norm's input instead.
+    """
+    pre_norm: list[torch.Tensor] = []
+    hook = hf.model.norm.register_forward_pre_hook(lambda _, args: pre_norm.append(args[0]))
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    layer_outputs = [*out.hidden_states[1:-1], pre_norm[0]]
+    streams = [out.hidden_states[-1], *(layer_outputs[n] for n in capture)]
+    return out.logits[0], torch.cat(streams)
+
+
+def page_table(lengths: list[int], page_size: int, order: list[int], extra: int) -> torch.Tensor:
+    """Rows of consecutive pages from ``order`` (enough for ``lengths``), sink-padded."""
+    counts = [math.ceil(n / page_size) for n in lengths]
+    width = max(counts) + extra
+    rows, start = [], 0
+    for count in counts:
+        rows.append([*order[start : start + count], *[PADDING_PAGE] * (width - count)])
+        start += count
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def run_in_steps(
+    model: DecoderModel,
+    prompts: list[list[int]],
+    chunks: list[list[int]],
+    table: torch.Tensor,
+    page_size: int,
+    capture: tuple[int, ...],
+) -> list[torch.Tensor]:
+    """Feed ``prompts[b]`` in ``chunks[b]``; step ``t`` appends chunk ``t`` of every row.
+
+    Rows out of chunks ride along as padding (``q_lens == 0``), shorter chunks are padded up to
+    the step's longest, and padded positions hold a non-zero id, which ``extend_batch`` must mask.
+    Returns per row ``[1 + len(capture), seq, hidden]``: final-normed hidden, then captures.
+    """
+    batch = len(prompts)
+    pool = model.new_pool(int(table.max()) + 1, page_size)
+    seq_lens = torch.zeros(batch, dtype=torch.int64)
+    streams: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    for step in range(max(map(len, chunks))):
+        q_lens = [c[step] if step < len(c) else 0 for c in chunks]
+        ids = torch.full((batch, max(q_lens)), VOCAB - 1)
+        for b, n in enumerate(q_lens):
+            start = int(seq_lens[b])
+            ids[b, :n] = torch.tensor(prompts[b][start : start + n])
+        kv = PagedKV(page_table=table, seq_lens=seq_lens, page_size=page_size)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        with torch.no_grad():
+            hidden, captured = model(extend_batch(kv, ids, q_lens_t), pool, capture)
+        stacked = torch.stack([hidden, *captured], dim=1)  # [batch, streams, q, hidden]
+        for b, n in enumerate(q_lens):
+            streams[b].append(stacked[b, :, :n])
+        seq_lens = seq_lens + q_lens_t
+    return [torch.cat(s, dim=1) for s in streams]
+
+
+@st.composite
+def chunkings(draw: st.DrawFn, length: int) -> list[int]:
+    """How a prompt is fed: in one call, in random chunks, or a prefill then 1-token decodes."""
+    mode = draw(st.sampled_from(["one call", "chunks", "prefill + decode"]))
+    if mode == "one call" or length == 1:
+        cuts: list[int] = []
+    elif mode == "chunks":
+        cuts = sorted(draw(st.sets(st.integers(1, length - 1), max_size=length - 1)))
+    else:
+        cuts = list(range(draw(st.integers(1, length)), length))
+    bounds = [0, *cuts, length]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def saved(hf: transformers.PreTrainedModel, folder: Path, **kwargs) -> Path:
+    """``hf`` saved to ``folder`` the way transformers does (safetensors)."""
+    hf.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=specs(), data=st.data())
+def test_logits_and_captures_match_transformers(spec: Spec, data: st.DataObject) -> None:
+    """Any architecture, batch of ragged prompts, page layout and chunking: logits, final
+    hidden states and captured layer outputs equal transformers'; chunked prefill and decode
+    through the cache equal a one-call prefill."""
+    hf = hf_model(spec)
+    with tempfile.TemporaryDirectory() as folder:
+        model = load_model(saved(hf, Path(folder)))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == spec.tied
+
+    token = st.integers(0, VOCAB - 1)
+    prompt = st.lists(token, min_size=1, max_size=MAX_PROMPT)
+    prompts = data.draw(st.lists(prompt, min_size=1, max_size=3))
+    lengths = [len(p) for p in prompts]
+    chunks = [data.draw(chunkings(n)) for n in lengths]
+    page_size = data.draw(st.integers(1, 6))
+    num_pages = 1 + sum(math.ceil(n / page_size) for n in lengths) + data.draw(st.integers(0, 2))
+    order = data.draw(st.permutations(range(1, num_pages)))
+    table = page_table(lengths, page_size, order, extra=data.draw(st.integers(0, 1)))
+    layers = data.draw(st.permutations(range(LAYERS)))
+    capture = tuple(layers[: data.draw(st.integers(0, LAYERS))])
+
+    stepped = run_in_steps(model, prompts, chunks, table, page_size, capture)
+    one_call = run_in_steps(model, prompts, [[n] for n in lengths], table, page_size, capture)
+    for prompt, ours, whole in zip(prompts, stepped, one_call):
+        ref_logits, ref_streams = reference(hf, prompt, capture)
+        assert relative_error(model.logits(ours[0]), ref_logits) < RELATIVE_TOLERANCE
+        for stream, ref_stream in zip(ours, ref_streams):
+            assert relative_error(stream, ref_stream) < RELATIVE_TOLERANCE
+        torch.testing.assert_close(ours, whole)
+
+
+def test_sharded_checkpoint(tmp_path: Path) -> None:
+    """An index plus several shard files loads like one file; a missing shard is named."""
+    spec = Spec(case="qwen3", hidden=32, kv_heads=2, tied=False, seed=1)
+    hf = hf_model(spec)
+    folder = saved(hf, tmp_path, max_shard_size="20KB")
+    shards = sorted(folder.glob("*.safetensors"))
+    assert (folder / "model.safetensors.index.json").exists() and len(shards) > 1
+    prompt = list(range(0, VOCAB, 9))
+    table = page_table([len(prompt)], 4, list(range(1, 10)), extra=0)
+    model = load_model(folder)
+    (ours,) = run_in_steps(model, [prompt], [[len(prompt)]], table, 4, ())
+    ref_logits, _ = reference(hf, prompt, ())
+    assert relative_error(model.logits(ours[0]), ref_logits) < RELATIVE_TOLERANCE
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"shard files that do not exist.*{shards[-1].name}"):
+        load_model(folder)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A small valid single-file Llama checkpoint to break."""
+    return saved(hf_model(Spec(case="llama", hidden=32, kv_heads=2, tied=False, seed=0)), tmp_path)
+
+
+def edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Rewrite ``model.safetensors`` after ``edit`` changed its tensors in place."""
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(folder: Path, **changes: object) -> None:
+    """Rewrite ``config.json`` with ``changes`` applied."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+UP = "model.layers.1.mlp.up_proj.weight"
+K = "model.layers.0.self_attn.k_proj.weight"
+EXTRA = "model.layers.0.self_attn.rotary_scale"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(UP), rf"missing weights \['{UP}'\]"),
+        (lambda t: t.update({EXTRA: torch.ones(3)}), rf"unexpected weights \['{EXTRA}'\]"),
+        (
+            lambda t: t.update({K: t[K].T.contiguous()}),
+            rf"shapes disagree with config.json: \['{K}: checkpoint \(32, 16\) vs config "
+            r"\(16, 32\)'\]",
+        ),
+    ],
+    ids=["missing", "unexpected", "wrong shape"],
+)
+def test_weights_must_match_config(checkpoint: Path, edit: Callable, message: str) -> None:
+    """Loading is strict: the error names the offending weight and what is wrong with it."""
+    edit_weights(checkpoint, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supp"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            r"rope type 'yarn' is not supported",
+        ),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"rope type 'yarn' is not supp"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+    ],
+    ids=["architecture", "yarn (transformers 5)", "yarn (transformers 4)", "activation"],
+)
+def test_unsupported_config(checkpoint: Path, changes: dict, message: str) -> None:
+    """A config naming something the decoder does not implement is refused, naming it."""
+    edit_config(checkpoint, **changes)
+    with pytest.raises(UnsupportedModel, match=message):
+        load_model(checkpoint)
+
+
+def test_missing_config(checkpoint: Path) -> None:
+    """A folder without config.json is not a model folder."""
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [lambda data: b"not a safetensors file", lambda data: data[: len(data) // 2]],
+    ids=["garbage", "truncated"],
+)
+def test_corrupt_weights_file(checkpoint: Path, corrupt: Callable[[bytes], bytes]) -> None:
+    """An unreadable safetensors file is named in the error."""
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(corrupt(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=r"cannot read weights file .*model\.safetensors"):
+        load_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple]:
+    """(ours, transformers' AutoTokenizer) over the byte-level tokenizer, with and without the
+    BOS-adding post-processor."""
+    pairs = {}
+    for bos in (True, False):
+        inner = byte_level_tokenizer()
+        if not bos:
+            inner.post_processor = None
+        folder = save_tokenizer(inner, tmp_path_factory.mktemp("tokenizer")).parent
+        pairs[bos] = (load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder))
+    return pairs
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text().filter(lambda t: BOS not in t and EOS not in t), bos=st.booleans())
+def test_byte_level_round_trip(byte_tokenizers: dict, text: str, bos: bool) -> None:
+    """Ids are the UTF-8 bytes (after BOS when the post-processor adds it), decoding restores
+    the text, and both agree with what transformers' AutoTokenizer does by default."""
+    ours, auto = byte_tokenizers[bos]
+    ids = ours.encode(text)
+    assert ids == [256] * bos + list(text.encode("utf-8"))
+    assert ours.decode(ids) == text
+    assert ids == auto.encode(text)
+    assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
+
+
+def test_byte_level_special_tokens(byte_tokenizers: dict) -> None:
+    """258 ids; <s> is 256 and </s> 257; their text inside a prompt is read as the special token,
+    as transformers does, and decoding leaves special tokens out."""
+    ours, auto = byte_tokenizers[True]
+    assert ours.vocab_size == 258
+    assert (ours.inner.token_to_id(BOS), ours.inner.token_to_id(EOS)) == (256, 257)
+    assert ours.encode("a</s>b") == auto.encode("a</s>b") == [256, 97, 257, 98]
+    assert ours.decode(torch.tensor([256, 104, 105, 257])) == "hi"
+
+
+def test_load_tokenizer_errors(tmp_path: Path) -> None:
+    """A missing or unreadable tokenizer.json is named, with the --prompt-ids way out."""
+    path = tmp_path / "tokenizer.json"
+    with pytest.raises(CheckpointError, match=rf"{path} does not exist.*--prompt-ids"):
+        load_tokenizer(tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(CheckpointError, match=rf"cannot read tokenizer {path}.*--prompt-ids"):
+        load_tokenizer(tmp_path)
