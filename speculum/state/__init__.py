@@ -15,8 +15,12 @@ from speculum.state.record import (
     tree_map_tensors,
 )
 from speculum.state.sampling import SamplingParams
+from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree
 
 __all__ = [
+    "AcceptResult",
+    "DraftCandidates",
+    "DraftTree",
     "ForwardBatch",
     "TYPECHECK_ENV",
     "KVPool",

@@ -18,9 +18,7 @@ class DraftCandidates:
     ``topk * topk`` (``topk`` children of each of the ``topk`` frontier nodes). ``parents[b, i]``
     is the index of candidate ``i``'s parent candidate, ``-1`` for children of the root, and is
     always smaller than ``i``. ``scores`` are cumulative draft probabilities (the product along
-    the path), so a child never outscores its parent. ``probs[b, i]`` is the draft distribution
-    candidate ``i``'s token was drawn from, over the target vocabulary (for argmax / top-k
-    drafting it is the one-hot of the token: see ``spec.tree``).
+    the path), so a child never outscores its parent.
     """
 
     tokens: Int[Tensor, "batch num_candidates"]
@@ -34,14 +32,13 @@ class DraftTree:
 
     The root holds the last verified token (the previous round's bonus token), whose K/V is not
     yet in the target cache; nodes ``1 ..`` are draft tokens in level order, so every node's
-    parent has a smaller index. ``depths[b, 0] == 0``; ``parents[b, 0] == -1``.
-    ``draft_probs[b, i]`` is the distribution node ``i``'s token was drawn from (row 0 unused).
+    parent has a smaller index and siblings carry distinct tokens. ``depths[b, 0] == 0``;
+    ``parents[b, 0] == -1``.
     """
 
     tokens: Int[Tensor, "batch num_nodes"]
     parents: Int[Tensor, "batch num_nodes"]
     depths: Int[Tensor, "batch num_nodes"]
-    draft_probs: Float[Tensor, "batch num_nodes vocab"]
 
 
 @record
