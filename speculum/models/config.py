@@ -61,6 +61,9 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str
+    #: DeepSeek-V3-style multi-token-prediction layers stored after the decoder's own layers
+    #: (``model.layers.{num_layers} ...``); the target ignores them, an MTP draft loads them.
+    num_nextn_predict_layers: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
@@ -112,6 +115,7 @@ class DecoderConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
 
     @classmethod
@@ -142,6 +146,7 @@ class DecoderConfig:
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
         rope_parameters["rope_theta"] = self.rope_theta
         eos = list(self.eos_token_ids)
+        nextn = {"num_nextn_predict_layers": self.num_nextn_predict_layers}
         return {
             "architectures": [self.architecture],
             "model_type": model_type,
@@ -165,6 +170,7 @@ class DecoderConfig:
             "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
             "bos_token_id": self.bos_token_id,
             "torch_dtype": self.dtype,
+            **(nextn if self.num_nextn_predict_layers else {}),
         }
 
 

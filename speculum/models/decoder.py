@@ -20,7 +20,15 @@ from speculum.models.config import DecoderConfig
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 
-__all__ = ["DecoderModel", "RMSNorm", "rope_inv_freq", "apply_rope"]
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "DecoderModel",
+    "MLP",
+    "RMSNorm",
+    "apply_rope",
+    "rope_inv_freq",
+]
 
 
 class RMSNorm(nn.Module):
@@ -77,18 +85,23 @@ def apply_rope(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged cache."""
+    """Grouped-query self-attention over the paged cache.
 
-    def __init__(self, config: DecoderConfig, layer: int) -> None:
+    ``input_size`` is the width of ``x`` (the q/k/v projections' input); it defaults to
+    ``hidden_size``. EAGLE-3's draft layer attends over ``[embedding; hidden]``, twice as wide.
+    """
+
+    def __init__(self, config: DecoderConfig, layer: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
+        width = config.hidden_size if input_size is None else input_size
+        self.q_proj = nn.Linear(width, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(width, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(width, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)

@@ -2,8 +2,11 @@
 
 Every weight the decoder declares must be in the checkpoint and every tensor in the checkpoint
 must be one the decoder declares; otherwise loading fails naming the keys. The only tolerated
-extras are a tied ``lm_head.weight`` (some exporters write it) and rotary ``inv_freq`` buffers
-(older exporters wrote them); neither carries information the config does not.
+extras are a tied ``lm_head.weight`` (some exporters write it), rotary ``inv_freq`` buffers
+(older exporters wrote them), neither of which carries information the config does not, and the
+multi-token-prediction layers ``model.layers.{L} ..`` after the ``L`` decoder layers when
+``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads those, see
+``speculum.models.draft_loading``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ def load_model(
     tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         tolerated.add("lm_head.weight")
+    nextn = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
+    prefixes = tuple(f"model.layers.{n}." for n in nextn)
+    tolerated |= {k for k in found if k.startswith(prefixes)}
     check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated))
     model.to_empty(device=device)
     if config.tie_word_embeddings:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import plain
+from speculum.pipelines import eagle, plain
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
+from speculum.state.record import replace
 
 __all__ = [
     "ALGORITHMS",
+    "SPECULATIVE",
     "Pipeline",
     "PrefillChunk",
     "Resources",
@@ -18,8 +20,17 @@ __all__ = [
     "step",
 ]
 
-#: Algorithm name -> pipeline constructor. Later algorithms register here.
-ALGORITHMS: dict[str, Callable[..., Pipeline]] = {"plain": plain.pipeline}
+#: Algorithm name -> pipeline constructor. The EAGLE family shares one composition; the draft
+#: head (EAGLE-1, EAGLE-3 or MTP layers) is what differs, and the engine loads it by this name.
+ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
+    "plain": plain.pipeline,
+    "eagle": eagle.pipeline,
+    "eagle3": eagle.pipeline,
+    "mtp": eagle.pipeline,
+    "nextn": eagle.pipeline,
+}
+#: Algorithms that need a draft model.
+SPECULATIVE = frozenset(ALGORITHMS) - {"plain"}
 
 
 def get_pipeline(algorithm: str, **options: object) -> Pipeline:
@@ -28,4 +39,4 @@ def get_pipeline(algorithm: str, **options: object) -> Pipeline:
         raise ValueError(
             f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
         )
-    return ALGORITHMS[algorithm](**options)
+    return replace(ALGORITHMS[algorithm](**options), name=algorithm)

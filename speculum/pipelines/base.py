@@ -40,11 +40,18 @@ class Resources:
 
     target: DecoderModel
     target_pool: KVPool
+    draft: Any = None
+    draft_pool: KVPool | None = None
 
     @property
     def pools(self) -> tuple[KVPool, ...]:
-        """Every KV pool, in a fixed order (snapshots copy pages out of each)."""
-        return (self.target_pool,)
+        """Every KV pool, in a fixed order (snapshots copy pages out of each).
+
+        A draft's pool is indexed by the same page ids as the target's: one allocator and one
+        page table serve both.
+        """
+        extra = () if self.draft_pool is None else (self.draft_pool,)
+        return (self.target_pool, *extra)
 
 
 class PipelineState(Protocol):
@@ -58,7 +65,9 @@ class PipelineState(Protocol):
 class PrefillChunk:
     """The next ``q_lens[b]`` prompt tokens of each request, padded to ``q`` columns.
 
-    ``kv.seq_lens`` counts the prompt tokens already in the cache. The pipeline's prefill
+    ``kv.seq_lens`` counts the prompt tokens already in the cache; ``next_tokens[b]`` is the
+    prompt token right after the chunk, -1 when the chunk ends the prompt (drafts that pair
+    each position with the token after it need it). The pipeline's prefill
     returns its batch state and a one-token :class:`StepOutput` per row; only rows whose chunk
     ends their prompt use them (the scheduler knows which).
     """
@@ -66,6 +75,7 @@ class PrefillChunk:
     kv: PagedKV
     tokens: Int[Tensor, "batch q"]
     q_lens: Int[Tensor, " batch"]
+    next_tokens: Int[Tensor, " batch"]
     sampling: SamplingParams
 
 

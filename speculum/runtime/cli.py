@@ -37,6 +37,17 @@ def parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
     gen.add_argument("--algorithm", default="plain", help=f"one of {', '.join(sorted(ALGORITHMS))}")
+    gen.add_argument(
+        "--draft",
+        help="draft model folder (EAGLE / EAGLE-3 heads; MTP defaults to the target's folder)",
+    )
+    gen.add_argument("--num-steps", type=int, default=3, help="draft depth per round")
+    gen.add_argument("--topk", type=int, default=1, help="children per node (1 = chain)")
+    gen.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        help="tree nodes verified per round, root included (default num-steps + 1 for chains)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -57,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             [args.prompt] if args.prompt is not None else [args.prompt_ids],
             model=args.model,
             algorithm=args.algorithm,
+            draft=args.draft,
+            num_steps=args.num_steps,
+            topk=args.topk,
+            num_draft_tokens=args.num_draft_tokens,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,

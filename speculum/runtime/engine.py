@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel
+from speculum.models.draft_loading import load_draft
 from speculum.models.loading import DTYPES, load_model
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import get_pipeline
+from speculum.pipelines import SPECULATIVE, get_pipeline
 from speculum.pipelines.base import Pipeline, Resources
 
-__all__ = ["EngineConfig", "Engine", "build_engine", "engine_from_model"]
+__all__ = ["EngineConfig", "Engine", "SpecOptions", "build_engine", "engine_from_model"]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -49,25 +51,22 @@ class Engine:
         return self.resources.target_pool.k.device
 
 
-def engine_from_model(
-    target: DecoderModel,
-    *,
-    algorithm: str = "plain",
-    tokenizer: Tokenizer | None = None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    max_batch: int = 16,
-    max_context: int | None = None,
-    prefill_budget: int = 512,
-) -> Engine:
-    """An engine over an already-built target model.
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class SpecOptions:
+    """Shape of a speculative round: draft depth, branching and tree size (root included).
 
-    ``max_context`` defaults to the model's ``max_position_embeddings`` (capped at 4096 to keep
-    CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
+    ``num_draft_tokens`` defaults to ``num_steps + 1`` for chains (``topk == 1``).
     """
-    pipeline = get_pipeline(algorithm)
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+
+def _check_limits(
+    target: DecoderModel, page_size: int, max_batch: int, context: int, prefill_budget: int
+) -> None:
     model_limit = target.config.max_position_embeddings
-    context = max_context or min(model_limit, 4096)
     if context > model_limit:
         raise ValueError(
             f"max_context={context} exceeds the model's max_position_embeddings={model_limit}"
@@ -78,11 +77,50 @@ def engine_from_model(
             f"sliding_window={window} is shorter than the context of {context} tokens and "
             f"sliding-window attention is not implemented; pass max_context <= {window}"
         )
-    for name, value in (("page_size", page_size), ("max_batch", max_batch)):
+    for name, value in (
+        ("page_size", page_size),
+        ("max_batch", max_batch),
+        ("prefill_budget", prefill_budget),
+    ):
         if value < 1:
             raise ValueError(f"{name}={value}: must be at least 1")
-    if prefill_budget < 1:
-        raise ValueError(f"prefill_budget={prefill_budget}: must be at least 1")
+
+
+def _pipeline(algorithm: str, target: DecoderModel, draft: Any, spec: SpecOptions) -> Pipeline:
+    if algorithm not in SPECULATIVE:
+        return get_pipeline(algorithm)
+    if draft is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    return get_pipeline(
+        algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+        vocab_size=target.config.vocab_size,
+    )
+
+
+def engine_from_model(
+    target: DecoderModel,
+    *,
+    algorithm: str = "plain",
+    draft: Any = None,
+    spec: SpecOptions | None = None,
+    tokenizer: Tokenizer | None = None,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    max_batch: int = 16,
+    max_context: int | None = None,
+    prefill_budget: int = 512,
+) -> Engine:
+    """An engine over an already-built target model (and draft head, for speculative algorithms).
+
+    ``max_context`` defaults to the model's ``max_position_embeddings`` (capped at 4096 to keep
+    CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
+    """
+    pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions())
+    context = max_context or min(target.config.max_position_embeddings, 4096)
+    _check_limits(target, page_size, max_batch, context, prefill_budget)
     config = EngineConfig(
         page_size=page_size,
         num_pages=0,
@@ -92,7 +130,12 @@ def engine_from_model(
     )
     per_request = config.max_pages_per_request(pipeline.kv_lookahead)
     config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
-    resources = Resources(target=target, target_pool=target.new_pool(config.num_pages, page_size))
+    resources = Resources(
+        target=target,
+        target_pool=target.new_pool(config.num_pages, page_size),
+        draft=draft,
+        draft_pool=None if draft is None else draft.new_pool(config.num_pages, page_size),
+    )
     return Engine(
         pipeline=pipeline,
         resources=resources,
@@ -106,17 +149,33 @@ def build_engine(
     model: str | Path,
     *,
     algorithm: str = "plain",
+    draft: str | Path | None = None,
+    spec: SpecOptions | None = None,
     device: str = "cpu",
     dtype: str | None = None,
     **limits: int,
 ) -> Engine:
-    """Load a Hugging Face model folder (and its tokenizer, when it has one) into an engine."""
+    """Load a Hugging Face model folder (and its tokenizer, when it has one) into an engine.
+
+    Speculative algorithms load their draft head from ``draft`` (MTP/NEXTN layers default to
+    the target's own folder).
+    """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
-    get_pipeline(algorithm)  # fail on an unknown algorithm before loading weights
-    target = load_model(model, dtype=DTYPES[dtype] if dtype else None, device=device)
+    get_pipeline("plain" if algorithm in SPECULATIVE else algorithm)  # unknown names fail early
+    if algorithm in ("mtp", "nextn") and draft is None:
+        draft = model
+    if algorithm in SPECULATIVE and draft is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    torch_dtype = DTYPES[dtype] if dtype else None
+    target = load_model(model, dtype=torch_dtype, device=device)
+    head = None
+    if algorithm in SPECULATIVE:
+        head = load_draft(draft, target, algorithm, dtype=torch_dtype, device=device)
     folder = Path(model)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").exists() else None
-    return engine_from_model(target, algorithm=algorithm, tokenizer=tokenizer, **limits)
+    return engine_from_model(
+        target, algorithm=algorithm, draft=head, spec=spec, tokenizer=tokenizer, **limits
+    )

@@ -10,9 +10,9 @@ import attrs
 
 from speculum.runtime import scheduler
 from speculum.runtime.default_model import default_model_dir
-from speculum.runtime.engine import Engine, build_engine
+from speculum.runtime.engine import Engine, SpecOptions, build_engine
 
-__all__ = ["Generation", "generate", "run_to_completion"]
+__all__ = ["Generation", "generate", "run_to_completion", "acceptance_stats"]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -48,6 +48,10 @@ def generate(
     model: str | Path | None = None,
     engine: Engine | None = None,
     algorithm: str = "plain",
+    draft: str | Path | None = None,
+    num_steps: int = 3,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -64,11 +68,17 @@ def generate(
 
     With neither ``model`` nor ``engine``, the bundled default model runs. All prompts are
     decoded together by the continuous-batching scheduler; each result is what that prompt
-    yields alone.
+    yields alone. Speculative algorithms take their draft from ``draft`` and the round's shape
+    from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included).
     """
     if engine is None:
         engine = build_engine(
-            model or default_model_dir(), algorithm=algorithm, device=device, dtype=dtype
+            model or default_model_dir(),
+            algorithm=algorithm,
+            draft=draft,
+            spec=SpecOptions(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens),
+            device=device,
+            dtype=dtype,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_prompt_ids(engine, p) for p in batch]
@@ -105,18 +115,34 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
 
 def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float) -> Generation:
     text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
-    rounds = request.num_rounds
-    # The first token comes out of prefill, not out of a decoding round.
-    decoded = len(request.output) - 1
     return Generation(
         token_ids=request.output,
         text=text,
         finish_reason=request.finish_reason or "length",
         stats={
             "num_forward_steps": request.num_forwards,
-            "num_rounds": rounds,
-            "accept_length_mean": decoded / rounds if rounds else 1.0,
             "tokens_per_second": tokens_per_second,
             "finish_reason": request.finish_reason or "length",
+            **acceptance_stats(request.round_lengths),
         },
     )
+
+
+def acceptance_stats(round_lengths: Sequence[int]) -> dict[str, float | int | list]:
+    """Acceptance metrics from a histogram of tokens emitted per decoding round.
+
+    ``accept_length_mean`` counts the bonus token (SGLang's convention; vLLM's "mean accepted
+    tokens" is one less); ``accept_rate_per_position[d]`` is the fraction of rounds whose draft
+    token at depth ``d + 1`` was accepted. Histograms of several requests add elementwise.
+    """
+    rounds = sum(round_lengths)
+    emitted = sum(k * n for k, n in enumerate(round_lengths))
+    depths = range(1, len(round_lengths) - 1)  # a round emitting k tokens accepted depths < k
+    return {
+        "num_rounds": rounds,
+        "accept_length_mean": emitted / rounds if rounds else 1.0,
+        "accept_length_histogram": list(round_lengths),
+        "accept_rate_per_position": [
+            sum(round_lengths[depth + 1 :]) / rounds if rounds else 0.0 for depth in depths
+        ],
+    }

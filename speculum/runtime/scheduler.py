@@ -61,7 +61,11 @@ class Sampling:
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Request:
-    """One request's host-side record: what it asked for and what it has so far."""
+    """One request's host-side record: what it asked for and what it has so far.
+
+    ``round_lengths[k]`` counts the decoding rounds that emitted ``k`` tokens (bonus included,
+    before any stop condition cut the round short): the acceptance-length histogram.
+    """
 
     rid: int
     prompt: tuple[int, ...]
@@ -73,8 +77,13 @@ class Request:
     pages: tuple[int, ...] = ()
     prefilled: int = 0
     num_forwards: int = 0
-    num_rounds: int = 0
+    round_lengths: tuple[int, ...] = ()
     finish_reason: str | None = None
+
+    @property
+    def num_rounds(self) -> int:
+        """Decoding rounds this request took part in."""
+        return sum(self.round_lengths)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -291,10 +300,13 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         seq_lens=torch.tensor([r.prefilled for r in chosen], dtype=torch.int64, device=device),
         page_size=engine.config.page_size,
     )
+    after = [r.prefilled + n for r, n in zip(chosen, sizes)]
+    next_tokens = [r.prompt[i] if i < len(r.prompt) else -1 for r, i in zip(chosen, after)]
     chunk = PrefillChunk(
         kv=kv,
         tokens=tokens.to(device),
         q_lens=torch.tensor(sizes, dtype=torch.int64, device=device),
+        next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=device),
         sampling=_to_device(_sampling_params(chosen), device),
     )
     return chunk, sizes
@@ -347,7 +359,9 @@ def _decode(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list
     outputs, running, finished = [], [], []
     for row, (request, tokens) in enumerate(zip(state.running, _emitted(output))):
         request = attrs.evolve(
-            request, num_forwards=request.num_forwards + 1, num_rounds=request.num_rounds + 1
+            request,
+            num_forwards=request.num_forwards + 1,
+            round_lengths=_count(request.round_lengths, len(tokens)),
         )
         request, kept = _extend(engine, request, tokens)
         outputs.append(_output(request, kept))
@@ -360,6 +374,11 @@ def _decode(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list
         state, running=tuple(r for _, r in running), batch=batch, allocator=allocator
     )
     return state, outputs
+
+
+def _count(histogram: tuple[int, ...], value: int) -> tuple[int, ...]:
+    padded = histogram + (0,) * (value + 1 - len(histogram))
+    return padded[:value] + (padded[value] + 1,) + padded[value + 1 :]
 
 
 def _output(request: Request, kept: tuple[int, ...]) -> RequestOutput:

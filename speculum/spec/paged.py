@@ -10,7 +10,15 @@ from speculum.state.forward import ForwardBatch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 from speculum.state.record import make
 
-__all__ = ["causal_mask", "cache_slots", "write_kv", "gather_kv", "extend_batch"]
+__all__ = [
+    "causal_mask",
+    "tail_batch",
+    "cache_slots",
+    "slots_at",
+    "write_kv",
+    "gather_kv",
+    "extend_batch",
+]
 
 
 def causal_mask(
@@ -32,6 +40,16 @@ def cache_slots(
     """
     q = valid.shape[1]
     index = start[:, None] + torch.arange(q, device=start.device)[None, :]
+    return slots_at(page_table, page_size, index, valid)
+
+
+def slots_at(
+    page_table: Int[Tensor, "batch max_pages"],
+    page_size: int,
+    index: Int[Tensor, "batch q"],
+    valid: Bool[Tensor, "batch q"],
+) -> Int[Tensor, "batch q"]:
+    """Flat pool slots of arbitrary cache indices; invalid entries map to the padding sink."""
     # Out-of-range columns fail the gather rather than wrap onto a live page.
     page = page_table.gather(1, torch.where(valid, index // page_size, 0))
     slots = page * page_size + index % page_size
@@ -71,14 +89,44 @@ def extend_batch(
     """
     batch, q = input_ids.shape
     offsets = torch.arange(q, device=input_ids.device)[None, :]
+    return tail_batch(
+        kv,
+        input_ids,
+        kv.seq_lens[:, None] + offsets,
+        causal_mask(batch, q, input_ids.device),
+        q_lens=q_lens,
+    )
+
+
+def tail_batch(
+    kv: PagedKV,
+    input_ids: Int[Tensor, "batch q"],
+    positions: Int[Tensor, "batch q"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    *,
+    tail_start: int = 0,
+    q_lens: Int[Tensor, " batch"] | None = None,
+) -> ForwardBatch:
+    """Forward inputs for queries written after the cached prefix, seeing it and a masked tail.
+
+    Query ``i`` is written at cache index ``seq_lens + tail_start + i`` and sits at rotary
+    position ``positions[b, i]``; it sees the prefix ``0 .. seq_lens - 1`` and the tail indices
+    ``seq_lens + j`` where ``new_mask[b, i, j]``. Tree verify uses ``tail_start = 0`` with the
+    tree mask and depth-based positions; step ``s`` of a ``topk``-wide multi-step draft uses
+    ``tail_start = (s - 1) * topk``. ``q_lens`` (default: all ``q``) marks padded rows.
+    """
+    batch, q = input_ids.shape
+    offsets = torch.arange(q, device=input_ids.device)[None, :]
+    if q_lens is None:
+        q_lens = torch.full((batch,), q, dtype=torch.int64, device=input_ids.device)
     valid = offsets < q_lens[:, None]
     return make(
         ForwardBatch,
         input_ids=torch.where(valid, input_ids, 0),
-        positions=kv.seq_lens[:, None] + offsets,
-        slots=cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid),
+        positions=positions,
+        slots=cache_slots(kv.page_table, kv.page_size, kv.seq_lens + tail_start, valid),
         page_table=kv.page_table,
         prefix_lens=kv.seq_lens,
         q_lens=q_lens,
-        new_mask=causal_mask(batch, q, input_ids.device),
+        new_mask=new_mask,
     )

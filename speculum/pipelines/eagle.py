@@ -1,0 +1,331 @@
+"""The EAGLE family: EAGLE, EAGLE-2 dynamic trees, EAGLE-3 and MTP/NEXTN, as one composition.
+
+One round, SGLang's sequence as pure stages over records:
+
+1. ``prepare_draft``: the first level of candidates, the top-k of the draft's last prediction
+   (carried from the previous round's draft-extend).
+2. ``draft``: ``num_steps - 1`` draft forwards, each expanding the ``topk`` best frontier
+   nodes by their ``topk`` most likely children (EAGLE-2).
+3. ``build_tree``: keep the ``num_draft_tokens - 1`` best candidates by cumulative draft
+   probability, under the root (the last verified token).
+4. ``verify``: one target forward over the tree under the tree mask.
+5. ``accept``: recursive rejection sampling (greedy is its one-hot special case).
+6. ``commit``: the accepted path's K/V moves to consecutive cache slots; the bonus token becomes
+   the next root. Rejected slots are dropped with the record that pointed at them.
+7. ``draft_extend``: the draft runs over the accepted tokens, paired with the target's hidden
+   states, so its cache and its next prediction are ready for the next round.
+
+The draft heads differ only in how they turn target features into their input hidden state and
+how they embed and predict (``speculum.models.draft``); the stages are shared. Draft position
+``i`` pairs the target's hidden state of token ``i`` with token ``i + 1`` and predicts token
+``i + 2``; the draft cache holds one entry per committed position, at the same page slots as
+the target's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.spec.accept import accept
+from speculum.spec.paged import cache_slots, extend_batch, slots_at, tail_batch
+from speculum.spec.sampling import filtered_probs, sample
+from speculum.spec.tree import build_tree, select_frontier, tree_mask, validate_tree_config
+from speculum.state.kv import PagedKV
+from speculum.state.record import make, record, replace, static
+from speculum.state.sampling import SamplingParams
+from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree
+
+__all__ = [
+    "EagleConfig",
+    "EagleState",
+    "DraftPrediction",
+    "Verified",
+    "prefill",
+    "prepare_draft",
+    "draft",
+    "verify",
+    "commit",
+    "draft_extend",
+    "decode",
+    "pipeline",
+]
+
+
+@record
+class EagleConfig:
+    """Static shape of a round: draft depth, branching and tree size."""
+
+    num_steps: int = static()
+    topk: int = static()
+    num_draft_tokens: int = static()
+
+
+@record
+class DraftPrediction:
+    """The draft's prediction at a request's last committed position.
+
+    ``hidden`` is the draft's output there (the input hidden of the first draft step);
+    ``top_probs`` / ``top_tokens`` are its ``topk`` most likely next tokens.
+    """
+
+    hidden: Float[Tensor, "batch hidden"]
+    top_probs: Float[Tensor, "batch topk"]
+    top_tokens: Int[Tensor, "batch topk"]
+
+
+@record
+class EagleState:
+    """Batch state between rounds.
+
+    ``kv.seq_lens`` counts the tokens whose K/V are in both caches; ``root_tokens`` is the last
+    verified token (emitted, not yet in the caches), the root of the next tree.
+    """
+
+    kv: PagedKV
+    root_tokens: Int[Tensor, " batch"]
+    prediction: DraftPrediction
+    sampling: SamplingParams
+
+
+@record
+class Verified:
+    """The target's view of a tree: its features at every node and its acceptance decision."""
+
+    accepted: AcceptResult
+    final_hidden: Float[Tensor, "batch num_nodes hidden"]
+    captured: tuple[Float[Tensor, "batch num_nodes hidden"], ...]
+
+
+def _predict(resources: Resources, hidden: Tensor, topk: int) -> DraftPrediction:
+    """Top-k of the draft's next-token distribution at ``hidden`` ([batch, hidden])."""
+    probs = torch.softmax(resources.draft.logits(hidden), dim=-1)
+    top = probs.topk(topk, dim=-1)
+    return make(DraftPrediction, hidden=hidden, top_probs=top.values, top_tokens=top.indices)
+
+
+def _last_valid(x: Tensor, lengths: Int[Tensor, " batch"]) -> Tensor:
+    """``x[b, lengths[b] - 1]`` for each row (rows of length 0 read index 0)."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    return x[rows, (lengths - 1).clamp(min=0)]
+
+
+def _draft_extend_core(
+    resources: Resources,
+    kv: PagedKV,
+    tokens: Int[Tensor, "batch q"],
+    q_lens: Int[Tensor, " batch"],
+    target_hidden: Float[Tensor, "batch q hidden"],
+    captured: tuple[Tensor, ...],
+    topk: int,
+) -> DraftPrediction:
+    """Run the draft over positions ``seq_lens + i`` pairing target features with ``tokens``."""
+    hidden_in = resources.draft.target_features(target_hidden, captured)
+    batch = extend_batch(kv, tokens, q_lens)
+    hidden_out = resources.draft(batch, resources.draft_pool, hidden_in)
+    return _predict(resources, _last_valid(hidden_out, q_lens), topk)
+
+
+def prefill(
+    resources: Resources, chunk: PrefillChunk, *, config: EagleConfig
+) -> tuple[EagleState, StepOutput]:
+    """Target prefill of a prompt chunk, then the draft over the same positions.
+
+    Draft position ``i`` pairs the target's hidden state of prompt token ``i`` with token
+    ``i + 1``: the chunk's own next token, the prompt token after the chunk, or, for the chunk
+    that ends the prompt, the first generated token.
+    """
+    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
+    capture = resources.draft.capture_layers
+    hidden, captured = resources.target(batch, resources.target_pool, capture)
+    seq_lens = chunk.kv.seq_lens + chunk.q_lens
+    first = sample(
+        resources.target.logits(_last_valid(hidden, chunk.q_lens)), chunk.sampling, seq_lens
+    )
+    following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
+    shifted = torch.roll(chunk.tokens, -1, dims=1)
+    last = (chunk.q_lens - 1).clamp(min=0)
+    shifted = shifted.scatter(1, last[:, None], following[:, None])
+    prediction = _draft_extend_core(
+        resources, chunk.kv, shifted, chunk.q_lens, hidden, captured, config.topk
+    )
+    state = make(
+        EagleState,
+        kv=replace(chunk.kv, seq_lens=seq_lens),
+        root_tokens=first,
+        prediction=prediction,
+        sampling=chunk.sampling,
+    )
+    return state, make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
+
+
+def prepare_draft(state: EagleState) -> DraftCandidates:
+    """The first level of draft candidates: children of the root, from the carried prediction."""
+    pred = state.prediction
+    return make(
+        DraftCandidates,
+        tokens=pred.top_tokens,
+        parents=torch.full_like(pred.top_tokens, -1),
+        scores=pred.top_probs,
+    )
+
+
+def draft(resources: Resources, state: EagleState, config: EagleConfig) -> DraftCandidates:
+    """EAGLE-2 multi-step drafting: ``num_steps`` levels of candidates in level order.
+
+    Step ``s`` (1-based) forwards the ``topk`` frontier nodes at depth ``s`` (rotary position
+    ``seq_lens + s - 1``), writing their draft K/V after the committed prefix at tail slots
+    ``(s - 1) * topk + j``; each sees the prefix and its own ancestors. Each frontier node
+    proposes its ``topk`` likeliest children; the ``topk`` best of those by cumulative
+    probability form the next frontier. Scores multiply along the path.
+    """
+    k, kv = config.topk, state.kv
+    level = prepare_draft(state)
+    tokens, parents, scores = [level.tokens], [level.parents], [level.scores]
+    frontier_ids = torch.arange(k, device=kv.seq_lens.device).expand_as(level.tokens)
+    frontier_tokens, frontier_scores = level.tokens, level.scores
+    frontier_hidden = state.prediction.hidden[:, None, :].expand(-1, k, -1)
+    rows, device = kv.seq_lens.shape[0], kv.seq_lens.device
+    ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)
+    itself = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
+    offset = k  # candidate index of the next level's first entry
+    for step in range(1, config.num_steps):
+        mask = torch.cat([ancestors, itself], dim=2)
+        positions = (kv.seq_lens + step - 1)[:, None].expand(-1, k)
+        batch = tail_batch(kv, frontier_tokens, positions, mask, tail_start=(step - 1) * k)
+        hidden = resources.draft(batch, resources.draft_pool, frontier_hidden)
+        probs = torch.softmax(resources.draft.logits(hidden), dim=-1)
+        top = probs.topk(k, dim=-1)  # [batch, k (frontier), k (children)]
+        child_scores = (frontier_scores[:, :, None] * top.values).flatten(1)
+        child_tokens = top.indices.flatten(1)
+        child_parents = frontier_ids.repeat_interleave(k, dim=1)
+        tokens.append(child_tokens)
+        parents.append(child_parents)
+        scores.append(child_scores)
+        chosen = select_frontier(child_scores, k)  # [batch, k] indices into the k*k children
+        owner = chosen // k  # which frontier node each new frontier node descends from
+        frontier_tokens = child_tokens.gather(1, chosen)
+        frontier_scores = child_scores.gather(1, chosen)
+        frontier_ids = offset + chosen
+        frontier_hidden = hidden.gather(1, owner[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        ancestors = mask.gather(1, owner[:, :, None].expand(-1, -1, mask.shape[2]))
+        offset += k * k
+    return make(
+        DraftCandidates,
+        tokens=torch.cat(tokens, dim=1),
+        parents=torch.cat(parents, dim=1),
+        scores=torch.cat(scores, dim=1),
+    )
+
+
+def verify(
+    resources: Resources, state: EagleState, tree: DraftTree, config: EagleConfig
+) -> Verified:
+    """One target forward over the tree, then acceptance.
+
+    Node ``i`` is written at cache index ``seq_lens + i`` and sits at rotary position
+    ``seq_lens + depth``; it sees the prefix and its ancestors. The target's filtered
+    distribution after each node decides acceptance; the drafts were chosen deterministically
+    (top-k), so the verifier's draft distribution is the one-hot of each draft token.
+    """
+    positions = state.kv.seq_lens[:, None] + tree.depths
+    batch = tail_batch(state.kv, tree.tokens, positions, tree_mask(tree))
+    capture = resources.draft.capture_layers
+    hidden, captured = resources.target(batch, resources.target_pool, capture)
+    target_probs = filtered_probs(resources.target.logits(hidden), state.sampling)
+    accepted = accept(tree, target_probs, state.sampling.seed, state.kv.seq_lens, config.num_steps)
+    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
+
+
+def _gather_nodes(
+    x: Float[Tensor, "batch num_nodes hidden"], nodes: Int[Tensor, "batch n"]
+) -> Float[Tensor, "batch n hidden"]:
+    return x.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+def commit(resources: Resources, state: EagleState, accepted: AcceptResult) -> PagedKV:
+    """Move the accepted path's target K/V to consecutive cache slots and extend the sequence.
+
+    The root is already at ``seq_lens``; the node at depth ``d`` of the path moves from cache
+    index ``seq_lens + path[d]`` to ``seq_lens + d``. All sources are read before any
+    destination is written (a destination can be another node's source). The pool is written
+    in place by contract; the returned record counts the root and the accepted nodes.
+    """
+    kv = state.kv
+    valid: Bool[Tensor, "batch n"] = accepted.path >= 0
+    path_index = kv.seq_lens[:, None] + accepted.path.clamp(min=0)
+    source = slots_at(kv.page_table, kv.page_size, path_index, valid).reshape(-1)
+    target = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid).reshape(-1)
+    for cache in (resources.target_pool.k, resources.target_pool.v):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, target] = flat[:, source]  # the right side is a copy: reads precede writes
+    return replace(kv, seq_lens=kv.seq_lens + accepted.num_accepted + 1)
+
+
+def draft_extend(
+    resources: Resources,
+    state: EagleState,
+    verified: Verified,
+    config: EagleConfig,
+) -> DraftPrediction:
+    """The draft catches up on the accepted tokens.
+
+    Position ``seq_lens + d`` (``d = 0 ..`` number accepted) pairs the target's hidden state at
+    path node ``d`` with emitted token ``d`` (the accepted draft token after it, then the bonus
+    token), overwriting the speculative draft entries written there while drafting.
+    """
+    acc = verified.accepted
+    hidden = _gather_nodes(verified.final_hidden, acc.path)
+    captured = tuple(_gather_nodes(c, acc.path) for c in verified.captured)
+    return _draft_extend_core(
+        resources,
+        state.kv,
+        acc.emitted.clamp(min=0),
+        acc.num_accepted + 1,
+        hidden,
+        captured,
+        config.topk,
+    )
+
+
+def decode(
+    resources: Resources, state: EagleState, *, config: EagleConfig
+) -> tuple[EagleState, StepOutput]:
+    """One speculative round: draft, build the tree, verify, accept, commit, draft-extend."""
+    candidates = draft(resources, state, config)
+    tree = build_tree(candidates, state.root_tokens, config.num_draft_tokens)
+    verified = verify(resources, state, tree, config)
+    acc = verified.accepted
+    prediction = draft_extend(resources, state, verified, config)
+    kv = commit(resources, state, acc)
+    bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
+    new_state = replace(state, kv=kv, root_tokens=bonus, prediction=prediction)
+    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+
+
+def pipeline(
+    *, num_steps: int = 3, topk: int = 1, num_draft_tokens: int | None = None, vocab_size: int
+) -> Pipeline:
+    """The EAGLE pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP).
+
+    ``num_draft_tokens`` counts tree nodes including the root; it defaults to
+    ``num_steps + 1`` for chains (``topk == 1``) and must be given for trees.
+    """
+    if num_draft_tokens is None:
+        if topk != 1:
+            raise ValueError("num_draft_tokens is required when topk > 1 (a tree's size)")
+        num_draft_tokens = num_steps + 1
+    validate_tree_config(num_steps, topk, num_draft_tokens, vocab_size)
+    config = EagleConfig(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    lookahead = max(num_draft_tokens, (num_steps - 1) * topk, num_steps + 1)
+    return Pipeline(
+        name="eagle",
+        prefill=functools.partial(prefill, config=config),
+        decode=functools.partial(decode, config=config),
+        max_tokens_per_step=num_steps + 1,
+        kv_lookahead=lookahead,
+    )
