@@ -134,7 +134,9 @@ def _check_accept(
     parent_depth = tree.depths.gather(1, tree.parents.clamp(min=0))
     # The last rank + 1 of any child is the most children a node has.
     most_children = (
-        (sibling_ranks(tree.parents)[:, 1:] + 1).amax(-1) if n > 1 else torch.zeros(batch)
+        (sibling_ranks(tree.parents)[:, 1:] + 1).amax(-1)
+        if n > 1
+        else torch.zeros(batch, dtype=torch.int64, device=tree.parents.device)
     )
     flags = [
         (tree.parents[:, 0] != -1) | (tree.depths[:, 0] != 0),

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import speculum.spec.accept as accept_module
 from speculum.spec.accept import accept
 from speculum.spec.sampling import Stream, filtered_probs, sample_from_probs, uniforms
-from speculum.spec.tree import build_tree, select_frontier
+from speculum.spec.tree import build_tree, children, select_frontier, tree_mask
 from speculum.state.record import make
 from speculum.state.sampling import SamplingParams
 from speculum.state.tree import DraftCandidates, DraftTree
@@ -129,7 +129,6 @@ def test_greedy_from_filtered_probs_of_logits():
     parents = [[-1, 0, 0, 1, 1, 2, 3]] * batch
     tokens = torch.randint(0, vocab, (batch, n), generator=gen)
     logits = torch.randn(batch, n, vocab, generator=gen)
-    # Make the argmax agree with a random child half the time, so walks of every length occur.
     tree = as_tree(tokens.tolist(), parents)
     params = SamplingParams(
         temperature=torch.zeros(batch),
@@ -138,6 +137,7 @@ def test_greedy_from_filtered_probs_of_logits():
         min_p=torch.zeros(batch),
         seed=torch.arange(batch, dtype=torch.int64),
     )
+    # Make the argmax agree with a random child 60% of the time, so walks of every length occur.
     for i, kids in enumerate([[1, 2], [3, 4], [5], [6], [], [], []]):
         if kids:
             pick = torch.tensor(kids)[torch.randint(0, len(kids), (batch,), generator=gen)]
@@ -171,7 +171,7 @@ def test_mock_target_agreeing_with_first_child_accepts_the_chain(tree_and_depth,
     tree, max_depth = tree_and_depth
     batch, n = tree.tokens.shape
     vocab = 5
-    kids = accept_module.children(tree, max(n - 1, 1))[..., 0]
+    kids = children(tree, max(n - 1, 1))[..., 0]
     first_token = tree.tokens.gather(1, kids.clamp(min=0))
     argmax = torch.where(kids >= 0, first_token, 0)
     target = torch.nn.functional.one_hot(argmax, vocab).float()
@@ -202,16 +202,27 @@ def test_mock_target_that_never_agrees_emits_only_the_bonus(tree_and_depth, samp
 
 @settings(max_examples=40)
 @given(random_trees(vocab=4), st.integers(0, 2**62))
-def test_rows_are_independent_and_bounds_do_not_matter(tree_and_depth, salt):
-    """A row's result depends only on its own inputs; larger bounds only add padding."""
+def test_sampled_results_are_paths_rows_are_independent_bounds_do_not_matter(tree_and_depth, salt):
+    """Sampled acceptance follows tree edges and emits in-support tokens; a row's result depends
+    only on its own inputs; larger bounds only add padding."""
     tree, max_depth = tree_and_depth
     batch, n = tree.tokens.shape
     gen = torch.Generator().manual_seed(salt % 1000)
-    target = torch.rand(batch, n, 4, generator=gen) ** 3
+    target = torch.rand(batch, n, 4, generator=gen) ** 3 * (
+        torch.rand(batch, n, 4, generator=gen) < 0.7
+    )
+    target[..., 0] += 0.01  # every row keeps some mass
     seed, positions = seeds_and_positions(batch, salt)
     full = accept(tree, target, seed, positions, max_depth)
+    for b in range(batch):
+        num = int(full.num_accepted[b])
+        path, emitted = full.path[b].tolist(), full.emitted[b].tolist()
+        for j in range(num):
+            assert int(tree.parents[b, path[j + 1]]) == path[j]
+            assert emitted[j] == int(tree.tokens[b, path[j + 1]])
+        assert target[b, path[num], emitted[num]] > 0
     wide = accept(tree, target, seed, positions, max_depth + 2, max_children=n + 3)
-    tight = int(accept_module.children(tree, max(n, 1)).ge(0).sum(-1).max())
+    tight = int(children(tree, max(n, 1)).ge(0).sum(-1).max())
     narrow = accept(tree, target, seed, positions, max_depth, max_children=max(tight, 1))
     assert torch.equal(wide.path[:, : max_depth + 1], full.path)
     assert torch.equal(wide.emitted[:, : max_depth + 1], full.emitted)
@@ -574,3 +585,33 @@ def test_draft_probs_on_a_pruned_sampled_tree_fail_the_check():
     propose = pruned_sampled_tree_round(markov(DRAFT_LOGITS), (2, 2, 2), 5, pass_probs=True)
     stats = joint_stats(decode(propose, target, 3, SAMPLES, first=FIRST), target, FIRST)
     assert stats["chi2"] > 3 * stats["threshold"], stats
+
+
+# ---------------------------------------------------------------- traceability
+
+
+def test_tree_and_accept_trace_with_fullgraph():
+    """build_tree, tree_mask, children and accept compile without graph breaks, same results."""
+    gen = torch.Generator().manual_seed(3)
+    batch, vocab = 3, 7
+    cands = make(
+        DraftCandidates,
+        tokens=torch.randint(0, vocab, (batch, 6), generator=gen),
+        parents=torch.tensor([[-1, -1, 0, 0, 1, 1]] * batch),
+        scores=torch.tensor([[0.5, 0.4, 0.3, 0.1, 0.2, 0.1]] * batch),
+    )
+    target = torch.softmax(torch.randn(batch, 5, vocab, generator=gen), -1)
+    draft = torch.softmax(torch.randn(batch, 5, vocab, generator=gen), -1)
+    seed, positions = seeds_and_positions(batch)
+
+    def round_(cands, root, target, draft):
+        tree = build_tree(cands, root, 5)
+        sampled = accept(tree, target, seed, positions, 3, draft, max_children=2)
+        greedy = accept(tree, target, seed, positions, 3, max_children=2)
+        return tree_mask(tree), children(tree, 2), sampled, greedy
+
+    root = torch.tensor([1, 2, 3])
+    want = round_(cands, root, target, draft)
+    got = torch.compile(round_, fullgraph=True, backend="eager")(cands, root, target, draft)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(a, b)
