@@ -237,7 +237,14 @@ def verify(
     capture = resources.draft.capture_layers
     hidden, captured = resources.target(batch, resources.target_pool, capture)
     target_probs = filtered_probs(resources.target.logits(hidden), state.sampling)
-    accepted = accept(tree, target_probs, state.sampling.seed, state.kv.seq_lens, config.num_steps)
+    accepted = accept(
+        tree,
+        target_probs,
+        state.sampling.seed,
+        state.kv.seq_lens,
+        config.num_steps,
+        max_children=config.topk,
+    )
     return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
 
 

@@ -32,7 +32,8 @@ class DraftTree:
 
     The root holds the last verified token (the previous round's bonus token), whose K/V is not
     yet in the target cache; nodes ``1 ..`` are draft tokens in level order, so every node's
-    parent has a smaller index and siblings carry distinct tokens. ``depths[b, 0] == 0``;
+    parent has a smaller index (EAGLE-2 top-k trees also have distinct sibling tokens; accept does
+    not require it, sampled trees may repeat one). ``depths[b, 0] == 0``;
     ``parents[b, 0] == -1``.
     """
 
@@ -47,8 +48,9 @@ class AcceptResult:
 
     ``path[b, :num_accepted[b] + 1]`` are the node indices of the root and the accepted draft
     nodes, root first; ``emitted[b, :num_accepted[b] + 1]`` are the accepted draft tokens then
-    the bonus token. Unused entries are -1. ``num_accepted + 1`` tokens are emitted per round
-    (the acceptance length, bonus included).
+    the bonus token. Unused entries are -1; ``max_emit == max_depth + 1``. ``num_accepted``
+    excludes the bonus: ``num_accepted + 1`` tokens are emitted per round (the acceptance length,
+    bonus included).
     """
 
     path: Int[Tensor, "batch max_emit"]
