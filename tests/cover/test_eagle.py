@@ -186,9 +186,12 @@ def test_agreeing_heads_are_accepted_several_tokens_deep(heads):
         assert all(r.stats["accept_length_mean"] > 2.0 for r in results)
 
 
-def plain_greedy(prompts, max_new_tokens, **limits):
+def plain_greedy(prompts, max_new_tokens, stop_token_ids=(), **limits):
     engine = engine_from_model(TARGET, **limits)
-    return [r.token_ids for r in generate(prompts, engine=engine, max_new_tokens=max_new_tokens)]
+    results = generate(
+        prompts, engine=engine, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+    )
+    return [r.token_ids for r in results]
 
 
 round_shapes = st.integers(1, 6).flatmap(
@@ -210,12 +213,15 @@ round_shapes = st.integers(1, 6).flatmap(
         st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=8
     ),
     max_new_tokens=st.integers(1, 12),
+    stop_token_ids=st.sets(st.integers(0, VOCAB - 1), max_size=2).map(tuple),
     page_size=st.sampled_from([1, 4]),
     prefill_budget=st.sampled_from([5, 64]),
 )
 def test_greedy_speculative_decoding_equals_plain(
-    heads, algorithm, shape, prompts, max_new_tokens, page_size, prefill_budget
+    heads, algorithm, shape, prompts, max_new_tokens, stop_token_ids, page_size, prefill_budget
 ):
+    """Token for token, for every head, round shape, batch, page size, chunking, and stop
+    tokens or token limits that fire in the middle of a round."""
     num_steps, topk, num_draft_tokens = shape
     limits = {"page_size": page_size, "max_context": 48, "prefill_budget": prefill_budget}
     engine = engine_from_model(
@@ -225,8 +231,11 @@ def test_greedy_speculative_decoding_equals_plain(
         spec=SpecOptions(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens),
         **limits,
     )
-    results = generate(prompts, engine=engine, max_new_tokens=max_new_tokens)
-    assert [r.token_ids for r in results] == plain_greedy(prompts, max_new_tokens, **limits)
+    results = generate(
+        prompts, engine=engine, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+    )
+    expected = plain_greedy(prompts, max_new_tokens, stop_token_ids, **limits)
+    assert [r.token_ids for r in results] == expected
 
 
 def test_commit_leaves_the_target_cache_as_plain_prefill_would(heads):
