@@ -49,6 +49,7 @@ from speculum.models.decoder import (
     RMSNorm,
     rope_inv_freq,
 )
+from speculum.models.loading import randomize_
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 
@@ -513,16 +514,7 @@ def random_draft(
     """A head with normal(0, std) weights, unit norms and zero biases, in the target's dtype
     and on its device (EAGLE-3: draft id ``i`` is target id ``i``)."""
     config = draft_config(target.config, algorithm, **changes)
-    generator = torch.Generator().manual_seed(seed)
-    head = build_draft(config, target)
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=generator)
+    head = randomize_(build_draft(config, target), seed=seed, std=std)
     weight = target.model.embed_tokens.weight
     head = head.to(device=weight.device, dtype=weight.dtype)
     head.reset_buffers()

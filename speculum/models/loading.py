@@ -28,6 +28,7 @@ __all__ = [
     "check_keys",
     "save_model",
     "random_model",
+    "randomize_",
     "DTYPES",
 ]
 
@@ -153,16 +154,20 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
     return folder
 
 
-def random_model(config: DecoderConfig, *, seed: int = 0, std: float = 0.02) -> DecoderModel:
-    """A float32 decoder with normal(0, std) weights, unit norms and zero biases."""
+def randomize_(module: torch.nn.Module, *, seed: int, std: float) -> torch.nn.Module:
+    """Fill ``module`` in place with normal(0, std) weights, unit norms and zero biases."""
     generator = torch.Generator().manual_seed(seed)
-    model = DecoderModel(config)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in module.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=generator)
-    return model.eval().requires_grad_(False)
+    return module.eval().requires_grad_(False)
+
+
+def random_model(config: DecoderConfig, *, seed: int = 0, std: float = 0.02) -> DecoderModel:
+    """A float32 decoder with normal(0, std) weights, unit norms and zero biases."""
+    return randomize_(DecoderModel(config), seed=seed, std=std)

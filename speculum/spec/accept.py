@@ -51,6 +51,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from speculum.spec.checks import raise_for_rows
 from speculum.spec.sampling import Stream, sample_from_probs, uniforms
 from speculum.spec.tree import children, sibling_ranks
 from speculum.state.record import make
@@ -168,14 +169,7 @@ def _check_accept(
             "probability 0 under its own draft_probs row (it cannot have been drawn from it: "
             "hand over exactly the filtered distribution each token was sampled from)"
         )
-    rows = torch.stack(flags).tolist()
-    found = [
-        f"{what} in batch rows {[b for b, bad in enumerate(row) if bad]}"
-        for what, row in zip(problems, rows)
-        if any(row)
-    ]
-    if found:
-        raise ValueError("accept: invalid inputs: " + "; ".join(found))
+    raise_for_rows("accept: invalid inputs", problems, flags)
 
 
 def accept(

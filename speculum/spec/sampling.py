@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from speculum.spec.checks import raise_for_rows
 from speculum.state.sampling import SamplingParams
 
 __all__ = ["Stream", "uniforms", "filtered_probs", "sample", "sample_from_probs"]
@@ -125,10 +126,6 @@ def uniforms(
     return ((h >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS
 
 
-def _rows_where(flags: list[bool]) -> list[int]:
-    return [i for i, bad in enumerate(flags) if bad]
-
-
 def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams) -> None:
     """Eager-side validation of logits and sampling parameters; compiled code skips it.
 
@@ -146,17 +143,15 @@ def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingPa
             )
     x = logits.reshape(batch, -1, logits.shape[-1])
     t, k, p, m = params.temperature, params.top_k, params.top_p, params.min_p
-    flags = torch.stack(
-        [
-            x.isnan().flatten(1).any(1),
-            x.isposinf().flatten(1).any(1),
-            (x == float("-inf")).all(-1).any(-1),
-            ~(t >= 0) | ~t.isfinite(),
-            k < 0,
-            ~((p > 0) & (p <= 1)),
-            ~((m >= 0) & (m <= 1)),
-        ]
-    ).tolist()
+    flags = [
+        x.isnan().flatten(1).any(1),
+        x.isposinf().flatten(1).any(1),
+        (x == float("-inf")).all(-1).any(-1),
+        ~(t >= 0) | ~t.isfinite(),
+        k < 0,
+        ~((p > 0) & (p <= 1)),
+        ~((m >= 0) & (m <= 1)),
+    ]
     problems = [
         "logits contain NaN",
         "logits contain +inf",
@@ -166,18 +161,12 @@ def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingPa
         "top_p is outside (0, 1] (1 switches it off)",
         "min_p is outside [0, 1] (0 switches it off)",
     ]
-    found = [
-        f"{what} in batch rows {_rows_where(row)}"
-        for what, row in zip(problems, flags, strict=True)
-        if any(row)
-    ]
-    if found:
-        raise ValueError(
-            "cannot sample: "
-            + "; ".join(found)
-            + ". Non-finite logits come from the model or a mask upstream; sampling them would "
-            "silently produce a token, so it is refused."
-        )
+    raise_for_rows(
+        "cannot sample (non-finite logits come from the model or a mask upstream; sampling them "
+        "would silently produce a token, so it is refused)",
+        problems,
+        flags,
+    )
 
 
 def _per_request(values: Tensor, ndim: int) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from speculum.spec.checks import raise_for_rows
 from speculum.state.record import make
 from speculum.state.tree import DraftCandidates, DraftTree
 
@@ -207,26 +208,18 @@ def _check_candidates(
     index = torch.arange(num_cand, device=candidates.parents.device)
     parents, scores = candidates.parents, candidates.scores
     parent_score = scores.gather(1, parents.clamp(min=0))
-    flags = torch.stack(
-        [
-            ((parents < -1) | (parents >= index)).any(-1),
-            ~scores.isfinite().all(-1),
-            ((parents >= 0) & (scores > parent_score)).any(-1),
-        ]
-    ).tolist()
+    flags = [
+        ((parents < -1) | (parents >= index)).any(-1),
+        ~scores.isfinite().all(-1),
+        ((parents >= 0) & (scores > parent_score)).any(-1),
+    ]
     problems = [
         "a parent index that is not -1 or smaller than the candidate's own index",
         "a score that is NaN or infinite",
         "a candidate scored above its parent (scores must be cumulative path probabilities, "
         "or the kept set would not be closed under parents)",
     ]
-    found = [
-        f"{what} in batch rows {[b for b, bad in enumerate(row) if bad]}"
-        for what, row in zip(problems, flags)
-        if any(row)
-    ]
-    if found:
-        raise ValueError("build_tree: invalid draft candidates: " + "; ".join(found))
+    raise_for_rows("build_tree: invalid draft candidates", problems, flags)
 
 
 def build_tree(

@@ -15,13 +15,12 @@ check has the power to see the bugs it is there for.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stats import chi2_stat, chi2_threshold, tv_bound
 
 import speculum.spec.accept as accept_module
 from speculum.spec.accept import accept
@@ -386,12 +385,6 @@ def decode(propose, target, max_depth, num_samples, first=0, num_tokens=3, salt=
     return out[:, :num_tokens]
 
 
-def chi2_threshold(dof: int, z: float = 6.0) -> float:
-    """Wilson-Hilferty chi-square quantile at ``z`` standard deviations (z = 6: tail ~1e-9)."""
-    c = 2.0 / (9.0 * dof)
-    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
-
-
 def joint_stats(tokens: torch.Tensor, target: torch.Tensor, first: int) -> dict:
     """Chi-square and total variation of the emitted token tuples against the chain's law."""
     n, k = tokens.shape
@@ -404,21 +397,14 @@ def joint_stats(tokens: torch.Tensor, target: torch.Tensor, first: int) -> dict:
     for j in range(k):
         code = code * VOCAB + tokens[:, j].numpy()
     counts = np.bincount(code, minlength=VOCAB**k).astype(np.float64)
-    expected = n * joint
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
+    stat, dof = chi2_stat(counts, n * joint)
     tv = 0.5 * np.abs(counts / n - joint).sum()
-    tv_bound = 0.5 * np.sqrt(joint * (1 - joint) / n).sum() + math.sqrt(math.log(1e9) / (2 * n))
     return dict(
         off_support=float(counts[joint == 0].sum()),
         chi2=stat,
-        threshold=chi2_threshold(dof),
+        threshold=chi2_threshold(dof, z=6.0),
         tv=float(tv),
-        tv_bound=float(tv_bound),
+        tv_bound=tv_bound(joint, n, false_alarm=1e-9),
     )
 
 

@@ -6,12 +6,12 @@ import attrs
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from conftest import tiny_config
 from hypothesis import given
 from hypothesis import strategies as st
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.models.config import DecoderConfig
 from speculum.models.loading import random_model
 from speculum.pipelines import plain
 from speculum.pipelines.base import Resources
@@ -129,26 +129,10 @@ def test_make_builds_inside_compiled_code():
     )
 
 
-def _tiny_config() -> DecoderConfig:
-    from speculum.runtime.default_model import TINY_CONFIG
-
-    return attrs.evolve(
-        TINY_CONFIG,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        eos_token_ids=(),
-    )
-
-
 def test_plain_decode_stage_compiles_fullgraph_and_matches_eager():
     """A whole stage over records (model forward, KV write, sampling, record updates) traces
     into one graph and computes exactly what the eager stage computes."""
-    model = random_model(_tiny_config(), seed=1, std=0.2)
+    model = random_model(tiny_config(), seed=1, std=0.2)
     alloc = new_allocator(16)
     alloc, pages = allocate(alloc, 4)
     state = plain.PlainState(

@@ -15,40 +15,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stats import assert_matches_distribution, chi2_stat, chi2_threshold
 
 from speculum.spec.sampling import Stream, filtered_probs, sample, uniforms
 from speculum.state.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-
-def chi2_threshold(dof: int, z: float = 7.0) -> float:
-    """Wilson-Hilferty chi-square quantile at ``z`` standard deviations (z = 7: tail ~1e-12)."""
-    c = 2.0 / (9.0 * dof)
-    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
-
-
-def chi2_stat(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
-    """Pearson statistic and degrees of freedom, pooling cells expected below 5 into one."""
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    return float(((obs - exp) ** 2 / exp).sum()), int(keep.sum()) - 1
-
-
-def assert_matches_distribution(tokens: np.ndarray, p: np.ndarray) -> None:
-    """Tokens drawn i.i.d. from ``p``: no mass off the support, chi-square and TV within bounds."""
-    n = len(tokens)
-    counts = np.bincount(tokens, minlength=len(p)).astype(np.float64)
-    assert counts[p == 0].sum() == 0, "drew zero-probability tokens"
-    stat, dof = chi2_stat(counts, n * p)
-    if dof > 0:
-        assert stat < chi2_threshold(dof), f"chi2={stat:.1f} dof={dof}"
-    tv = 0.5 * np.abs(counts / n - p).sum()
-    bound = 0.5 * np.sqrt(p * (1 - p) / n).sum() + math.sqrt(math.log(1e12) / (2 * n))
-    assert tv < bound, f"TV {tv:.5f} >= {bound:.5f}"
 
 
 def make_params(batch: int, temperature, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> SamplingParams:
