@@ -27,18 +27,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
-from speculum.spec.accept import accept
-from speculum.spec.paged import cache_slots, extend_batch, slots_at, tail_batch
-from speculum.spec.sampling import filtered_probs, sample
-from speculum.spec.tree import build_tree, select_frontier, tree_mask, validate_tree_config
+from speculum.spec.paged import extend_batch, tail_batch
+from speculum.spec.sampling import sample
+from speculum.spec.tree import build_tree, select_frontier, validate_tree_config
+from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace, static
 from speculum.state.sampling import SamplingParams
-from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree
+from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree, Verified
 
 __all__ = [
     "EagleConfig",
@@ -90,15 +90,6 @@ class EagleState:
     root_tokens: Int[Tensor, " batch"]
     prediction: DraftPrediction
     sampling: SamplingParams
-
-
-@record
-class Verified:
-    """The target's view of a tree: its features at every node and its acceptance decision."""
-
-    accepted: AcceptResult
-    final_hidden: Float[Tensor, "batch num_nodes hidden"]
-    captured: tuple[Float[Tensor, "batch num_nodes hidden"], ...]
 
 
 def _predict(resources: Resources, hidden: Tensor, topk: int) -> DraftPrediction:
@@ -225,27 +216,19 @@ def draft(resources: Resources, state: EagleState, config: EagleConfig) -> Draft
 def verify(
     resources: Resources, state: EagleState, tree: DraftTree, config: EagleConfig
 ) -> Verified:
-    """One target forward over the tree, then acceptance.
-
-    Node ``i`` is written at cache index ``seq_lens + i`` and sits at rotary position
-    ``seq_lens + depth``; it sees the prefix and its ancestors. The target's filtered
-    distribution after each node decides acceptance; the drafts were chosen deterministically
-    (top-k), so the verifier's draft distribution is the one-hot of each draft token.
-    """
-    positions = state.kv.seq_lens[:, None] + tree.depths
-    batch = tail_batch(state.kv, tree.tokens, positions, tree_mask(tree))
-    capture = resources.draft.capture_layers
-    hidden, captured = resources.target(batch, resources.target_pool, capture)
-    target_probs = filtered_probs(resources.target.logits(hidden), state.sampling)
-    accepted = accept(
+    """One target forward over the tree (capturing what the draft head consumes), then
+    acceptance; the drafts were chosen by top-k, so the verifier's draft distribution is the
+    one-hot of each draft token."""
+    return verify_tree(
+        resources.target,
+        resources.target_pool,
+        state.kv,
         tree,
-        target_probs,
-        state.sampling.seed,
-        state.kv.seq_lens,
-        config.num_steps,
+        state.sampling,
+        max_depth=config.num_steps,
         max_children=config.topk,
+        capture_layers=resources.draft.capture_layers,
     )
-    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
 
 
 def _gather_nodes(
@@ -255,22 +238,9 @@ def _gather_nodes(
 
 
 def commit(resources: Resources, state: EagleState, accepted: AcceptResult) -> PagedKV:
-    """Move the accepted path's target K/V to consecutive cache slots and extend the sequence.
-
-    The root is already at ``seq_lens``; the node at depth ``d`` of the path moves from cache
-    index ``seq_lens + path[d]`` to ``seq_lens + d``. All sources are read before any
-    destination is written (a destination can be another node's source). The pool is written
-    in place by contract; the returned record counts the root and the accepted nodes.
-    """
-    kv = state.kv
-    valid: Bool[Tensor, "batch n"] = accepted.path >= 0
-    path_index = kv.seq_lens[:, None] + accepted.path.clamp(min=0)
-    source = slots_at(kv.page_table, kv.page_size, path_index, valid).reshape(-1)
-    target = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid).reshape(-1)
-    for cache in (resources.target_pool.k, resources.target_pool.v):
-        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-        flat[:, target] = flat[:, source]  # the right side is a copy: reads precede writes
-    return replace(kv, seq_lens=kv.seq_lens + accepted.num_accepted + 1)
+    """The accepted path becomes the committed sequence of the target cache (see
+    ``spec.verify.commit_path``); the draft cache is caught up by ``draft_extend``."""
+    return commit_path(resources.target_pool, state.kv, accepted)
 
 
 def draft_extend(

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from speculum.state.record import record
 
-__all__ = ["DraftCandidates", "DraftTree", "AcceptResult"]
+__all__ = ["DraftCandidates", "DraftTree", "AcceptResult", "Verified"]
 
 
 @record
@@ -56,3 +56,12 @@ class AcceptResult:
     path: Int[Tensor, "batch max_emit"]
     emitted: Int[Tensor, "batch max_emit"]
     num_accepted: Int[Tensor, " batch"]
+
+
+@record
+class Verified:
+    """The target's view of a tree: its features at every node and its acceptance decision."""
+
+    accepted: AcceptResult
+    final_hidden: Float[Tensor, "batch num_nodes hidden"]
+    captured: tuple[Float[Tensor, "batch num_nodes hidden"], ...]

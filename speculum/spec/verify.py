@@ -1,0 +1,78 @@
+"""Reference tree verification and commit, shared by every tree-verified pipeline.
+
+Both stages need only the target (any callable ``target(batch, pool, capture_layers) ->
+(hidden, captured)`` with a ``logits`` method) and its pool, so model-free drafters (n-gram)
+and draft models of every kind verify and commit the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtyping import Float
+from torch import Tensor
+
+from speculum.spec.accept import accept
+from speculum.spec.paged import cache_slots, slots_at, tail_batch
+from speculum.spec.sampling import filtered_probs
+from speculum.spec.tree import tree_mask
+from speculum.state.kv import KVPool, PagedKV
+from speculum.state.record import make, replace
+from speculum.state.sampling import SamplingParams
+from speculum.state.tree import AcceptResult, DraftTree, Verified
+
+__all__ = ["verify_tree", "commit_path"]
+
+
+def verify_tree(
+    target: Any,
+    pool: KVPool,
+    kv: PagedKV,
+    tree: DraftTree,
+    sampling: SamplingParams,
+    *,
+    max_depth: int,
+    max_children: int,
+    capture_layers: tuple[int, ...] = (),
+    draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
+) -> Verified:
+    """One target forward over the tree, then acceptance.
+
+    Node ``i`` is written at cache index ``seq_lens + i`` and sits at rotary position
+    ``seq_lens + depth``; it sees the prefix and its ancestors. The target's filtered
+    distribution after each node decides acceptance (``spec.accept``); ``draft_probs`` is
+    ``None`` for deterministically chosen drafts.
+    """
+    positions = kv.seq_lens[:, None] + tree.depths
+    batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree))
+    hidden, captured = target(batch, pool, capture_layers)
+    target_probs = filtered_probs(target.logits(hidden), sampling)
+    accepted = accept(
+        tree,
+        target_probs,
+        sampling.seed,
+        kv.seq_lens,
+        max_depth,
+        draft_probs,
+        max_children=max_children,
+    )
+    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
+
+
+def commit_path(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> PagedKV:
+    """Move the accepted path's K/V to consecutive cache slots and extend the sequence.
+
+    The root is already at ``seq_lens``; the node at depth ``d`` of the path moves from cache
+    index ``seq_lens + path[d]`` to ``seq_lens + d``. All sources are read before any
+    destination is written (a destination can be another node's source). The pool is written
+    in place by contract; the returned record counts the root and the accepted nodes, and the
+    rejected slots are simply never pointed at again.
+    """
+    valid = accepted.path >= 0
+    path_index = kv.seq_lens[:, None] + accepted.path.clamp(min=0)
+    source = slots_at(kv.page_table, kv.page_size, path_index, valid).reshape(-1)
+    destination = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid).reshape(-1)
+    for cache in (pool.k, pool.v):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, destination] = flat[:, source]  # the right side is a copy: reads come first
+    return replace(kv, seq_lens=kv.seq_lens + accepted.num_accepted + 1)
