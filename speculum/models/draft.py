@@ -229,6 +229,10 @@ class _DraftBase(nn.Module):
     they are neither saved nor moved with the head), an optional own embedding, the rotary
     table and the draft's KV pool shape."""
 
+    #: Cache entries the head holds beyond the target's committed tokens: none, since entry
+    #: ``i`` pairs the target's hidden state of token ``i`` with token ``i + 1``.
+    ahead = 0
+
     def __init__(self, config: DraftConfig, target: DecoderModel) -> None:
         super().__init__()
         if target.config.vocab_size != config.vocab_size:

@@ -20,14 +20,16 @@ __all__ = [
     "step",
 ]
 
-#: Algorithm name -> pipeline constructor. The EAGLE family shares one composition; the draft
-#: head (EAGLE-1, EAGLE-3 or MTP layers) is what differs, and the engine loads it by this name.
+#: Algorithm name -> pipeline constructor. The EAGLE family and STANDALONE share one
+#: composition; the draft head (EAGLE-1, EAGLE-3 or MTP layers, or a whole small LM) is what
+#: differs, and the engine loads it by this name.
 ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "plain": plain.pipeline,
     "eagle": eagle.pipeline,
     "eagle3": eagle.pipeline,
     "mtp": eagle.pipeline,
     "nextn": eagle.pipeline,
+    "standalone": eagle.pipeline,
 }
 #: Algorithms that need a draft model.
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -114,8 +115,13 @@ def _draft_extend_core(
     captured: tuple[Tensor, ...],
     topk: int,
 ) -> DraftPrediction:
-    """Run the draft over positions ``seq_lens + i`` pairing target features with ``tokens``."""
+    """Run the draft over positions ``seq_lens + i`` pairing target features with ``tokens``.
+
+    A head that runs ahead of the target (standalone) reads one token more than there are
+    target features; its feature input is empty, so padding it costs nothing.
+    """
     hidden_in = resources.draft.target_features(target_hidden, captured)
+    hidden_in = F.pad(hidden_in, (0, 0, 0, tokens.shape[1] - hidden_in.shape[1]))
     batch = extend_batch(kv, tokens, q_lens)
     hidden_out = resources.draft(batch, resources.draft_pool, hidden_in)
     return _predict(resources, _last_valid(hidden_out, q_lens), topk)
@@ -126,9 +132,11 @@ def prefill(
 ) -> tuple[EagleState, StepOutput]:
     """Target prefill of a prompt chunk, then the draft over the same positions.
 
-    Draft position ``i`` pairs the target's hidden state of prompt token ``i`` with token
-    ``i + 1``: the chunk's own next token, the prompt token after the chunk, or, for the chunk
-    that ends the prompt, the first generated token.
+    An EAGLE head's entry ``i`` pairs the target's hidden state of prompt token ``i`` with
+    token ``i + 1``: the chunk's own next token, the prompt token after the chunk, or, for the
+    chunk that ends the prompt, the first generated token. A head that runs ``ahead`` reads the
+    chunk's tokens and that following token itself (the following token is read again at the
+    start of the next chunk, to the same cache entry).
     """
     batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
     capture = resources.draft.capture_layers
@@ -138,11 +146,16 @@ def prefill(
         resources.target.logits(_last_valid(hidden, chunk.q_lens)), chunk.sampling, seq_lens
     )
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
-    shifted = torch.roll(chunk.tokens, -1, dims=1)
-    last = (chunk.q_lens - 1).clamp(min=0)
-    shifted = shifted.scatter(1, last[:, None], following[:, None])
+    stream = F.pad(chunk.tokens, (0, 1)).scatter(1, chunk.q_lens[:, None], following[:, None])
+    ahead = resources.draft.ahead
     prediction = _draft_extend_core(
-        resources, chunk.kv, shifted, chunk.q_lens, hidden, captured, config.topk
+        resources,
+        chunk.kv,
+        stream[:, 1 - ahead :],
+        chunk.q_lens + ahead,
+        hidden,
+        captured,
+        config.topk,
     )
     state = make(
         EagleState,
@@ -169,12 +182,13 @@ def draft(resources: Resources, state: EagleState, config: EagleConfig) -> Draft
     """EAGLE-2 multi-step drafting: ``num_steps`` levels of candidates in level order.
 
     Step ``s`` (1-based) forwards the ``topk`` frontier nodes at depth ``s`` (rotary position
-    ``seq_lens + s - 1``), writing their draft K/V after the committed prefix at tail slots
-    ``(s - 1) * topk + j``; each sees the prefix and its own ancestors. Each frontier node
-    proposes its ``topk`` likeliest children; the ``topk`` best of those by cumulative
-    probability form the next frontier. Scores multiply along the path.
+    ``seq_lens + ahead + s - 1``), writing their draft K/V after the draft's committed
+    entries at tail slots ``(s - 1) * topk + j``; each sees the prefix and its own ancestors.
+    Each frontier node proposes its ``topk`` likeliest children; the ``topk`` best of those by
+    cumulative probability form the next frontier. Scores multiply along the path.
     """
-    k, kv = config.topk, state.kv
+    k = config.topk
+    kv = replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead)
     level = prepare_draft(state)
     tokens, parents, scores = [level.tokens], [level.parents], [level.scores]
     frontier_ids = torch.arange(k, device=kv.seq_lens.device).expand_as(level.tokens)
@@ -251,16 +265,17 @@ def draft_extend(
 ) -> DraftPrediction:
     """The draft catches up on the accepted tokens.
 
-    Position ``seq_lens + d`` (``d = 0 ..`` number accepted) pairs the target's hidden state at
-    path node ``d`` with emitted token ``d`` (the accepted draft token after it, then the bonus
-    token), overwriting the speculative draft entries written there while drafting.
+    Entry ``seq_lens + ahead + d`` (``d = 0 ..`` number accepted) reads emitted token ``d``
+    (the accepted draft token after path node ``d``, then the bonus token), paired for EAGLE
+    heads with the target's hidden state at path node ``d``; it overwrites the speculative
+    entries written there while drafting.
     """
     acc = verified.accepted
     hidden = _gather_nodes(verified.final_hidden, acc.path)
     captured = tuple(_gather_nodes(c, acc.path) for c in verified.captured)
     return _draft_extend_core(
         resources,
-        state.kv,
+        replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead),
         acc.emitted.clamp(min=0),
         acc.num_accepted + 1,
         hidden,
@@ -298,7 +313,9 @@ def pipeline(
         num_draft_tokens = num_steps + 1
     validate_tree_config(num_steps, topk, num_draft_tokens, vocab_size)
     config = EagleConfig(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
-    lookahead = max(num_draft_tokens, (num_steps - 1) * topk, num_steps + 1)
+    # Verify writes the tree after the committed tokens; drafting writes its tail there, one
+    # entry further for heads that run ahead; draft-extend writes the accepted tokens.
+    lookahead = max(num_draft_tokens, (num_steps - 1) * topk + 1, num_steps + 2)
     return Pipeline(
         name="eagle",
         prefill=functools.partial(prefill, config=config),

@@ -35,6 +35,7 @@ class NextTokenModel(torch.nn.Module):
         self.config = config
         self.shift = shift
         self.capture_layers = ()
+        self.ahead = 0
 
     def new_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool.allocate(
