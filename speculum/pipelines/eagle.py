@@ -28,12 +28,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
 from speculum.spec.paged import extend_batch, tail_batch
-from speculum.spec.sampling import sample
+from speculum.spec.sampling import Stream, filtered_probs, sample, sample_from_probs, uniforms
 from speculum.spec.tree import build_tree, select_frontier, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.kv import PagedKV
@@ -59,11 +59,16 @@ __all__ = [
 
 @record
 class EagleConfig:
-    """Static shape of a round: draft depth, branching and tree size."""
+    """Static shape of a round: draft depth, branching, tree size and how drafts are chosen.
+
+    ``sample_drafts`` draws draft tokens from the draft's filtered distribution instead of
+    taking its top-k: ``topk`` independent chains of ``num_steps`` tokens, all verified.
+    """
 
     num_steps: int = static()
     topk: int = static()
     num_draft_tokens: int = static()
+    sample_drafts: bool = static(default=False)
 
 
 @record
@@ -178,6 +183,41 @@ def prepare_draft(state: EagleState) -> DraftCandidates:
     )
 
 
+def _draft_kv(resources: Resources, state: EagleState) -> PagedKV:
+    """The draft cache's view: the target's pages, ``ahead`` more committed entries."""
+    return replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead)
+
+
+def _no_ancestors(kv: PagedKV, width: int) -> Bool[Tensor, "batch width 0"]:
+    rows = kv.seq_lens.shape[0]
+    return torch.zeros(rows, width, 0, dtype=torch.bool, device=kv.seq_lens.device)
+
+
+def _draft_forward(
+    resources: Resources,
+    kv: PagedKV,
+    step: int,
+    tokens: Int[Tensor, "batch width"],
+    hidden: Float[Tensor, "batch width hidden"],
+    ancestors: Bool[Tensor, "batch width tail"],
+) -> tuple[Float[Tensor, "batch width hidden"], Bool[Tensor, "batch width tail_plus"]]:
+    """One draft step over a frontier of ``width`` nodes at depth ``step``.
+
+    Node ``j`` is written at tail slot ``(step - 1) * width + j`` at rotary position
+    ``seq_lens + step - 1`` and sees the committed prefix, its ancestors' tail slots and itself.
+    Returns the draft's output hidden states and the frontier's mask rows (its descendants'
+    ancestors).
+    """
+    width = tokens.shape[1]
+    itself = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(
+        tokens.shape[0], width, width
+    )
+    mask = torch.cat([ancestors, itself], dim=2)
+    positions = (kv.seq_lens + step - 1)[:, None].expand(-1, width)
+    batch = tail_batch(kv, tokens, positions, mask, tail_start=(step - 1) * width)
+    return resources.draft(batch, resources.draft_pool, hidden), mask
+
+
 def draft(resources: Resources, state: EagleState, config: EagleConfig) -> DraftCandidates:
     """EAGLE-2 multi-step drafting: ``num_steps`` levels of candidates in level order.
 
@@ -188,21 +228,18 @@ def draft(resources: Resources, state: EagleState, config: EagleConfig) -> Draft
     cumulative probability form the next frontier. Scores multiply along the path.
     """
     k = config.topk
-    kv = replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead)
+    kv = _draft_kv(resources, state)
     level = prepare_draft(state)
     tokens, parents, scores = [level.tokens], [level.parents], [level.scores]
     frontier_ids = torch.arange(k, device=kv.seq_lens.device).expand_as(level.tokens)
     frontier_tokens, frontier_scores = level.tokens, level.scores
     frontier_hidden = state.prediction.hidden[:, None, :].expand(-1, k, -1)
-    rows, device = kv.seq_lens.shape[0], kv.seq_lens.device
-    ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)
-    itself = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
+    ancestors = _no_ancestors(kv, k)
     offset = k  # candidate index of the next level's first entry
     for step in range(1, config.num_steps):
-        mask = torch.cat([ancestors, itself], dim=2)
-        positions = (kv.seq_lens + step - 1)[:, None].expand(-1, k)
-        batch = tail_batch(kv, frontier_tokens, positions, mask, tail_start=(step - 1) * k)
-        hidden = resources.draft(batch, resources.draft_pool, frontier_hidden)
+        hidden, mask = _draft_forward(
+            resources, kv, step, frontier_tokens, frontier_hidden, ancestors
+        )
         probs = torch.softmax(resources.draft.logits(hidden), dim=-1)
         top = probs.topk(k, dim=-1)  # [batch, k (frontier), k (children)]
         child_scores = (frontier_scores[:, :, None] * top.values).flatten(1)
@@ -227,12 +264,59 @@ def draft(resources: Resources, state: EagleState, config: EagleConfig) -> Draft
     )
 
 
+def draft_sampled(
+    resources: Resources, state: EagleState, config: EagleConfig
+) -> tuple[DraftCandidates, Float[Tensor, "batch num_candidates vocab"]]:
+    """Sampled drafting: ``topk`` independent chains of ``num_steps`` tokens from the root.
+
+    Each token is drawn from the draft's distribution filtered with the request's own
+    temperature / top-k / top-p / min-p (one-hot for greedy requests), on the DRAFT stream at
+    the position it would occupy, column = chain. The siblings under the root are i.i.d. draws
+    and every candidate is verified, so each token really is a draw from the distribution
+    returned beside it: the condition under which recursive rejection is lossless with those
+    distributions. Candidate ``(s - 1) * topk + j`` is chain ``j``'s token at depth ``s``.
+    """
+    k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
+    kv = _draft_kv(resources, state)
+    hidden = pred.hidden[:, None, :].expand(-1, k, -1)
+    q = filtered_probs(resources.draft.logits(hidden), state.sampling)
+    ancestors = _no_ancestors(kv, k)
+    tokens, qs = [], []
+    for step in range(1, config.num_steps + 1):
+        u = uniforms(state.sampling.seed, Stream.DRAFT, seq_lens + step, k)
+        drawn = sample_from_probs(q, u)
+        tokens.append(drawn)
+        qs.append(q)
+        if step == config.num_steps:
+            break
+        hidden, ancestors = _draft_forward(resources, kv, step, drawn, hidden, ancestors)
+        q = filtered_probs(resources.draft.logits(hidden), state.sampling)
+    chain = torch.arange(k, device=seq_lens.device)
+    parents = [torch.full_like(tokens[0], -1)] + [
+        ((step - 1) * k + chain).expand_as(tokens[0]) for step in range(1, config.num_steps)
+    ]
+    drawn_q = [q.gather(2, t[:, :, None])[:, :, 0] for q, t in zip(qs, tokens)]
+    scores = torch.cumprod(torch.stack(drawn_q, dim=1), dim=1).flatten(1)
+    candidates = make(
+        DraftCandidates,
+        tokens=torch.cat(tokens, dim=1),
+        parents=torch.cat(parents, dim=1),
+        scores=scores,
+    )
+    return candidates, torch.cat(qs, dim=1)
+
+
 def verify(
-    resources: Resources, state: EagleState, tree: DraftTree, config: EagleConfig
+    resources: Resources,
+    state: EagleState,
+    tree: DraftTree,
+    config: EagleConfig,
+    draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
 ) -> Verified:
     """One target forward over the tree (capturing what the draft head consumes), then
-    acceptance; the drafts were chosen by top-k, so the verifier's draft distribution is the
-    one-hot of each draft token."""
+    acceptance. ``draft_probs`` is ``None`` for top-k drafts (the verifier's draft
+    distribution is then the one-hot of each token) and the sampling distributions for
+    sampled drafts."""
     return verify_tree(
         resources.target,
         resources.target_pool,
@@ -242,6 +326,7 @@ def verify(
         max_depth=config.num_steps,
         max_children=config.topk,
         capture_layers=resources.draft.capture_layers,
+        draft_probs=draft_probs,
     )
 
 
@@ -288,9 +373,14 @@ def decode(
     resources: Resources, state: EagleState, *, config: EagleConfig
 ) -> tuple[EagleState, StepOutput]:
     """One speculative round: draft, build the tree, verify, accept, commit, draft-extend."""
-    candidates = draft(resources, state, config)
+    if config.sample_drafts:
+        candidates, q = draft_sampled(resources, state, config)
+        # Every candidate is kept, in candidate order: node i + 1 is candidate i.
+        draft_probs = F.pad(q, (0, 0, 1, 0))
+    else:
+        candidates, draft_probs = draft(resources, state, config), None
     tree = build_tree(candidates, state.root_tokens, config.num_draft_tokens)
-    verified = verify(resources, state, tree, config)
+    verified = verify(resources, state, tree, config, draft_probs)
     acc = verified.accepted
     prediction = draft_extend(resources, state, verified, config)
     kv = commit(resources, state, acc)
@@ -300,19 +390,37 @@ def decode(
 
 
 def pipeline(
-    *, num_steps: int = 3, topk: int = 1, num_draft_tokens: int | None = None, vocab_size: int
+    *,
+    num_steps: int = 3,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
+    sample_drafts: bool = False,
+    vocab_size: int,
 ) -> Pipeline:
-    """The EAGLE pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP).
+    """The pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP, STANDALONE).
 
     ``num_draft_tokens`` counts tree nodes including the root; it defaults to
-    ``num_steps + 1`` for chains (``topk == 1``) and must be given for trees.
+    ``num_steps + 1`` for chains (``topk == 1``) and to ``topk * num_steps + 1`` for sampled
+    drafts (every chain verified), and must be given for top-k trees.
     """
+    full = topk * num_steps + 1
     if num_draft_tokens is None:
-        if topk != 1:
+        if topk != 1 and not sample_drafts:
             raise ValueError("num_draft_tokens is required when topk > 1 (a tree's size)")
-        num_draft_tokens = num_steps + 1
+        num_draft_tokens = full
+    if sample_drafts and num_draft_tokens != full:
+        raise ValueError(
+            f"sampled drafts verify all topk * num_steps = {full - 1} draft tokens: "
+            f"num_draft_tokens must be {full} (root included), not {num_draft_tokens}; pruning "
+            "sampled candidates by score would bias the output"
+        )
     validate_tree_config(num_steps, topk, num_draft_tokens, vocab_size)
-    config = EagleConfig(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    config = EagleConfig(
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        sample_drafts=sample_drafts,
+    )
     # Verify writes the tree after the committed tokens; drafting writes its tail there, one
     # entry further for heads that run ahead; draft-extend writes the accepted tokens.
     lookahead = max(num_draft_tokens, (num_steps - 1) * topk + 1, num_steps + 2)

@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="tree nodes verified per round, root included (default num-steps + 1 for chains)",
     )
+    gen.add_argument(
+        "--sample-drafts",
+        action="store_true",
+        help="draw draft tokens from the draft's distribution (topk independent chains)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -72,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.num_steps,
             topk=args.topk,
             num_draft_tokens=args.num_draft_tokens,
+            sample_drafts=args.sample_drafts,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,

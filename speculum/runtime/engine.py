@@ -12,8 +12,8 @@ import torch
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft_loading import load_draft
-from speculum.models.standalone import load_standalone
 from speculum.models.loading import DTYPES, load_model
+from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import SPECULATIVE, get_pipeline
 from speculum.pipelines.base import Pipeline, Resources
@@ -57,11 +57,14 @@ class SpecOptions:
     """Shape of a speculative round: draft depth, branching and tree size (root included).
 
     ``num_draft_tokens`` defaults to ``num_steps + 1`` for chains (``topk == 1``).
+    ``sample_drafts`` draws drafts from the draft's filtered distribution (``topk``
+    independent chains) instead of taking its top-k.
     """
 
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
+    sample_drafts: bool = False
 
 
 def _check_limits(
@@ -97,6 +100,7 @@ def _pipeline(algorithm: str, target: DecoderModel, draft: Any, spec: SpecOption
         num_steps=spec.num_steps,
         topk=spec.topk,
         num_draft_tokens=spec.num_draft_tokens,
+        sample_drafts=spec.sample_drafts,
         vocab_size=target.config.vocab_size,
     )
 

@@ -52,6 +52,7 @@ def generate(
     num_steps: int = 3,
     topk: int = 1,
     num_draft_tokens: int | None = None,
+    sample_drafts: bool = False,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -69,14 +70,20 @@ def generate(
     With neither ``model`` nor ``engine``, the bundled default model runs. All prompts are
     decoded together by the continuous-batching scheduler; each result is what that prompt
     yields alone. Speculative algorithms take their draft from ``draft`` and the round's shape
-    from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included).
+    from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
+    ``sample_drafts`` samples drafts instead of taking the draft's top-k.
     """
     if engine is None:
         engine = build_engine(
             model or default_model_dir(),
             algorithm=algorithm,
             draft=draft,
-            spec=SpecOptions(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens),
+            spec=SpecOptions(
+                num_steps=num_steps,
+                topk=topk,
+                num_draft_tokens=num_draft_tokens,
+                sample_drafts=sample_drafts,
+            ),
             device=device,
             dtype=dtype,
         )

@@ -20,12 +20,15 @@ SMALL = random_model(tiny_config(vocab_size=VOCAB, num_layers=1, hidden_size=16)
 LIMITS = {"page_size": 4, "max_context": 64}
 
 
-def engine(draft_model, num_steps=3, topk=1, num_draft_tokens=None, **limits):
+def engine(draft_model, num_steps=3, topk=1, num_draft_tokens=None, sample=False, **limits):
+    spec = SpecOptions(
+        num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens, sample_drafts=sample
+    )
     return engine_from_model(
         TARGET,
         algorithm="standalone",
         draft=StandaloneHead(draft_model, VOCAB),
-        spec=SpecOptions(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens),
+        spec=spec,
         **(LIMITS | limits),
     )
 
@@ -68,10 +71,17 @@ def test_the_target_as_its_own_draft_is_always_accepted(num_steps, topk, num_dra
     max_new_tokens=st.integers(1, 12),
     page_size=st.sampled_from([1, 4]),
     prefill_budget=st.sampled_from([3, 64]),
+    sample=st.booleans(),
 )
-def test_greedy_standalone_equals_plain(shape, prompts, max_new_tokens, page_size, prefill_budget):
+def test_greedy_standalone_equals_plain(
+    shape, prompts, max_new_tokens, page_size, prefill_budget, sample
+):
+    """Top-k trees, and sampled chains (greedy requests sample one-hot drafts), alike."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
-    spec = engine(SMALL, *shape, **limits)
+    num_steps, topk, num_draft_tokens = shape
+    if sample:
+        num_draft_tokens = topk * num_steps + 1
+    spec = engine(SMALL, num_steps, topk, num_draft_tokens, sample, **limits)
     results = generate(prompts, engine=spec, max_new_tokens=max_new_tokens)
     assert [r.token_ids for r in results] == plain(prompts, max_new_tokens, **limits)
 
@@ -113,3 +123,9 @@ def test_build_engine_loads_a_standalone_draft_folder(tmp_path):
     results = generate([[5, 6, 7]], engine=loaded, max_new_tokens=10)
     assert [r.token_ids for r in results] == plain([[5, 6, 7]], 10)
     assert torch.equal(loaded.resources.draft.model.lm_head.weight, SMALL.lm_head.weight)
+
+
+def test_sampled_drafts_must_verify_every_chain():
+    with pytest.raises(ValueError, match="num_draft_tokens must be 7"):
+        engine(SMALL, 3, 2, 5, sample=True)
+    assert engine(SMALL, 3, 2, None, sample=True).pipeline.max_tokens_per_step == 4
