@@ -1,11 +1,12 @@
-"""The EAGLE family: EAGLE, EAGLE-2 dynamic trees, EAGLE-3 and MTP/NEXTN, as one composition.
+"""The EAGLE family (EAGLE, EAGLE-2 trees, EAGLE-3, MTP/NEXTN) and STANDALONE, one composition.
 
 One round, SGLang's sequence as pure stages over records:
 
 1. ``prepare_draft``: the first level of candidates, the top-k of the draft's last prediction
    (carried from the previous round's draft-extend).
 2. ``draft``: ``num_steps - 1`` draft forwards, each expanding the ``topk`` best frontier
-   nodes by their ``topk`` most likely children (EAGLE-2).
+   nodes by their ``topk`` most likely children (EAGLE-2); or ``draft_sampled``: ``topk``
+   independent chains drawn from the draft's filtered distribution.
 3. ``build_tree``: keep the ``num_draft_tokens - 1`` best candidates by cumulative draft
    probability, under the root (the last verified token).
 4. ``verify``: one target forward over the tree under the tree mask.
@@ -16,10 +17,11 @@ One round, SGLang's sequence as pure stages over records:
    states, so its cache and its next prediction are ready for the next round.
 
 The draft heads differ only in how they turn target features into their input hidden state and
-how they embed and predict (``speculum.models.draft``); the stages are shared. Draft position
-``i`` pairs the target's hidden state of token ``i`` with token ``i + 1`` and predicts token
-``i + 2``; the draft cache holds one entry per committed position, at the same page slots as
-the target's.
+how they embed and predict (``speculum.models.draft``, ``speculum.models.standalone``); the
+stages are shared. An EAGLE head's entry ``i`` pairs the target's hidden state of token ``i``
+with token ``i + 1`` and predicts token ``i + 2``; its cache holds one entry per committed
+position, at the same page slots as the target's. A standalone draft reads token ``i`` at entry
+``i`` and so runs one entry ``ahead``.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ __all__ = [
     "EagleConfig",
     "EagleState",
     "DraftPrediction",
-    "Verified",
     "prefill",
     "prepare_draft",
     "draft",
+    "draft_sampled",
     "verify",
     "commit",
     "draft_extend",

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from stats import chi2_stat, chi2_threshold, tv_bound
 
-import speculum.pipelines.eagle as eagle_module
 import speculum.spec.accept as accept_module
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
+from speculum.pipelines import get_pipeline
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import acceptance_stats, run_to_completion
@@ -52,7 +54,7 @@ PAGE_SIZE = 4  # small pages: tree tails and draft-extend cross page boundaries
 MAX_CONTEXT = 32
 #: Requests per scheduler run (the engine's max_batch); more seeds run as further chunks.
 CHUNK = 1500
-SEEDS = 4500
+SEEDS = 6000
 
 
 # ------------------------------------------------------------------------------ the models
@@ -166,9 +168,12 @@ def head_for(algorithm: str, kind: str):
 # ------------------------------------------------------------------------- the exact law
 
 
+DEFAULT_SETTING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
 def params(rows: int, setting: dict) -> SamplingParams:
     """Sampling parameters of ``rows`` requests with one setting (seed irrelevant here)."""
-    s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **setting}
+    s = {**DEFAULT_SETTING, **setting}
     return SamplingParams(
         temperature=torch.full((rows,), float(s["temperature"])),
         top_k=torch.full((rows,), int(s["top_k"]), dtype=torch.int64),
@@ -202,9 +207,12 @@ def filter_margin(logits: torch.Tensor, setting: dict) -> float:
     The pipeline's verify computes the target's logits in a tree forward, which differs from a
     plain prefill by float rounding; a token sitting on a filter's threshold could then be kept
     by one and dropped by the other, so settings must keep clear of thresholds (1e-4 is a
-    thousand times the float32 discrepancy).
+    thousand times the float32 discrepancy). Greedy rows must keep clear of argmax ties.
     """
-    s = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **setting}
+    s = {**DEFAULT_SETTING, **setting}
+    if s["temperature"] == 0:
+        top2 = torch.softmax(logits.double(), dim=-1).topk(2, dim=-1).values
+        return float((top2[:, 0] - top2[:, 1]).min())
     probs = torch.softmax(logits.double() / s["temperature"], dim=-1)
     ordered = probs.sort(dim=-1, descending=True).values
     k = s["top_k"] if 0 < s["top_k"] < VOCAB else VOCAB
@@ -243,8 +251,13 @@ def speculative_engine(algorithm: str, head, spec: SpecOptions, prompt_len: int,
     ``num_pages`` is set to what the requests reserve (rather than the default of a full
     context each), which keeps the allocator's per-request bookkeeping small.
     """
-    draft_nodes = spec.num_draft_tokens or spec.num_steps + 1
-    lookahead = max(draft_nodes, (spec.num_steps - 1) * spec.topk, spec.num_steps + 1)
+    lookahead = get_pipeline(
+        algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+        vocab_size=VOCAB,
+    ).kv_lookahead
     per_request = math.ceil((prompt_len + num_tokens + lookahead) / PAGE_SIZE)
     return engine_from_model(
         TARGET,
@@ -260,67 +273,62 @@ def speculative_engine(algorithm: str, head, spec: SpecOptions, prompt_len: int,
 
 
 def sample_tokens(
-    engine, prompt: list[int], setting: dict, num_seeds: int, num_tokens: int, salt: int = 0
-) -> tuple[np.ndarray, list[int]]:
-    """The first ``num_tokens`` tokens of ``num_seeds`` requests (one per seed) and the summed
-    acceptance-length histogram of their rounds."""
-    sampling = {"temperature": 1.0, **setting}
-    seeds = [salt * 1_000_003 + i for i in range(num_seeds)]
-    rows, histogram = [], [0]
+    engine, groups: list[tuple[list[int], dict]], num_seeds: int, num_tokens: int, salt: int = 0
+) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Decode ``num_seeds`` requests (one per seed), request ``i`` with the prompt and sampling
+    setting of ``groups[i % len(groups)]``, so groups share batches row by row.
+
+    Returns, per group, the first ``num_tokens`` tokens of its requests and the summed
+    acceptance-length histogram of their rounds.
+    """
+    rows: list[list] = [[] for _ in groups]
+    histograms: list[list[int]] = [[0] for _ in groups]
     for start in range(0, num_seeds, engine.config.max_batch):
         state, rids = scheduler.new_state(engine), []
-        for seed in seeds[start : start + engine.config.max_batch]:
-            state, rid = scheduler.add_request(
-                engine,
-                state,
-                prompt,
-                sampling=scheduler.Sampling(seed=seed, **sampling),
-                max_new_tokens=num_tokens,
+        for i in range(start, min(start + engine.config.max_batch, num_seeds)):
+            prompt, setting = groups[i % len(groups)]
+            sampling = scheduler.Sampling(
+                seed=salt * 1_000_003 + i, **{**DEFAULT_SETTING, **setting}
             )
-            rids.append(rid)
+            state, rid = scheduler.add_request(
+                engine, state, prompt, sampling=sampling, max_new_tokens=num_tokens
+            )
+            rids.append((i % len(groups), rid))
         _, finished = run_to_completion(engine, state)
-        for rid in rids:
-            request = finished[rid]
-            rows.append(request.output)
-            lengths = request.round_lengths
-            histogram += [0] * (len(lengths) - len(histogram))
-            for k, count in enumerate(lengths):
+        for group, rid in rids:
+            request, histogram = finished[rid], histograms[group]
+            rows[group].append(request.output)
+            histogram += [0] * (len(request.round_lengths) - len(histogram))
+            for k, count in enumerate(request.round_lengths):
                 histogram[k] += count
-    tokens = np.array(rows, dtype=np.int64)
-    assert tokens.shape == (num_seeds, num_tokens)
-    return tokens, histogram
+    tokens = [np.array(r, dtype=np.int64).reshape(-1, num_tokens) for r in rows]
+    return tokens, histograms
 
 
-def chi2_threshold(dof: int, z: float = 6.0) -> float:
-    """Wilson-Hilferty chi-square quantile at ``z`` standard deviations (z = 6: tail ~1e-9)."""
-    c = 2.0 / (9.0 * dof)
-    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+#: Standard deviations of the chi-square quantile: 6 is a false-alarm probability of ~1e-9.
+Z = 6.0
+FALSE_ALARM = 1e-9
 
 
 def joint_stats(tokens: np.ndarray, joint: np.ndarray) -> dict:
     """Chi-square (cells with expected count < 5 pooled) and total variation of the emitted
-    token tuples against the exact joint law."""
+    token tuples against the exact joint law, and the count of tuples the law gives
+    probability 0. A one-point law (greedy) has no degrees of freedom: only the off-support
+    count speaks."""
     n, k = tokens.shape
     code = np.zeros(n, dtype=np.int64)
     for j in range(k):
         code = code * VOCAB + tokens[:, j]
     counts = np.bincount(code, minlength=VOCAB**k).astype(np.float64)
-    expected = n * joint
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expect = np.append(expected[~small], expected[small].sum())
-    keep = expect > 0
-    chi2 = float(((observed[keep] - expect[keep]) ** 2 / expect[keep]).sum())
-    dof = int(keep.sum()) - 1
-    tv = 0.5 * np.abs(counts / n - joint).sum()
-    tv_bound = 0.5 * np.sqrt(joint * (1 - joint) / n).sum() + math.sqrt(math.log(1e9) / (2 * n))
+    chi2, dof = chi2_stat(counts, n * joint)
     return dict(
+        samples=n,
         off_support=float(counts[joint == 0].sum()),
         chi2=round(chi2, 2),
         dof=dof,
-        threshold=round(chi2_threshold(dof), 2),
-        tv=round(float(tv), 4),
-        tv_bound=round(float(tv_bound), 4),
+        threshold=round(chi2_threshold(dof, Z), 2) if dof > 0 else math.inf,
+        tv=round(float(0.5 * np.abs(counts / n - joint).sum()), 4),
+        tv_bound=round(float(tv_bound(joint, n, FALSE_ALARM)), 4),
     )
 
 
@@ -332,21 +340,25 @@ def lossless(stats: dict) -> bool:
     )
 
 
-def run_case(case: dict, num_tokens: int, num_seeds: int, salt: int = 0) -> dict:
-    """Decode one case and compare with the exact law; returns the statistics."""
+def run_case(case: dict, num_tokens: int, num_seeds: int, salt: int = 0) -> list[dict]:
+    """Decode one case (all its groups in shared batches) and compare each group with its
+    exact law; returns the statistics per group, with the acceptance metrics."""
+    groups = case.get("groups") or [(case["prompt"], case["setting"])]
     spec = SpecOptions(**case["spec"])
     head = head_for(case["algorithm"], case["head"])
-    engine = speculative_engine(case["algorithm"], head, spec, len(case["prompt"]), num_tokens)
-    tokens, histogram = sample_tokens(
-        engine, case["prompt"], case["setting"], num_seeds, num_tokens, salt
-    )
-    stats = joint_stats(tokens, exact_joint(TARGET, case["prompt"], case["setting"], num_tokens))
-    acceptance = acceptance_stats(histogram)
-    stats["accept_length_mean"] = round(acceptance["accept_length_mean"], 3)
-    stats["accept_rate_per_position"] = [
-        round(r, 3) for r in acceptance["accept_rate_per_position"]
-    ]
-    return stats
+    longest = max(len(prompt) for prompt, _ in groups)
+    engine = speculative_engine(case["algorithm"], head, spec, longest, num_tokens)
+    tokens, histograms = sample_tokens(engine, groups, num_seeds, num_tokens, salt)
+    results = []
+    for (prompt, setting), sampled, histogram in zip(groups, tokens, histograms):
+        stats = joint_stats(sampled, exact_joint(TARGET, prompt, setting, num_tokens))
+        acceptance = acceptance_stats(histogram)
+        stats["accept_length_mean"] = round(acceptance["accept_length_mean"], 3)
+        stats["accept_rate_per_position"] = [
+            round(r, 3) for r in acceptance["accept_rate_per_position"]
+        ]
+        results.append(stats)
+    return results
 
 
 # ------------------------------------------------------------------------------- the cases
@@ -408,11 +420,40 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_two_tokens_follow_the_target_law(name):
     case = CASES[name]
-    stats = run_case(case, num_tokens=2, num_seeds=SEEDS)
+    (stats,) = run_case(case, num_tokens=2, num_seeds=SEEDS)
     assert lossless(stats), stats
     if case["head"] == "agree":
         # Otherwise the rounds would mostly emit bonus tokens and prove little about accepts.
         assert stats["accept_length_mean"] > 1.2, stats
+
+
+def test_first_three_tokens_of_a_deep_tree_follow_the_target_law():
+    """Three tokens reach past the first accepted draft token: the second token of a round
+    (accepted at depth 2, or the bonus after one accept) and the round after a short one."""
+    (stats,) = run_case(CASES["eagle3-tree2-agree-topp"], num_tokens=3, num_seeds=9000)
+    assert lossless(stats), stats
+    assert stats["accept_rate_per_position"][1] > 0.2, stats
+
+
+#: Three kinds of request in one batch, interleaved row by row: greedy, top-p and min-p rows
+#: with different prompt lengths (so padded rows and per-row settings are exercised together).
+MIXED = dict(
+    algorithm="eagle",
+    head="agree",
+    spec={"num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+    groups=[
+        ([1, 4, 2], {"temperature": 1.5, "top_p": 0.9}),
+        ([4, 1], {"temperature": 1.3, "min_p": 0.08}),
+        ([0, 3, 5, 2, 2, 1], {"temperature": 0.0}),
+    ],
+)
+
+
+def test_rows_of_a_mixed_batch_each_follow_their_own_law():
+    results = run_case(MIXED, num_tokens=2, num_seeds=6000)
+    for stats in results:
+        assert lossless(stats), results
+    assert results[2]["accept_length_mean"] == 4.0, results  # greedy: the Markov vote, always
 
 
 def _bonus_from_the_target(original):
@@ -441,18 +482,28 @@ def _verify_without_filters(original):
     return unfiltered
 
 
-@pytest.mark.parametrize(
-    ("bug", "module", "attribute", "wrap", "name"),
-    [
-        ("bonus-from-target", accept_module, "_try_child", _bonus_from_the_target, "mtp-tree3"),
-        ("unfiltered-verify", eagle_module, "filtered_probs", _verify_without_filters, "eagle"),
-    ],
-)
-def test_the_check_catches_wrong_pipelines(monkeypatch, bug, module, attribute, wrap, name):
-    case = {
-        "mtp-tree3": dict(CASES["mtp-tree3-random"], head="agree"),
-        "eagle": dict(CASES["eagle-tree3-agree-topk"], setting={"top_k": 2}),
-    }[name]
-    monkeypatch.setattr(module, attribute, wrap(getattr(module, attribute)))
-    stats = run_case(case, num_tokens=2, num_seeds=1500)
+def _patch_everywhere(monkeypatch, original, replacement) -> None:
+    """Rebind ``original`` to ``replacement`` in every speculum module that imported it (the
+    stage that calls it may live in the pipeline or in a shared ``spec`` module)."""
+    found = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("speculum") and getattr(module, original.__name__, None) is original
+    ]
+    assert found, f"{original.__name__} is imported nowhere in speculum"
+    for name in found:
+        monkeypatch.setattr(sys.modules[name], original.__name__, replacement)
+
+
+WRONG = {
+    "bonus-from-target": (accept_module._try_child, _bonus_from_the_target, "eagle-chain-agree"),
+    "unfiltered-verify": (filtered_probs, _verify_without_filters, "eagle-tree3-agree-topk"),
+}
+
+
+@pytest.mark.parametrize("bug", list(WRONG))
+def test_the_check_catches_wrong_pipelines(monkeypatch, bug):
+    original, wrap, name = WRONG[bug]
+    _patch_everywhere(monkeypatch, original, wrap(original))
+    (stats,) = run_case(CASES[name], num_tokens=2, num_seeds=1500)
     assert not lossless(stats), (bug, stats)
