@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, plain
+from speculum.pipelines import eagle, ngram, plain
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
@@ -30,9 +30,10 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "mtp": eagle.pipeline,
     "nextn": eagle.pipeline,
     "standalone": eagle.pipeline,
+    "ngram": ngram.pipeline,
 }
-#: Algorithms that need a draft model.
-SPECULATIVE = frozenset(ALGORITHMS) - {"plain"}
+#: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
+SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}
 
 
 def get_pipeline(algorithm: str, **options: object) -> Pipeline:

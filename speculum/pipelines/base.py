@@ -21,6 +21,7 @@ from speculum.state.record import record, static
 from speculum.state.sampling import SamplingParams
 
 __all__ = [
+    "Cell",
     "Resources",
     "PrefillChunk",
     "StepOutput",
@@ -31,17 +32,34 @@ __all__ = [
 ]
 
 
+@attrs.define(slots=True, eq=False)
+class Cell:
+    """A mutable slot holding an immutable value that decoding rounds read and replace (the
+    n-gram store). The value is never written in place, so a snapshot keeps it by reference
+    and restore puts it back."""
+
+    value: Any
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Resources:
     """The owned, in-place-written things a pipeline runs on: models and their KV pools.
 
     Weights never change during decoding; pools are written at the slots the records name.
+    ``ngram_store`` is the n-gram store shared by all requests (``pipelines.ngram``), in a
+    :class:`Cell` whose value each round replaces.
     """
 
     target: DecoderModel
     target_pool: KVPool
     draft: Any = None
     draft_pool: KVPool | None = None
+    ngram_store: Cell | None = None
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        """Every shared cell, in a fixed order (snapshots keep their values)."""
+        return () if self.ngram_store is None else (self.ngram_store,)
 
     @property
     def pools(self) -> tuple[KVPool, ...]:
@@ -67,7 +85,9 @@ class PrefillChunk:
 
     ``kv.seq_lens`` counts the prompt tokens already in the cache; ``next_tokens[b]`` is the
     prompt token right after the chunk, -1 when the chunk ends the prompt (drafts that pair
-    each position with the token after it need it). The pipeline's prefill
+    each position with the token after it need it). ``prefix_tokens[b, :kv.seq_lens[b]]``, when
+    given (it may live on the host), are the prompt tokens already in the cache: drafters that
+    match on token history (n-gram) need them; others ignore them. The pipeline's prefill
     returns its batch state and a one-token :class:`StepOutput` per row; only rows whose chunk
     ends their prompt use them (the scheduler knows which).
     """
@@ -77,6 +97,7 @@ class PrefillChunk:
     q_lens: Int[Tensor, " batch"]
     next_tokens: Int[Tensor, " batch"]
     sampling: SamplingParams
+    prefix_tokens: Int[Tensor, "batch prefix"] | None = None
 
 
 @record

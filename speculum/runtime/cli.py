@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ALGORITHMS
+from speculum.runtime.engine import NgramOptions
 from speculum.runtime.generate import generate
 
 __all__ = ["main", "parser"]
@@ -53,6 +54,34 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw draft tokens from the draft's distribution (topk independent chains)",
     )
+    ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
+    ngram.add_argument(
+        "--ngram-max-depth", type=int, help="longest suffix matched and deepest draft (default 18)"
+    )
+    ngram.add_argument("--ngram-min-match", type=int, help="shortest suffix matched (default 1)")
+    ngram.add_argument(
+        "--ngram-min-breadth", type=int, help="first-level children of a longest match (default 1)"
+    )
+    ngram.add_argument(
+        "--ngram-max-breadth",
+        type=int,
+        help="first-level children of a one-token match; cap per node (default 10)",
+    )
+    ngram.add_argument(
+        "--ngram-corpus",
+        metavar="FILE",
+        help="token corpus to match against: .npy ids (-1 between documents) or one document of "
+        "ids per line",
+    )
+    ngram.add_argument(
+        "--ngram-order", choices=["recency", "frequency"], help="child order (default recency)"
+    )
+    ngram.add_argument(
+        "--ngram-store-tokens",
+        type=int,
+        metavar="N",
+        help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -68,6 +97,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``speculum`` console script; returns the exit status."""
     args = parser().parse_args(argv)
+    ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+    ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
     try:
         (result,) = generate(
             [args.prompt] if args.prompt is not None else [args.prompt_ids],
@@ -78,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             topk=args.topk,
             num_draft_tokens=args.num_draft_tokens,
             sample_drafts=args.sample_drafts,
+            ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,

@@ -16,9 +16,17 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import SPECULATIVE, get_pipeline
-from speculum.pipelines.base import Pipeline, Resources
+from speculum.pipelines.base import Cell, Pipeline, Resources
+from speculum.spec.ngram import load_corpus, new_store
 
-__all__ = ["EngineConfig", "Engine", "SpecOptions", "build_engine", "engine_from_model"]
+__all__ = [
+    "EngineConfig",
+    "Engine",
+    "SpecOptions",
+    "NgramOptions",
+    "build_engine",
+    "engine_from_model",
+]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -67,6 +75,53 @@ class SpecOptions:
     sample_drafts: bool = False
 
 
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class NgramOptions:
+    """N-gram drafting (``algorithm="ngram"``, no draft model; see ``docs/ngram.md``).
+
+    Suffixes of ``min_match .. max_depth`` tokens are matched, longest first, against the
+    request's own tokens, a store of earlier token streams shared by all requests (a ring of
+    ``store_tokens`` entries; 0 switches it off) and the optional ``corpus`` file (``.npy`` ids
+    with -1 between documents, or one document of ids per line). The first tree level takes
+    between ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
+    ``order`` ``"recency"`` or ``"frequency"``. The tree size is ``SpecOptions.num_draft_tokens``
+    (default 8, root included); ``num_steps`` and ``topk`` do not apply.
+    """
+
+    max_depth: int = 18
+    min_match: int = 1
+    min_breadth: int = 1
+    max_breadth: int = 10
+    order: str = "recency"
+    store_tokens: int = 1 << 20
+    corpus: str | Path | None = None
+    max_occurrences: int = 256
+    flush_tokens: int = 32
+
+
+def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
+    return get_pipeline(
+        "ngram",
+        num_draft_tokens=spec.num_draft_tokens or 8,
+        max_depth=options.max_depth,
+        min_match=options.min_match,
+        min_breadth=options.min_breadth,
+        max_breadth=options.max_breadth,
+        order=options.order,
+        max_occurrences=options.max_occurrences,
+        flush_tokens=options.flush_tokens,
+        corpus=None if options.corpus is None else load_corpus(options.corpus),
+    )
+
+
+def _ngram_store(algorithm: str, options: NgramOptions | None) -> Cell | None:
+    """The shared n-gram store of an ngram engine (None when switched off or not ngram)."""
+    options = options or NgramOptions()
+    if algorithm != "ngram" or options.store_tokens == 0:
+        return None
+    return Cell(new_store(options.store_tokens))
+
+
 def _check_limits(
     target: DecoderModel, page_size: int, max_batch: int, context: int, prefill_budget: int
 ) -> None:
@@ -90,7 +145,15 @@ def _check_limits(
             raise ValueError(f"{name}={value}: must be at least 1")
 
 
-def _pipeline(algorithm: str, target: DecoderModel, draft: Any, spec: SpecOptions) -> Pipeline:
+def _pipeline(
+    algorithm: str,
+    target: DecoderModel,
+    draft: Any,
+    spec: SpecOptions,
+    ngram: NgramOptions | None = None,
+) -> Pipeline:
+    if algorithm == "ngram":
+        return _ngram_pipeline(spec, ngram or NgramOptions())
     if algorithm not in SPECULATIVE:
         return get_pipeline(algorithm)
     if draft is None:
@@ -117,13 +180,15 @@ def engine_from_model(
     max_batch: int = 16,
     max_context: int | None = None,
     prefill_budget: int = 512,
+    ngram: NgramOptions | None = None,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
     ``max_context`` defaults to the model's ``max_position_embeddings`` (capped at 4096 to keep
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
+    ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise).
     """
-    pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions())
+    pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions(), ngram)
     context = max_context or min(target.config.max_position_embeddings, 4096)
     _check_limits(target, page_size, max_batch, context, prefill_budget)
     config = EngineConfig(
@@ -140,6 +205,7 @@ def engine_from_model(
         target_pool=target.new_pool(config.num_pages, page_size),
         draft=draft,
         draft_pool=None if draft is None else draft.new_pool(config.num_pages, page_size),
+        ngram_store=_ngram_store(algorithm, ngram),
     )
     return Engine(
         pipeline=pipeline,
@@ -158,6 +224,7 @@ def build_engine(
     spec: SpecOptions | None = None,
     device: str = "cpu",
     dtype: str | None = None,
+    ngram: NgramOptions | None = None,
     **limits: int,
 ) -> Engine:
     """Load a Hugging Face model folder (and its tokenizer, when it has one) into an engine.
@@ -183,5 +250,11 @@ def build_engine(
     folder = Path(model)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").exists() else None
     return engine_from_model(
-        target, algorithm=algorithm, draft=head, spec=spec, tokenizer=tokenizer, **limits
+        target,
+        algorithm=algorithm,
+        draft=head,
+        spec=spec,
+        tokenizer=tokenizer,
+        ngram=ngram,
+        **limits,
     )

@@ -10,7 +10,7 @@ import attrs
 
 from speculum.runtime import scheduler
 from speculum.runtime.default_model import default_model_dir
-from speculum.runtime.engine import Engine, SpecOptions, build_engine
+from speculum.runtime.engine import Engine, NgramOptions, SpecOptions, build_engine
 
 __all__ = ["Generation", "generate", "run_to_completion", "acceptance_stats"]
 
@@ -53,6 +53,7 @@ def generate(
     topk: int = 1,
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
+    ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -71,7 +72,8 @@ def generate(
     decoded together by the continuous-batching scheduler; each result is what that prompt
     yields alone. Speculative algorithms take their draft from ``draft`` and the round's shape
     from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
-    ``sample_drafts`` samples drafts instead of taking the draft's top-k.
+    ``sample_drafts`` samples drafts instead of taking the draft's top-k. ``algorithm="ngram"``
+    needs no draft; ``ngram`` holds its options.
     """
     if engine is None:
         engine = build_engine(
@@ -86,6 +88,7 @@ def generate(
             ),
             device=device,
             dtype=dtype,
+            ngram=ngram,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_prompt_ids(engine, p) for p in batch]

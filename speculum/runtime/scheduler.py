@@ -116,11 +116,13 @@ class SchedulerState:
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Snapshot:
-    """A scheduler state plus the contents of the KV pages it points at, by value."""
+    """A scheduler state plus the contents of the KV pages it points at, by value, and the
+    values of the engine's shared cells (the n-gram store; immutable, kept by reference)."""
 
     state: SchedulerState
     pages: torch.Tensor
     pool_pages: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    cells: tuple[Any, ...] = ()
 
 
 def new_state(engine: Engine) -> SchedulerState:
@@ -302,12 +304,16 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
     )
     after = [r.prefilled + n for r, n in zip(chosen, sizes)]
     next_tokens = [r.prompt[i] if i < len(r.prompt) else -1 for r, i in zip(chosen, after)]
+    prefix = torch.full((len(chosen), max(r.prefilled for r in chosen)), -1, dtype=torch.int64)
+    for row, request in enumerate(chosen):
+        prefix[row, : request.prefilled] = torch.tensor(request.prompt[: request.prefilled])
     chunk = PrefillChunk(
         kv=kv,
         tokens=tokens.to(device),
         q_lens=torch.tensor(sizes, dtype=torch.int64, device=device),
         next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=device),
         sampling=_to_device(_sampling_params(chosen), device),
+        prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
     )
     return chunk, sizes
 
@@ -448,11 +454,13 @@ def take_snapshot(engine: Engine, state: SchedulerState) -> Snapshot:
         (pool.k[:, pages.to(pool.k.device)].clone(), pool.v[:, pages.to(pool.v.device)].clone())
         for pool in engine.resources.pools
     )
-    return Snapshot(state=snapshot(state), pages=pages, pool_pages=pool_pages)
+    cells = tuple(cell.value for cell in engine.resources.cells)
+    return Snapshot(state=snapshot(state), pages=pages, pool_pages=pool_pages, cells=cells)
 
 
 def restore(engine: Engine, snap: Snapshot) -> SchedulerState:
-    """Write the snapshot's KV pages back into the pools and return its state.
+    """Write the snapshot's KV pages back into the pools, its values back into the shared
+    cells, and return its state.
 
     Pages freed and reused after the snapshot was taken get their old contents back, so the
     restored state decodes exactly as it would have at snapshot time.
@@ -461,4 +469,6 @@ def restore(engine: Engine, snap: Snapshot) -> SchedulerState:
         index = snap.pages.to(pool.k.device)
         pool.k[:, index] = k
         pool.v[:, index] = v
+    for cell, value in zip(engine.resources.cells, snap.cells):
+        cell.value = value
     return snapshot(snap.state)

@@ -1,0 +1,288 @@
+"""NGRAM: model-free drafting from n-gram matches (SGLang's NGRAM), verified as a tree.
+
+One round:
+
+1. ``draft`` (host): the request's last tokens are matched against its own history, the shared
+   n-gram store and an optional corpus, and the continuations become a draft tree of
+   ``num_draft_tokens`` nodes (``speculum.spec.ngram.match``; ragged trees are padded with
+   nodes acceptance can never reach).
+2. ``verify``: one target forward over the tree under the tree mask, then acceptance with
+   ``draft_probs=None``: n-gram drafts are chosen deterministically, so the verifier's draft
+   distribution is the one-hot of each node's token (``spec.verify.verify_tree``).
+3. ``commit``: the accepted path's K/V moves to consecutive cache slots
+   (``spec.verify.commit_path``); the bonus token becomes the next root.
+4. ``record``: the emitted tokens are appended to the history (one device-to-host copy), and
+   the history's new stretches are inserted into the shared store (``store_accepted``).
+
+The batch state carries each request's history as a fixed-width host tensor (every tensor leaf
+leads with the batch axis, so the scheduler moves rows generically). The store is not batch
+state: it is shared by every request and lives in ``Resources.ngram_store``, a cell holding an
+immutable :class:`~speculum.spec.ngram.NgramStore`; a round reads the cell's value and puts a
+new value back. A scheduler snapshot keeps the value, so restoring it replays bit-exactly.
+
+Store insertion. A request's history reaches the store in stretches of at least
+``flush_tokens`` new tokens. Each stretch is inserted with the ``max_depth - 1`` tokens before
+it as leading context (so matches of every length can end on its first token) and with its
+last ``tree depth`` tokens as trailing context, to be inserted as occurrences with the next
+stretch: then every occurrence in the store has a full-depth continuation inside its stream,
+and each history position is an occurrence exactly once. The last ``< flush_tokens + depth``
+tokens of a finished request never become occurrences. A request's own inserted tokens are
+seen twice by its later rounds (history and store); recency order is unaffected, frequency
+counts them twice.
+
+Batch invariance. Greedy output equals plain decoding whatever the drafts. Sampled output is
+exactly target-distributed, but which tokens a seed yields depends on the tree, hence on the
+shared store, hence on what other requests inserted; set ``store_tokens=0`` (no store) for
+outputs that depend on the request alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from speculum.pipelines import plain
+from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.spec.ngram import (
+    CorpusIndex,
+    NgramConfig,
+    NgramDraft,
+    NgramStore,
+    insert_many,
+    match,
+    tree_bounds,
+    validate_ngram_config,
+)
+from speculum.spec.verify import commit_path, verify_tree
+from speculum.state.kv import PagedKV
+from speculum.state.record import make, record, replace, static, tree_map_tensors
+from speculum.state.sampling import SamplingParams
+from speculum.state.tree import Verified
+
+__all__ = [
+    "NgramState",
+    "NgramPipelineConfig",
+    "prefill",
+    "draft",
+    "verify",
+    "store_accepted",
+    "decode",
+    "pipeline",
+]
+
+
+@record
+class NgramPipelineConfig:
+    """The matcher's configuration, the tree bounds it implies, and the store cadence."""
+
+    matcher: NgramConfig = static()
+    tree_depth: int = static()
+    max_children: int = static()
+    flush_tokens: int = static()
+
+
+@record
+class NgramState:
+    """Batch state between rounds.
+
+    ``kv.seq_lens`` counts the tokens whose K/V are in the target cache; ``root_tokens`` is the
+    last verified token (emitted, not yet in the cache). ``history[b, :history_len[b]]`` are the
+    request's known tokens, prompt first, ending with the root (host tensors, -1 beyond);
+    ``history[b, :stored_len[b]]`` are already occurrences in the shared store.
+    """
+
+    kv: PagedKV
+    root_tokens: Int[Tensor, " batch"]
+    sampling: SamplingParams
+    history: Int[Tensor, "batch context"]
+    history_len: Int[Tensor, " batch"]
+    stored_len: Int[Tensor, " batch"]
+
+
+def prefill(
+    resources: Resources, chunk: PrefillChunk, *, config: NgramPipelineConfig
+) -> tuple[NgramState, StepOutput]:
+    """Target prefill (as plain decoding), and each row's history: the prompt tokens before the
+    chunk (``chunk.prefix_tokens``, when the caller supplies them), the chunk, and the first
+    sampled token. The history is as wide as the page table can address."""
+    base, first = plain.prefill(resources, chunk)
+    batch = chunk.tokens.shape[0]
+    width = chunk.kv.page_table.shape[1] * chunk.kv.page_size
+    packed = torch.cat(
+        [chunk.kv.seq_lens[:, None], chunk.q_lens[:, None], first.tokens, chunk.tokens], dim=1
+    ).cpu()  # one device-to-host copy
+    prefix = chunk.prefix_tokens
+    if prefix is not None:
+        prefix = prefix.cpu()
+    history = torch.full((batch, width), -1, dtype=torch.int64)
+    lengths = []
+    for row in range(batch):
+        seq_len, q_len, token = packed[row, :3].tolist()
+        start = 0
+        if prefix is not None:
+            if prefix.shape[1] < seq_len or bool((prefix[row, :seq_len] < 0).any()):
+                raise ValueError(
+                    f"ngram prefill: row {row} has {seq_len} prompt tokens in the cache but "
+                    "prefix_tokens does not hold them all; pass every earlier prompt token"
+                )
+            history[row, :seq_len] = prefix[row, :seq_len]
+            start = seq_len
+        history[row, start : start + q_len] = packed[row, 3 : 3 + q_len]
+        history[row, start + q_len] = token
+        lengths.append(start + q_len + 1)
+    state = make(
+        NgramState,
+        kv=base.kv,
+        root_tokens=base.next_tokens,
+        sampling=base.sampling,
+        history=history,
+        history_len=torch.tensor(lengths, dtype=torch.int64),
+        stored_len=torch.zeros(batch, dtype=torch.int64),
+    )
+    return state, first
+
+
+def draft(
+    resources: Resources,
+    state: NgramState,
+    config: NgramPipelineConfig,
+    corpus: CorpusIndex | None,
+) -> NgramDraft:
+    """The round's draft trees, matched on the host, moved to the cache's device."""
+    cell = resources.ngram_store
+    drafted = match(
+        state.history,
+        state.history_len,
+        config.matcher,
+        store=None if cell is None else cell.value,
+        corpus=corpus,
+    )
+    device = state.kv.seq_lens.device
+    return tree_map_tensors(lambda x: x.to(device, non_blocking=True), drafted)
+
+
+def verify(
+    resources: Resources, state: NgramState, drafted: NgramDraft, config: NgramPipelineConfig
+) -> Verified:
+    """One target forward over the tree, then acceptance with one-hot draft distributions."""
+    return verify_tree(
+        resources.target,
+        resources.target_pool,
+        state.kv,
+        drafted.tree,
+        state.sampling,
+        max_depth=config.tree_depth,
+        max_children=config.max_children,
+    )
+
+
+def _append(
+    history: Tensor, history_len: Tensor, emitted: Tensor, counts: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``history`` with ``emitted[b, :counts[b]]`` written after ``history_len[b]`` (host).
+
+    Written into a copy widened by ``emitted``'s width, so no two writes share an index, then
+    cut back (the page table always leaves room: the scheduler stops a request at its context
+    limit, and a round emits fewer tokens than the cache lookahead).
+    """
+    width = history.shape[1]
+    column = torch.arange(emitted.shape[1])
+    index = history_len[:, None] + column[None, :]
+    wide = torch.cat([history, torch.full_like(emitted, -1)], dim=1)
+    wide = wide.scatter(1, index, torch.where(column[None, :] < counts[:, None], emitted, -1))
+    return wide[:, :width], (history_len + counts).clamp(max=width)
+
+
+def store_accepted(
+    store: NgramStore,
+    history: Int[Tensor, "batch context"],
+    history_len: Int[Tensor, " batch"],
+    stored_len: Int[Tensor, " batch"],
+    config: NgramPipelineConfig,
+) -> tuple[NgramStore, Int[Tensor, " batch"]]:
+    """Insert every row's history stretch that has grown by ``flush_tokens`` occurrences
+    (module docstring), in row order; returns the new store and the new ``stored_len``."""
+    lead_room, trail = config.matcher.max_depth - 1, config.tree_depth
+    ready = history_len - trail - stored_len >= config.flush_tokens
+    streams, stored = [], stored_len.clone()
+    for row in torch.nonzero(ready).flatten().tolist():
+        done, end = int(stored_len[row]), int(history_len[row])
+        start = max(0, done - lead_room)
+        streams.append((history[row, start:end].numpy(), done - start, trail))
+        stored[row] = end - trail
+    return (insert_many(store, streams) if streams else store), stored
+
+
+def decode(
+    resources: Resources,
+    state: NgramState,
+    *,
+    config: NgramPipelineConfig,
+    corpus: CorpusIndex | None = None,
+) -> tuple[NgramState, StepOutput]:
+    """One round: match, verify, accept, commit, record the emitted tokens."""
+    drafted = draft(resources, state, config, corpus)
+    acc = verify(resources, state, drafted, config).accepted
+    kv = commit_path(resources.target_pool, state.kv, acc)
+    bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
+    packed = torch.cat([acc.num_accepted[:, None], acc.emitted], dim=1).cpu()  # one copy
+    history, history_len = _append(
+        state.history, state.history_len, packed[:, 1:], packed[:, 0] + 1
+    )
+    stored_len = state.stored_len
+    cell = resources.ngram_store
+    if cell is not None:
+        cell.value, stored_len = store_accepted(
+            cell.value, history, history_len, stored_len, config
+        )
+    new_state = replace(
+        state,
+        kv=kv,
+        root_tokens=bonus,
+        history=history,
+        history_len=history_len,
+        stored_len=stored_len,
+    )
+    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+
+
+def pipeline(
+    *,
+    num_draft_tokens: int = 8,
+    max_depth: int = 18,
+    min_match: int = 1,
+    min_breadth: int = 1,
+    max_breadth: int = 10,
+    order: str = "recency",
+    max_occurrences: int = 256,
+    flush_tokens: int = 32,
+    corpus: CorpusIndex | None = None,
+) -> Pipeline:
+    """The NGRAM pipeline value (options in ``speculum.spec.ngram``; the store is a resource,
+    ``Resources.ngram_store``, and the corpus a read-only index held by the value)."""
+    matcher = NgramConfig(
+        num_draft_tokens=num_draft_tokens,
+        max_depth=max_depth,
+        min_match=min_match,
+        min_breadth=min_breadth,
+        max_breadth=max_breadth,
+        order=order,
+        max_occurrences=max_occurrences,
+    )
+    validate_ngram_config(matcher)
+    if not isinstance(flush_tokens, int) or flush_tokens < 1:
+        raise ValueError(f"flush_tokens={flush_tokens!r} must be an int >= 1")
+    depth, max_children = tree_bounds(matcher)
+    config = NgramPipelineConfig(
+        matcher=matcher, tree_depth=depth, max_children=max_children, flush_tokens=flush_tokens
+    )
+    return Pipeline(
+        name="ngram",
+        prefill=functools.partial(prefill, config=config),
+        decode=functools.partial(decode, config=config, corpus=corpus),
+        max_tokens_per_step=depth + 1,
+        kv_lookahead=num_draft_tokens,
+    )
