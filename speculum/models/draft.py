@@ -259,6 +259,11 @@ class _DraftBase(nn.Module):
         return self.config.capture_layers
 
     @property
+    def draft_vocab_size(self) -> int:
+        """How many distinct tokens the head can propose (EAGLE-3's reduced vocabulary)."""
+        return self.config.head_vocab_size
+
+    @property
     def embedding(self) -> nn.Embedding:
         """The embedding the draft reads token ids with (its own, or the target's)."""
         return self.embed_tokens if self.config.own_embedding else self._target_embed[0]

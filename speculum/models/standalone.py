@@ -44,6 +44,11 @@ class StandaloneHead(nn.Module):
             )
         self.model = model
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many distinct tokens the draft can propose: its whole vocabulary."""
+        return self.model.config.vocab_size
+
     def target_features(
         self, final_hidden: Float[Tensor, "batch q hidden"], captured: tuple[Tensor, ...]
     ) -> Float[Tensor, "batch q 0"]:

@@ -164,7 +164,7 @@ def _pipeline(
         topk=spec.topk,
         num_draft_tokens=spec.num_draft_tokens,
         sample_drafts=spec.sample_drafts,
-        vocab_size=target.config.vocab_size,
+        vocab_size=draft.draft_vocab_size,  # topk cannot exceed what the draft can propose
     )
 
 

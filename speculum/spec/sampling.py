@@ -39,10 +39,10 @@ class Stream(enum.IntEnum):
     flip and biases the output distribution (vLLM shipped that bug).
     """
 
-    SAMPLE = 0  # plain decoding / bonus-token sampling
+    SAMPLE = 0  # plain decoding and the token after a prefill
     DRAFT = 1  # drawing draft tokens
     ACCEPT = 2  # accept/reject coin flips
-    RESAMPLE = 3  # residual resampling after a rejection
+    RESAMPLE = 3  # the bonus token: residual after a rejection, or after the last accepted node
 
 
 def _mul32(x, c: int):

@@ -36,6 +36,7 @@ class NextTokenModel(torch.nn.Module):
         self.shift = shift
         self.capture_layers = ()
         self.ahead = 0
+        self.draft_vocab_size = config.vocab_size
 
     def new_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool.allocate(
@@ -383,3 +384,15 @@ def test_draft_extend_leaves_the_draft_as_a_fresh_prefill_would(heads, algorithm
         ours.prediction.hidden, theirs.prediction.hidden, rtol=1e-4, atol=1e-5
     )
     assert torch.equal(ours.prediction.top_tokens, theirs.prediction.top_tokens)
+
+
+def test_topk_is_bounded_by_what_a_reduced_vocabulary_draft_can_propose():
+    head = random_draft(TARGET, "eagle3", seed=1, draft_vocab_size=4)
+    assert head.draft_vocab_size == 4
+    with pytest.raises(ValueError, match="topk"):
+        engine_from_model(
+            TARGET,
+            algorithm="eagle3",
+            draft=head,
+            spec=SpecOptions(num_steps=2, topk=5, num_draft_tokens=6),
+        )

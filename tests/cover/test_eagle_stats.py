@@ -4,9 +4,12 @@
 the whole pipeline: prefill, multi-step drafting, tree building, tree-masked verify over the
 paged cache, acceptance, commit and draft-extend, as the reference scheduler runs them. A tiny
 random target over ``VOCAB = 6`` tokens decodes many requests that differ only in their seed
-(each seed is one request; thousands share one batch), and the empirical joint law of the first
-two generated tokens is compared with the exact one, enumerated from the target's own filtered
-next-token distributions (``filtered_probs`` of a plain prefill of every prefix).
+(each seed is one request; 1500 share one batch), and the empirical joint law of the first two
+generated tokens (three for one deep tree) is compared with the exact one, enumerated from the
+target's own filtered next-token distributions (``filtered_probs`` of a plain prefill of every
+prefix). Cases cover every head kind (EAGLE-1, EAGLE-3 with full and reduced vocabulary, MTP),
+chains and trees (topk 2 and 3, deep and shallow), top-k and sampled drafting, temperature 1 and
+each filter, and a batch mixing greedy, top-p and min-p requests of different prompt lengths.
 
 The target is "mostly Markov" (as in ``tests/cover/test_eagle.py``): its ``lm_head`` reads the
 embedding back through a permutation, scaled down so that at temperature 1 the likeliest next
@@ -17,9 +20,10 @@ mean acceptance length > 1.2) and the accept path, not only the bonus path, is e
 Thresholds: a chi-square quantile at 6 standard deviations (Wilson-Hilferty, false-alarm
 probability ~1e-9) and a total-variation bound (its expectation bound plus a McDiarmid term at
 1e-9); any emitted tuple of exact probability 0 fails outright. The draws are fixed by their
-seeds, so a failure is a behaviour change, never bad luck. Two deliberately wrong pipelines
-(the bonus drawn from the target instead of the residual; verify ignoring the sampling filters)
-must fail the same check, which shows the check can see the bugs it is there for.
+seeds, so a failure is a behaviour change, never bad luck. Three deliberately wrong pipelines
+(the bonus drawn from the target instead of the residual; verify ignoring the sampling filters;
+sampled drafts verified against another distribution than they were drawn from) must fail the
+same check, which shows the check can see the bugs it is there for.
 
 ``tests/nocover/test_eagle_stats.py`` reuses these helpers for three-token joints, more seeds
 and more settings.
@@ -31,12 +35,14 @@ import itertools
 import math
 import sys
 
+import attrs
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
 from stats import chi2_stat, chi2_threshold, tv_bound
 
+import speculum.pipelines.eagle as eagle_module
 import speculum.spec.accept as accept_module
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
@@ -256,6 +262,7 @@ def speculative_engine(algorithm: str, head, spec: SpecOptions, prompt_len: int,
         num_steps=spec.num_steps,
         topk=spec.topk,
         num_draft_tokens=spec.num_draft_tokens,
+        sample_drafts=spec.sample_drafts,
         vocab_size=VOCAB,
     ).kv_lookahead
     per_request = math.ceil((prompt_len + num_tokens + lookahead) / PAGE_SIZE)
@@ -301,6 +308,7 @@ def sample_tokens(
             histogram += [0] * (len(request.round_lengths) - len(histogram))
             for k, count in enumerate(request.round_lengths):
                 histogram[k] += count
+    assert all(len(r) == num_tokens for group in rows for r in group), "a request stopped early"
     tokens = [np.array(r, dtype=np.int64).reshape(-1, num_tokens) for r in rows]
     return tokens, histograms
 
@@ -414,12 +422,59 @@ CASES = {
         setting={"temperature": 1.3},
         prompt=[4, 1],
     ),
+    # Sampled drafting: tokens drawn from the draft's filtered distribution, which is handed
+    # to the verifier (the rule is no longer the one-hot special case).
+    "eagle-sampled-chain-agree-topk": dict(
+        algorithm="eagle",
+        head="agree",
+        spec={"num_steps": 3, "topk": 1, "sample_drafts": True},
+        setting={"temperature": 1.5, "top_k": 3},
+        prompt=[5, 3, 1, 0, 4],
+    ),
+    "eagle3-sampled-chains3-agree-topp": dict(
+        algorithm="eagle3",
+        head="agree",
+        spec={"num_steps": 2, "topk": 3, "sample_drafts": True},
+        setting={"temperature": 2.5, "top_p": 0.9},
+        prompt=[4, 1],
+    ),
+    "mtp-sampled-chains2-random-minp": dict(
+        algorithm="mtp",
+        head="random",
+        spec={"num_steps": 2, "topk": 2, "sample_drafts": True},
+        setting={"min_p": 0.05},
+        prompt=[3, 0, 5, 1],
+    ),
 }
+
+
+def one_hot_draft_fraction(case: dict, requests: int = 16) -> float:
+    """The fraction of requests whose first filtered draft distribution is one-hot.
+
+    The agreeing heads are confident; a filter (min-p, a small top-p) can cut their
+    distribution down to one token, and sampled drafting then *is* top-1 drafting, which would
+    leave the non-one-hot acceptance rule untested. Sampled cases must keep this low.
+    """
+    spec = SpecOptions(**case["spec"])
+    head = head_for(case["algorithm"], case["head"])
+    engine = speculative_engine(case["algorithm"], head, spec, len(case["prompt"]), 2)
+    state = scheduler.new_state(engine)
+    sampling = scheduler.Sampling(**{**DEFAULT_SETTING, **case["setting"]})
+    for seed in range(requests):
+        state, _ = scheduler.add_request(
+            engine, state, case["prompt"], sampling=attrs.evolve(sampling, seed=seed)
+        )
+    state, _ = scheduler.step(engine, state)  # prefill: the batch now holds the predictions
+    batch = state.batch
+    q = filtered_probs(head.logits(batch.prediction.hidden), batch.sampling)
+    return float((q.amax(-1) == 1.0).float().mean())
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_two_tokens_follow_the_target_law(name):
     case = CASES[name]
+    if case["spec"].get("sample_drafts"):
+        assert one_hot_draft_fraction(case) < 0.5, "the filter leaves the draft one token"
     (stats,) = run_case(case, num_tokens=2, num_seeds=SEEDS)
     assert lossless(stats), stats
     if case["head"] == "agree":
@@ -482,6 +537,18 @@ def _verify_without_filters(original):
     return unfiltered
 
 
+def _claim_other_draft_probs(original):
+    """Wrong verify for sampled drafts: the verifier is told another distribution (half the
+    one the drafts were drawn from, half uniform) than the drafts' own."""
+
+    def verify(resources, state, tree, config, draft_probs=None):
+        if draft_probs is not None:
+            draft_probs = 0.5 * draft_probs + 0.5 / draft_probs.shape[-1]
+        return original(resources, state, tree, config, draft_probs)
+
+    return verify
+
+
 def _patch_everywhere(monkeypatch, original, replacement) -> None:
     """Rebind ``original`` to ``replacement`` in every speculum module that imported it (the
     stage that calls it may live in the pipeline or in a shared ``spec`` module)."""
@@ -498,6 +565,11 @@ def _patch_everywhere(monkeypatch, original, replacement) -> None:
 WRONG = {
     "bonus-from-target": (accept_module._try_child, _bonus_from_the_target, "eagle-chain-agree"),
     "unfiltered-verify": (filtered_probs, _verify_without_filters, "eagle-tree3-agree-topk"),
+    "misreported-draft-probs": (
+        eagle_module.verify,
+        _claim_other_draft_probs,
+        "eagle-sampled-chain-agree-topk",
+    ),
 }
 
 
