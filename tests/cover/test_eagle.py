@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
+from heads import agreeing_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -142,33 +143,13 @@ def mostly_markov_target():
 TARGET = mostly_markov_target()
 
 
-def agreeing_head(algorithm: str):
-    """An EAGLE-1 or MTP head that mostly predicts the target's Markov vote: its input
-    projection passes the token embedding through and its MLP adds nothing, so its logits are
-    the target's ``lm_head`` applied to that embedding plus small terms from the target's hidden
-    state and from attention (kept small but non-zero, so that the features handed over by
-    verify and the draft's own KV cache still matter)."""
-    head = random_draft(TARGET, algorithm, seed=3, std=0.3)
-    width = TARGET.config.hidden_size
-    projection = head.fc if algorithm == "eagle" else head.eh_proj
-    layer = head.layers[0] if algorithm == "eagle" else head.decoder
-    with torch.no_grad():
-        projection.weight[:, :width] = torch.eye(width)
-        projection.weight[:, width:] *= 0.1
-        if projection.bias is not None:
-            projection.bias.zero_()
-        layer.self_attn.o_proj.weight.mul_(0.1)
-        layer.mlp.down_proj.weight.zero_()
-    return head
-
-
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     """Agreeing EAGLE-1 and MTP heads, and a random EAGLE-3 head saved and loaded back."""
     path = save_random_draft(TARGET, "eagle3", tmp_path_factory.mktemp("eagle3"), seed=11, std=0.3)
     return {
-        "eagle": agreeing_head("eagle"),
-        "mtp": agreeing_head("mtp"),
+        "eagle": agreeing_head(TARGET, "eagle"),
+        "mtp": agreeing_head(TARGET, "mtp"),
         "eagle3": load_draft(path, TARGET, "eagle3"),
     }
 

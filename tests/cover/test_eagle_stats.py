@@ -40,6 +40,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from heads import agreeing_head
 from stats import chi2_stat, chi2_threshold, tv_bound
 
 import speculum.pipelines.eagle as eagle_module
@@ -84,24 +85,6 @@ def markov_target():
 
 
 TARGET = markov_target()
-
-
-def agreeing_head(algorithm: str):
-    """An EAGLE-1 or MTP head predicting the target's Markov vote (``test_eagle.agreeing_head``):
-    its input projection passes the token embedding through, attention is damped and the MLP
-    adds nothing, so its logits are the target's ``lm_head`` on the fed token's embedding."""
-    head = random_draft(TARGET, algorithm, seed=3, std=0.3)
-    width = TARGET.config.hidden_size
-    projection = head.fc if algorithm == "eagle" else head.eh_proj
-    layer = head.layers[0] if algorithm == "eagle" else head.decoder
-    with torch.no_grad():
-        projection.weight[:, :width] = torch.eye(width)
-        projection.weight[:, width:] *= 0.1
-        if projection.bias is not None:
-            projection.bias.zero_()
-        layer.self_attn.o_proj.weight.mul_(0.1)
-        layer.mlp.down_proj.weight.zero_()
-    return head
 
 
 def agreeing_eagle3_head():
@@ -153,8 +136,8 @@ def reduced_vocab_eagle3_head():
 
 
 HEADS = {
-    ("eagle", "agree"): lambda: agreeing_head("eagle"),
-    ("mtp", "agree"): lambda: agreeing_head("mtp"),
+    ("eagle", "agree"): lambda: agreeing_head(TARGET, "eagle"),
+    ("mtp", "agree"): lambda: agreeing_head(TARGET, "mtp"),
     ("eagle3", "agree"): agreeing_eagle3_head,
     ("eagle", "random"): lambda: random_draft(TARGET, "eagle", seed=7, std=0.3),
     ("mtp", "random"): lambda: random_draft(TARGET, "mtp", seed=7, std=0.3),
