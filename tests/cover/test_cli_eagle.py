@@ -13,30 +13,20 @@ per-position rates and the number of tokens. Bad flags exit with status 2 and on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+import test_eagle_stats as h  # its mostly-Markov target and heads
 from conftest import tiny_config
+from heads import agreeing_head
 
 from speculum.models.draft_loading import save_draft, save_random_draft
 from speculum.models.loading import random_model, save_model
 from speculum.runtime import cli
 from speculum.runtime.generate import generate
 
-
-def _load_harness():
-    # Load the statistical test's models under a private name (pytest imports that file too).
-    path = Path(__file__).with_name("test_eagle_stats.py")
-    spec = importlib.util.spec_from_file_location("_eagle_cli_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_harness()
 VOCAB = h.VOCAB
 #: A prompt whose greedy continuation cycles through five of the six tokens, and departs from
 #: the target's Markov vote now and then (so agreeing drafts see rejections too).
@@ -62,9 +52,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
             wide, "mtp", root / "wide-target-mtp", std=0.3, layout="mtp-in-target"
         ),
         "target": save_model(target, root / "target"),
-        "eagle": save_draft(h.agreeing_head("eagle"), root / "eagle", "sglang-eagle"),
+        "eagle": save_draft(agreeing_head(h.TARGET, "eagle"), root / "eagle", "sglang-eagle"),
         "eagle-reference": save_draft(
-            h.agreeing_head("eagle"), root / "eagle-reference", "eagle-reference"
+            agreeing_head(h.TARGET, "eagle"), root / "eagle-reference", "eagle-reference"
         ),
         "eagle-random": save_random_draft(target, "eagle", root / "eagle-random", seed=7, std=0.3),
         "eagle3": save_draft(h.agreeing_eagle3_head(), root / "eagle3", "sglang-eagle3"),
@@ -75,7 +65,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
             h.reduced_vocab_eagle3_head(), root / "eagle3-reduced", "eagle3-reference"
         ),
         "mtp-in-target": save_draft(
-            h.agreeing_head("mtp"), root / "target-mtp", "mtp-in-target", target=target
+            agreeing_head(h.TARGET, "mtp"), root / "target-mtp", "mtp-in-target", target=target
         ),
         "mtp-random": save_random_draft(target, "mtp", root / "mtp-random", seed=7, std=0.3),
         "eagle3-other-target": save_random_draft(other, "eagle3", root / "eagle3-other"),
