@@ -108,32 +108,46 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(
-        self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor
-    ) -> Float[Tensor, "batch q hidden"]:
-        """Project, rotate, write K/V into the pool, attend, and project back."""
+    def queries(
+        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q head head_dim"]:
+        """The rotated (and, for qk-norm kinds, normed) queries of ``x``."""
         b, q, _ = x.shape
         qs = self.q_proj(x).view(b, q, self.num_heads, self.head_dim)
-        ks = self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
-        vs = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            qs, ks = self.q_norm(qs), self.k_norm(ks)
-        qs = apply_rope(qs, batch.positions, inv_freq)
-        ks = apply_rope(ks, batch.positions, inv_freq)
-        k_cache, v_cache = pool.k[self.layer], pool.v[self.layer]
-        kernels.write_kv(k_cache, batch.slots, ks)
-        kernels.write_kv(v_cache, batch.slots, vs)
+            qs = self.q_norm(qs)
+        return apply_rope(qs, batch.positions, inv_freq)
+
+    def attend(
+        self, qs: Float[Tensor, "batch q head head_dim"], batch: ForwardBatch, pool: KVPool
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Attention of ``qs`` over layer ``self.layer``'s cache as ``batch`` shows it,
+        projected back."""
         out = kernels.paged_attention(
             qs,
-            k_cache,
-            v_cache,
+            pool.k[self.layer],
+            pool.v[self.layer],
             batch.page_table,
             batch.prefix_lens,
             batch.q_lens,
             batch.new_mask,
             1.0 / math.sqrt(self.head_dim),
         )
-        return self.o_proj(out.reshape(b, q, -1))
+        return self.o_proj(out.flatten(2))
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, rotate, write K/V into the pool, attend, and project back."""
+        b, q, _ = x.shape
+        ks = self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
+        vs = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            ks = self.k_norm(ks)
+        ks = apply_rope(ks, batch.positions, inv_freq)
+        kernels.write_kv(pool.k[self.layer], batch.slots, ks)
+        kernels.write_kv(pool.v[self.layer], batch.slots, vs)
+        return self.attend(self.queries(x, batch, inv_freq), batch, pool)
 
 
 class MLP(nn.Module):

@@ -54,7 +54,6 @@ all of it (:class:`~speculum.models.draft_loading.DraftTargetMismatch` names wha
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +63,12 @@ from jaxtyping import Float
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from speculum import kernels
 from speculum.models.config import DecoderConfig, UnsupportedModel
 from speculum.models.decoder import (
     Attention,
     DecoderLayer,
     DecoderModel,
     RMSNorm,
-    apply_rope,
     rope_inv_freq,
 )
 from speculum.models.draft_loading import DraftTargetMismatch
@@ -181,23 +178,8 @@ class FrozenKVAttention(Attention):
     def forward(
         self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor
     ) -> Float[Tensor, "batch q hidden"]:
-        """Project queries, rotate them, attend to the committed prefix; writes nothing."""
-        b, q, _ = x.shape
-        qs = self.q_proj(x).view(b, q, self.num_heads, self.head_dim)
-        if self.qk_norm:
-            qs = self.q_norm(qs)
-        qs = apply_rope(qs, batch.positions, inv_freq)
-        out = kernels.paged_attention(
-            qs,
-            pool.k[self.layer],
-            pool.v[self.layer],
-            batch.page_table,
-            batch.prefix_lens,
-            batch.q_lens,
-            batch.new_mask,
-            1.0 / math.sqrt(self.head_dim),
-        )
-        return self.o_proj(out.reshape(b, q, -1))
+        """Project queries, rotate them, attend to the source cache; writes nothing."""
+        return self.attend(self.queries(x, batch, inv_freq), batch, pool)
 
 
 def frozen_batch(batch: ForwardBatch) -> ForwardBatch:
@@ -246,6 +228,11 @@ class FrozenKVHead(nn.Module):
         if config.own_head:
             self.lm_head = nn.Linear(h, config.layer.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many distinct tokens the head can propose: the whole target vocabulary."""
+        return self.config.layer.vocab_size
 
     def reset_buffers(self) -> None:
         """Recompute the rotary table (float32) after ``to_empty`` or a dtype cast."""

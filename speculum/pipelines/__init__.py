@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, ngram, plain
+from speculum.pipelines import eagle, frozen_kv_mtp, ngram, plain
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
@@ -22,7 +22,8 @@ __all__ = [
 
 #: Algorithm name -> pipeline constructor. The EAGLE family and STANDALONE share one
 #: composition; the draft head (EAGLE-1, EAGLE-3 or MTP layers, or a whole small LM) is what
-#: differs, and the engine loads it by this name.
+#: differs, and the engine loads it by this name. FROZEN_KV_MTP runs EAGLE's drafting stages
+#: with a head that reads the target's cache and records only a seed between rounds.
 ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "plain": plain.pipeline,
     "eagle": eagle.pipeline,
@@ -31,6 +32,7 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "nextn": eagle.pipeline,
     "standalone": eagle.pipeline,
     "ngram": ngram.pipeline,
+    "frozen_kv_mtp": frozen_kv_mtp.pipeline,
 }
 #: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}

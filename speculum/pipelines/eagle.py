@@ -27,6 +27,7 @@ position, at the same page slots as the target's. A standalone draft reads token
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +49,17 @@ __all__ = [
     "EagleState",
     "DraftPrediction",
     "prefill",
+    "predict",
+    "gather_nodes",
     "prepare_draft",
     "draft",
     "draft_sampled",
+    "propose",
     "verify",
     "commit",
     "draft_extend",
     "decode",
+    "round_config",
     "pipeline",
 ]
 
@@ -100,7 +105,7 @@ class EagleState:
     sampling: SamplingParams
 
 
-def _predict(resources: Resources, hidden: Tensor, topk: int) -> DraftPrediction:
+def predict(resources: Resources, hidden: Tensor, topk: int) -> DraftPrediction:
     """Top-k of the draft's next-token distribution at ``hidden`` ([batch, hidden])."""
     probs = torch.softmax(resources.draft.logits(hidden), dim=-1)
     top = probs.topk(topk, dim=-1)
@@ -131,7 +136,7 @@ def _draft_extend_core(
     hidden_in = F.pad(hidden_in, (0, 0, 0, tokens.shape[1] - hidden_in.shape[1]))
     batch = extend_batch(kv, tokens, q_lens)
     hidden_out = resources.draft(batch, resources.draft_pool, hidden_in)
-    return _predict(resources, _last_valid(hidden_out, q_lens), topk)
+    return predict(resources, _last_valid(hidden_out, q_lens), topk)
 
 
 def prefill(
@@ -308,6 +313,18 @@ def draft_sampled(
     return candidates, torch.cat(qs, dim=1)
 
 
+def propose(
+    resources: Resources, state: EagleState, config: EagleConfig
+) -> tuple[DraftCandidates, Float[Tensor, "batch num_nodes vocab"] | None]:
+    """A round's candidates and the draft distributions to verify them with: the top-k draft
+    (``None``: one-hot) or, with ``sample_drafts``, sampled chains and their distributions."""
+    if not config.sample_drafts:
+        return draft(resources, state, config), None
+    candidates, q = draft_sampled(resources, state, config)
+    # Every candidate is kept, in candidate order: node i + 1 is candidate i.
+    return candidates, F.pad(q, (0, 0, 1, 0))
+
+
 def verify(
     resources: Resources,
     state: EagleState,
@@ -332,9 +349,10 @@ def verify(
     )
 
 
-def _gather_nodes(
+def gather_nodes(
     x: Float[Tensor, "batch num_nodes hidden"], nodes: Int[Tensor, "batch n"]
 ) -> Float[Tensor, "batch n hidden"]:
+    """``x[b, nodes[b, i]]`` for each row (entries of -1 read node 0)."""
     return x.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
@@ -358,8 +376,8 @@ def draft_extend(
     entries written there while drafting.
     """
     acc = verified.accepted
-    hidden = _gather_nodes(verified.final_hidden, acc.path)
-    captured = tuple(_gather_nodes(c, acc.path) for c in verified.captured)
+    hidden = gather_nodes(verified.final_hidden, acc.path)
+    captured = tuple(gather_nodes(c, acc.path) for c in verified.captured)
     return _draft_extend_core(
         resources,
         replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead),
@@ -375,12 +393,7 @@ def decode(
     resources: Resources, state: EagleState, *, config: EagleConfig
 ) -> tuple[EagleState, StepOutput]:
     """One speculative round: draft, build the tree, verify, accept, commit, draft-extend."""
-    if config.sample_drafts:
-        candidates, q = draft_sampled(resources, state, config)
-        # Every candidate is kept, in candidate order: node i + 1 is candidate i.
-        draft_probs = F.pad(q, (0, 0, 1, 0))
-    else:
-        candidates, draft_probs = draft(resources, state, config), None
+    candidates, draft_probs = propose(resources, state, config)
     tree = build_tree(candidates, state.root_tokens, config.num_draft_tokens)
     verified = verify(resources, state, tree, config, draft_probs)
     acc = verified.accepted
@@ -391,15 +404,15 @@ def decode(
     return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
 
 
-def pipeline(
+def round_config(
     *,
     num_steps: int = 3,
     topk: int = 1,
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
     vocab_size: int,
-) -> Pipeline:
-    """The pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP, STANDALONE).
+) -> EagleConfig:
+    """The validated shape of a round, for pipelines that draft with these stages.
 
     ``num_draft_tokens`` counts tree nodes including the root; it defaults to
     ``num_steps + 1`` for chains (``topk == 1``) and to ``topk * num_steps + 1`` for sampled
@@ -417,15 +430,22 @@ def pipeline(
             "sampled candidates by score would bias the output"
         )
     validate_tree_config(num_steps, topk, num_draft_tokens, vocab_size)
-    config = EagleConfig(
+    return EagleConfig(
         num_steps=num_steps,
         topk=topk,
         num_draft_tokens=num_draft_tokens,
         sample_drafts=sample_drafts,
     )
+
+
+def pipeline(**options: Any) -> Pipeline:
+    """The pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP, STANDALONE);
+    ``options`` are :func:`round_config`'s."""
+    config = round_config(**options)
+    num_steps, topk = config.num_steps, config.topk
     # Verify writes the tree after the committed tokens; drafting writes its tail there, one
     # entry further for heads that run ahead; draft-extend writes the accepted tokens.
-    lookahead = max(num_draft_tokens, (num_steps - 1) * topk + 1, num_steps + 2)
+    lookahead = max(config.num_draft_tokens, (num_steps - 1) * topk + 1, num_steps + 2)
     return Pipeline(
         name="eagle",
         prefill=functools.partial(prefill, config=config),

@@ -26,9 +26,9 @@ compute tail slots for their batches but the head writes none of them.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -86,7 +86,7 @@ def _seed(
     """The seed of ``tokens`` and the head's features of target output ``at`` of each row."""
     index = at[:, None]
     features = resources.draft.target_features(
-        eagle._gather_nodes(hidden, index), tuple(eagle._gather_nodes(c, index) for c in captured)
+        eagle.gather_nodes(hidden, index), tuple(eagle.gather_nodes(c, index) for c in captured)
     )
     return make(Seed, tokens=tokens, hidden=features[:, 0])
 
@@ -102,7 +102,7 @@ def prefill(
     )
     seq_lens = chunk.kv.seq_lens + chunk.q_lens
     last = (chunk.q_lens - 1).clamp(min=0)
-    logits = resources.target.logits(eagle._gather_nodes(hidden, last[:, None])[:, 0])
+    logits = resources.target.logits(eagle.gather_nodes(hidden, last[:, None])[:, 0])
     first = sample(logits, chunk.sampling, seq_lens)
     state = make(
         FrozenKVState,
@@ -119,7 +119,7 @@ def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> Draft
     ones = torch.ones_like(state.kv.seq_lens)
     batch = extend_batch(state.kv, state.seed.tokens[:, None], ones)
     hidden = resources.draft(batch, resources.target_pool, state.seed.hidden[:, None, :])
-    return eagle._predict(resources, hidden[:, 0], topk)
+    return eagle.predict(resources, hidden[:, 0], topk)
 
 
 def _eagle_view(
@@ -164,11 +164,7 @@ def decode(
     resources: Resources, state: FrozenKVState, *, config: EagleConfig
 ) -> tuple[FrozenKVState, StepOutput]:
     """One round: draft, build the tree, verify, accept, commit, then record the seed."""
-    if config.sample_drafts:
-        candidates, q = draft_sampled(resources, state, config)
-        draft_probs = F.pad(q, (0, 0, 1, 0))  # every candidate kept: node i + 1 is candidate i
-    else:
-        candidates, draft_probs = draft(resources, state, config), None
+    candidates, draft_probs = eagle.propose(*_eagle_view(resources, state, config), config)
     tree = build_tree(candidates, state.seed.tokens, config.num_draft_tokens)
     verified = eagle.verify(resources, state, tree, config, draft_probs)
     kv = eagle.commit(resources, state, verified.accepted)
@@ -177,35 +173,17 @@ def decode(
     return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
 
 
-def pipeline(
-    *,
-    num_steps: int = 3,
-    topk: int = 1,
-    num_draft_tokens: int | None = None,
-    sample_drafts: bool = False,
-    vocab_size: int,
-) -> Pipeline:
-    """The FROZEN_KV_MTP pipeline value; the options and their defaults are EAGLE's
-    (``eagle.pipeline``, which validates them)."""
-    shape = eagle.pipeline(
-        num_steps=num_steps,
-        topk=topk,
-        num_draft_tokens=num_draft_tokens,
-        sample_drafts=sample_drafts,
-        vocab_size=vocab_size,
-    )
-    config = EagleConfig(
-        num_steps=num_steps,
-        topk=topk,
-        num_draft_tokens=num_draft_tokens or topk * num_steps + 1,
-        sample_drafts=sample_drafts,
-    )
+def pipeline(**options: Any) -> Pipeline:
+    """The FROZEN_KV_MTP pipeline value; ``options`` are EAGLE's round shape
+    (``eagle.round_config``: ``num_steps``, ``topk``, ``num_draft_tokens``, ``sample_drafts``,
+    ``vocab_size``)."""
+    config = eagle.round_config(**options)
     # Verify writes the tree after the committed tokens; the drafting steps address (but never
     # write) up to (num_steps - 1) * topk tail slots, which must lie inside the page table.
     return Pipeline(
         name="frozen_kv_mtp",
         prefill=functools.partial(prefill, config=config),
         decode=functools.partial(decode, config=config),
-        max_tokens_per_step=shape.max_tokens_per_step,
-        kv_lookahead=max(config.num_draft_tokens, (num_steps - 1) * topk),
+        max_tokens_per_step=config.num_steps + 1,
+        kv_lookahead=max(config.num_draft_tokens, (config.num_steps - 1) * config.topk),
     )

@@ -12,6 +12,7 @@ import torch
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft_loading import load_draft
+from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
@@ -245,7 +246,8 @@ def build_engine(
     target = load_model(model, dtype=torch_dtype, device=device)
     head = None
     if algorithm in SPECULATIVE:
-        load = load_standalone if algorithm == "standalone" else load_draft
+        loaders = {"standalone": load_standalone, "frozen_kv_mtp": load_frozen_kv}
+        load = loaders.get(algorithm, load_draft)
         head = load(draft, target, algorithm, dtype=torch_dtype, device=device)
     folder = Path(model)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").exists() else None
