@@ -1,11 +1,32 @@
-"""Draft heads built to agree with "mostly Markov" test targets, so rounds accept deep paths."""
+"""Test targets that are "mostly Markov", and draft heads built to agree with them, so that
+speculative rounds accept deep paths while the target still depends on its KV cache."""
 
 from __future__ import annotations
 
 import torch
+from conftest import tiny_config
 
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft import random_draft
+from speculum.models.loading import random_model
+
+
+def markov_target(vocab: int, head_scale: float = 1.0) -> DecoderModel:
+    """A random target whose next token is usually a fixed function of the last one.
+
+    Its lm_head reads the embedding back through a permutation (scaled by ``head_scale``), so
+    the residual stream's embedding term votes for ``perm^-1(last token)``; the random layers
+    (std 0.18) add enough context that the vote is overruled now and then. A ``head_scale``
+    below 1 keeps temperature-1 distributions away from one-hot.
+    """
+    config = tiny_config(vocab_size=vocab, num_layers=4, tie_word_embeddings=False)
+    model = random_model(config, seed=5, std=0.18)
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=generator)
+        perm = torch.randperm(vocab, generator=generator)
+        model.lm_head.weight.copy_(head_scale * model.model.embed_tokens.weight[perm])
+    return model
 
 
 def agreeing_head(target: DecoderModel, algorithm: str, seed: int = 3):

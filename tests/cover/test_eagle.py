@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from heads import agreeing_head
+from heads import agreeing_head, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.models.draft import random_draft
 from speculum.models.draft_loading import load_draft, save_random_draft
-from speculum.models.loading import random_model
 from speculum.pipelines import eagle
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
@@ -122,25 +121,7 @@ def test_impossible_round_shapes_are_refused(spec, match):
         mock_engine(1, **spec)
 
 
-def mostly_markov_target():
-    """A random target whose next token is usually a fixed function of the last one.
-
-    Its lm_head reads the embedding back through a permutation, so the residual stream's
-    embedding term votes for ``perm^-1(last token)``; the random layers (std 0.18) add enough
-    context that the vote is overruled now and then. Drafts that know the permutation are
-    accepted several tokens deep, yet the target's tokens still depend on its KV cache.
-    """
-    config = tiny_config(vocab_size=VOCAB, num_layers=4, tie_word_embeddings=False)
-    model = random_model(config, seed=5, std=0.18)
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=generator)
-        perm = torch.randperm(VOCAB, generator=generator)
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm])
-    return model
-
-
-TARGET = mostly_markov_target()
+TARGET = markov_target(VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ seeds, so a failure is a behaviour change, never bad luck. Three deliberately wr
 sampled drafts verified against another distribution than they were drawn from) must fail the
 same check, which shows the check can see the bugs it is there for.
 
-``tests/nocover/test_eagle_stats.py`` reuses these helpers for three-token joints, more seeds
+``tests/nocover/test_eagle_stats_large.py`` reuses these helpers for three-token joints, more seeds
 and more settings.
 """
 
@@ -39,14 +39,12 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
-from heads import agreeing_head
+from heads import agreeing_head, markov_target
 from stats import chi2_stat, chi2_threshold, tv_bound
 
 import speculum.pipelines.eagle as eagle_module
 import speculum.spec.accept as accept_module
 from speculum.models.draft import random_draft
-from speculum.models.loading import random_model
 from speculum.pipelines import get_pipeline
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
@@ -67,24 +65,7 @@ SEEDS = 6000
 # ------------------------------------------------------------------------------ the models
 
 
-def markov_target():
-    """A 4-layer random target whose next token is usually a fixed function of the last one.
-
-    ``lm_head = 0.25 * embed[perm]``: the residual stream's embedding term votes for
-    ``perm^-1(last token)``; the random layers (std 0.18) let the context overrule it now and
-    then; the 0.25 scale keeps the temperature-1 distributions well away from one-hot.
-    """
-    config = tiny_config(vocab_size=VOCAB, num_layers=4, tie_word_embeddings=False)
-    model = random_model(config, seed=5, std=0.18)
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=generator)
-        perm = torch.randperm(VOCAB, generator=generator)
-        model.lm_head.weight.copy_(0.25 * model.model.embed_tokens.weight[perm])
-    return model
-
-
-TARGET = markov_target()
+TARGET = markov_target(VOCAB, head_scale=0.25)
 
 
 def agreeing_eagle3_head():
