@@ -9,8 +9,8 @@ and the next round's drafting starts from it. One round:
 1. ``draft``: the seed forward (the head over the bonus token's embedding and the seed hidden)
    gives the first level of candidates; then ``num_steps - 1`` recurrent steps, each feeding a
    node's token embedding with its parent's output hidden, expand the EAGLE-2 frontier (or draw
-   ``topk`` sampled chains). These are the EAGLE stages (``eagle.draft``,
-   ``eagle.draft_sampled``) run over a view whose draft pool *is* the target pool: the head
+   ``topk`` sampled chains). These are the EAGLE stages (``spec.draft.draft``,
+   ``spec.draft.draft_sampled``) run over a view whose draft pool *is* the target pool: the head
    reads it and writes nothing, and every node, whatever its depth, sees only the committed
    prefix (the tree mask is the head's to ignore).
 2. ``build_tree``, ``verify`` (one target forward over the tree), ``accept``: shared with EAGLE.
@@ -34,10 +34,11 @@ from torch import Tensor
 
 from speculum.pipelines import eagle
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
-from speculum.pipelines.eagle import DraftPrediction, EagleConfig, EagleState
+from speculum.spec import draft as spec_draft
 from speculum.spec.paged import extend_batch
 from speculum.spec.sampling import sample
 from speculum.spec.tree import build_tree
+from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams
@@ -86,7 +87,8 @@ def _seed(
     """The seed of ``tokens`` and the head's features of target output ``at`` of each row."""
     index = at[:, None]
     features = resources.draft.target_features(
-        eagle.gather_nodes(hidden, index), tuple(eagle.gather_nodes(c, index) for c in captured)
+        spec_draft.gather_nodes(hidden, index),
+        tuple(spec_draft.gather_nodes(c, index) for c in captured),
     )
     return make(Seed, tokens=tokens, hidden=features[:, 0])
 
@@ -102,7 +104,7 @@ def prefill(
     )
     seq_lens = chunk.kv.seq_lens + chunk.q_lens
     last = (chunk.q_lens - 1).clamp(min=0)
-    logits = resources.target.logits(eagle.gather_nodes(hidden, last[:, None])[:, 0])
+    logits = resources.target.logits(spec_draft.gather_nodes(hidden, last[:, None])[:, 0])
     first = sample(logits, chunk.sampling, seq_lens)
     state = make(
         FrozenKVState,
@@ -119,7 +121,7 @@ def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> Draft
     ones = torch.ones_like(state.kv.seq_lens)
     batch = extend_batch(state.kv, state.seed.tokens[:, None], ones)
     hidden = resources.draft(batch, resources.target_pool, state.seed.hidden[:, None, :])
-    return eagle.predict(resources, hidden[:, 0], topk)
+    return spec_draft.predict(resources, hidden[:, 0], topk)
 
 
 def _eagle_view(
@@ -139,15 +141,15 @@ def _eagle_view(
 
 
 def draft(resources: Resources, state: FrozenKVState, config: EagleConfig) -> DraftCandidates:
-    """Seed forward, then ``num_steps - 1`` EAGLE-2 expansion steps (``eagle.draft``)."""
-    return eagle.draft(*_eagle_view(resources, state, config), config)
+    """Seed forward, then ``num_steps - 1`` EAGLE-2 expansion steps (``spec.draft.draft``)."""
+    return spec_draft.draft(*_eagle_view(resources, state, config), config)
 
 
 def draft_sampled(
     resources: Resources, state: FrozenKVState, config: EagleConfig
 ) -> tuple[DraftCandidates, Float[Tensor, "batch num_candidates vocab"]]:
-    """Seed forward, then ``topk`` sampled chains (``eagle.draft_sampled``)."""
-    return eagle.draft_sampled(*_eagle_view(resources, state, config), config)
+    """Seed forward, then ``topk`` sampled chains (``spec.draft.draft_sampled``)."""
+    return spec_draft.draft_sampled(*_eagle_view(resources, state, config), config)
 
 
 def draft_extend(resources: Resources, verified: Verified) -> Seed:
@@ -164,7 +166,7 @@ def decode(
     resources: Resources, state: FrozenKVState, *, config: EagleConfig
 ) -> tuple[FrozenKVState, StepOutput]:
     """One round: draft, build the tree, verify, accept, commit, then record the seed."""
-    candidates, draft_probs = eagle.propose(*_eagle_view(resources, state, config), config)
+    candidates, draft_probs = spec_draft.propose(*_eagle_view(resources, state, config), config)
     tree = build_tree(candidates, state.seed.tokens, config.num_draft_tokens)
     verified = eagle.verify(resources, state, tree, config, draft_probs)
     kv = eagle.commit(resources, state, verified.accepted)

@@ -25,12 +25,12 @@ from speculum.models.frozen_kv import (
 from speculum.models.loading import CheckpointError, random_model, save_model
 from speculum.pipelines import ALGORITHMS, frozen_kv_mtp
 from speculum.pipelines.base import Resources
-from speculum.pipelines.eagle import EagleConfig
 from speculum.runtime import scheduler
 from speculum.runtime.engine import Engine, EngineConfig, SpecOptions, build_engine
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.paged import extend_batch
 from speculum.state import PagedKV
+from speculum.state.draft import EagleConfig
 
 
 def agreeing_head(**options):
