@@ -7,7 +7,9 @@ import torch
 from conftest import tiny_config
 
 from speculum.models.draft import random_draft
+from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import random_model
+from speculum.models.standalone import StandaloneHead
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
 from speculum.spec.sampling import Stream, uniforms
@@ -45,6 +47,26 @@ def test_speculative_greedy_on_cuda_equals_plain(algorithm, num_steps, topk, num
     head = random_draft(target, algorithm, seed=2, std=0.3)
     spec = SpecOptions(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
     assert _tokens(target, algorithm=algorithm, draft=head, spec=spec) == _tokens(target)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_standalone_and_frozen_kv_greedy_on_cuda_equal_plain(sample):
+    target = _target("cuda")
+    spec = SpecOptions(
+        num_steps=3, topk=2, num_draft_tokens=7 if sample else 6, sample_drafts=sample
+    )
+    small = random_model(tiny_config(vocab_size=16, num_layers=1), seed=8, std=0.3).to("cuda")
+    plain = _tokens(target)
+    standalone = StandaloneHead(small, 16)
+    assert _tokens(target, algorithm="standalone", draft=standalone, spec=spec) == plain
+    frozen = random_frozen_kv(target, seed=2, std=0.3)
+    assert _tokens(target, algorithm="frozen_kv_mtp", draft=frozen, spec=spec) == plain
+
+
+def test_ngram_greedy_on_cuda_equals_plain():
+    target = _target("cuda")
+    spec = SpecOptions(num_draft_tokens=6)
+    assert _tokens(target, algorithm="ngram", spec=spec) == _tokens(target)
 
 
 def test_sampled_decoding_on_cuda_is_reproducible():
