@@ -24,9 +24,8 @@ from speculum.models.frozen_kv import (
 )
 from speculum.models.loading import CheckpointError, random_model, save_model
 from speculum.pipelines import ALGORITHMS, frozen_kv_mtp
-from speculum.pipelines.base import Resources
 from speculum.runtime import scheduler
-from speculum.runtime.engine import Engine, EngineConfig, SpecOptions, build_engine
+from speculum.runtime.engine import SpecOptions, build_engine, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.paged import extend_batch
 from speculum.state import PagedKV
@@ -59,25 +58,16 @@ HEADS = {
 
 
 def engine(head, num_steps=3, topk=1, num_draft_tokens=None, sample=False, **limits):
-    """An engine running the frozen_kv_mtp pipeline (built directly: no registration needed)."""
-    pipe = frozen_kv_mtp.pipeline(
-        num_steps=num_steps,
-        topk=topk,
-        num_draft_tokens=num_draft_tokens,
-        sample_drafts=sample,
-        vocab_size=VOCAB,
+    """An engine running the frozen_kv_mtp pipeline with ``head``."""
+    spec = SpecOptions(
+        num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens, sample_drafts=sample
     )
-    config = EngineConfig(**({"page_size": 4, "max_context": 48, "max_batch": 8} | limits))
-    num_pages = config.max_batch * config.max_pages_per_request(pipe.kv_lookahead) + 1
-    config = attrs.evolve(config, num_pages=num_pages)
-    resources = Resources(
-        target=TARGET,
-        target_pool=TARGET.new_pool(num_pages, config.page_size),
+    return engine_from_model(
+        TARGET,
+        algorithm="frozen_kv_mtp",
         draft=head,
-        draft_pool=head.new_pool(num_pages, config.page_size),
-    )
-    return Engine(
-        pipeline=pipe, resources=resources, config=config, tokenizer=None, eos_token_ids=()
+        spec=spec,
+        **({"page_size": 4, "max_context": 48, "max_batch": 8} | limits),
     )
 
 
