@@ -53,3 +53,13 @@ def tiny_model():
     from speculum.models.loading import random_model
 
     return random_model(tiny_config(), seed=0, std=0.3)
+
+
+def started(engine, prompt, rounds, **options):
+    """A scheduler state after prefilling ``prompt`` alone and ``rounds`` decoding rounds."""
+    from speculum.runtime import scheduler
+
+    state, rid = scheduler.add_request(engine, scheduler.new_state(engine), prompt, **options)
+    for _ in range(rounds + 1):
+        state, _ = scheduler.step(engine, state)
+    return state, rid

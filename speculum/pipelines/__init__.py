@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, frozen_kv_mtp, ngram, plain
+from speculum.pipelines import eagle, frozen_kv_mtp, multi_layer_eagle, ngram, plain
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
@@ -33,6 +33,7 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "standalone": eagle.pipeline,
     "ngram": ngram.pipeline,
     "frozen_kv_mtp": frozen_kv_mtp.pipeline,
+    "multi_layer_eagle": multi_layer_eagle.pipeline,
 }
 #: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}

@@ -14,6 +14,7 @@ from speculum.models.decoder import DecoderModel
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
+from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import SPECULATIVE, get_pipeline
@@ -238,7 +239,7 @@ def build_engine(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
     get_pipeline("plain" if algorithm in SPECULATIVE else algorithm)  # unknown names fail early
-    if algorithm in ("mtp", "nextn") and draft is None:
+    if algorithm in ("mtp", "nextn", "multi_layer_eagle") and draft is None:
         draft = model
     if algorithm in SPECULATIVE and draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
@@ -246,7 +247,11 @@ def build_engine(
     target = load_model(model, dtype=torch_dtype, device=device)
     head = None
     if algorithm in SPECULATIVE:
-        loaders = {"standalone": load_standalone, "frozen_kv_mtp": load_frozen_kv}
+        loaders = {
+            "standalone": load_standalone,
+            "frozen_kv_mtp": load_frozen_kv,
+            "multi_layer_eagle": load_multi_layer,
+        }
         load = loaders.get(algorithm, load_draft)
         head = load(draft, target, algorithm, dtype=torch_dtype, device=device)
     folder = Path(model)

@@ -9,7 +9,7 @@ import json
 import attrs
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import started, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -69,14 +69,6 @@ def engine(head, num_steps=3, topk=1, num_draft_tokens=None, sample=False, **lim
         spec=spec,
         **({"page_size": 4, "max_context": 48, "max_batch": 8} | limits),
     )
-
-
-def started(spec, prompt, rounds, **options):
-    """A scheduler state after prefilling ``prompt`` and ``rounds`` decoding rounds."""
-    state, rid = scheduler.add_request(spec, scheduler.new_state(spec), prompt, **options)
-    for _ in range(rounds + 1):
-        state, _ = scheduler.step(spec, state)
-    return state, rid
 
 
 @settings(max_examples=50)

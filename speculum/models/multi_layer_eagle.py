@@ -1,0 +1,258 @@
+"""Multi-layer EAGLE: ``K`` separate MTP layers, one per draft depth (DeepSeek-V3's
+``num_nextn_predict_layers > 1``, SGLang's multi-layer EAGLE).
+
+Layer ``k`` (0-based here, ``k + 1`` in the pipeline's 1-based notation) is a whole
+:class:`~speculum.models.draft.MTPHead` (``eh_proj([enorm(embed); hnorm(hidden)])``, one decoder
+layer, ``shared_head``) whose attention reads and writes layer ``k`` of the head's draft pool, so
+one pool of ``K`` layers, indexed by the target's page ids, holds every layer's cache.
+
+Checkpoint layouts (both strict, both DeepSeek-style keys ``model.layers.{L + k}.*`` for
+``k = 0 .. K - 1`` where ``L`` is the target's layer count, ``num_nextn_predict_layers: K`` in
+``config.json``):
+
+- ``in-target``: the target's own folder, its weights beside the MTP layers;
+- ``separate``: a folder of only the MTP layers, with the target's ``config.json`` (plus
+  ``num_nextn_predict_layers``).
+
+Key names per layer are those of ``speculum.models.draft_loading``'s MTP layouts (its
+``_key_map``), so a one-layer folder of either form is also an ordinary MTP checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from speculum.models.decoder import DecoderModel
+from speculum.models.draft import DraftConfig, MTPHead, build_draft, draft_config
+from speculum.models.draft_loading import (
+    DraftTargetMismatch,
+    _base_layer_config,
+    _check_target,
+    _key_map,
+    _mtp_layers,
+    _read_json,
+    _read_weights,
+    _share_equal_embedding,
+)
+from speculum.models.loading import CheckpointError, check_keys, randomize_, save_model
+from speculum.state.forward import ForwardBatch
+from speculum.state.kv import KVPool
+
+__all__ = [
+    "MultiLayerEagleHead",
+    "random_multi_layer",
+    "load_multi_layer",
+    "save_multi_layer",
+]
+
+
+class MultiLayerEagleHead(nn.Module):
+    """``num_layers`` MTP layers; layer ``k`` owns layer ``k`` of the draft pool.
+
+    ``config`` is one layer's :class:`DraftConfig` (every layer has the same shape).
+    """
+
+    #: EAGLE-style cache pairing (entry ``j`` holds a hidden state of token ``j``).
+    ahead = 0
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: DraftConfig, target: DecoderModel, num_layers: int) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"a multi-layer EAGLE head needs at least one layer, not {num_layers}")
+        self.config = config
+        self.layers = nn.ModuleList(build_draft(config, target) for _ in range(num_layers))
+        for k, layer in enumerate(self.layers):
+            assert isinstance(layer, MTPHead)
+            layer.decoder.self_attn.layer = k  # layer k reads and writes pool layer k
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many distinct tokens the head can propose (the target vocabulary)."""
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        """``K``: one layer per draft depth."""
+        return len(self.layers)
+
+    def reset_buffers(self) -> None:
+        """Recompute every layer's rotary table (after ``to_empty`` or a dtype cast)."""
+        for layer in self.layers:
+            layer.reset_buffers()
+
+    def layer_forward(
+        self, k: int, batch: ForwardBatch, pool: KVPool, hidden: Float[Tensor, "batch q hidden"]
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Layer ``k`` (0-based) over ``batch``: writes pool layer ``k`` and returns its
+        post-norm output (``shared_head.norm``), the hidden the next layer may chain on."""
+        return self.layers[k](batch, pool, hidden)
+
+    def layer_logits(self, k: int, hidden: Float[Tensor, "*rows hidden"]) -> Tensor:
+        """Layer ``k``'s float32 logits over the target vocabulary."""
+        return self.layers[k].logits(hidden)
+
+    def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
+        """A zeroed pool of ``num_layers`` layers (page 0 is the padding sink)."""
+        weight = next(self.parameters())
+        return KVPool.allocate(
+            num_layers=self.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.config.layer.num_kv_heads,
+            head_dim=self.config.layer.head_dim,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+
+def random_multi_layer(
+    target: DecoderModel,
+    num_layers: int,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    **changes: object,
+) -> MultiLayerEagleHead:
+    """A head of ``num_layers`` MTP layers with normal(0, std) weights, unit norms and zero
+    biases, in the target's dtype and on its device; ``changes`` override the layers'
+    :class:`DraftConfig` (``own_head=True``, ``own_embedding=True``)."""
+    config = draft_config(target.config, "mtp", **changes)
+    head = randomize_(MultiLayerEagleHead(config, target, num_layers), seed=seed, std=std)
+    weight = target.model.embed_tokens.weight
+    head = head.to(device=weight.device, dtype=weight.dtype)
+    head.reset_buffers()
+    return head.eval().requires_grad_(False)
+
+
+def _prefixes(num_target_layers: int, num_layers: int) -> list[str]:
+    return [f"model.layers.{num_target_layers + k}." for k in range(num_layers)]
+
+
+def _keys(head: MultiLayerEagleHead) -> dict[str, str]:
+    """Checkpoint key -> head parameter name."""
+    out = {}
+    for k, prefix in enumerate(_prefixes(head.config.target_num_layers, head.num_layers)):
+        to_key = _key_map("mtp", prefix)
+        for name, _ in head.layers[k].named_parameters():
+            out[to_key(name)] = f"layers.{k}.{name}"
+    return out
+
+
+def load_multi_layer(
+    folder: str | Path,
+    target: DecoderModel,
+    algorithm: str = "multi_layer_eagle",
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> MultiLayerEagleHead:
+    """Load the ``num_nextn_predict_layers`` MTP layers in ``folder`` (either form), strictly.
+
+    ``algorithm`` is there for the engine's loader signature and must be
+    ``multi_layer_eagle``; ``dtype`` and ``device`` default to the target's.
+
+    Raises ``CheckpointError`` for a missing ``num_nextn_predict_layers``, MTP layers that are
+    not ``L .. L + K - 1``, or missing, unexpected or mis-shaped tensors (the target's own
+    weights are tolerated), and :class:`DraftTargetMismatch` for layers of another target.
+    """
+    if algorithm != "multi_layer_eagle":
+        raise ValueError(f"load_multi_layer loads multi_layer_eagle heads, not {algorithm!r}")
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise CheckpointError(f"{folder} has no config.json; pass a multi-layer MTP folder")
+    where = str(folder)
+    raw = _read_json(folder / "config.json")
+    found, _ = _read_weights(folder)
+    num_layers = int(raw.get("num_nextn_predict_layers") or 0)
+    if num_layers < 1:
+        raise CheckpointError(
+            f"{where}: config.json has no num_nextn_predict_layers >= 1; a multi-layer EAGLE "
+            "folder names how many MTP layers it holds"
+        )
+    base = target.config.num_layers
+    if int(raw.get("num_hidden_layers", -1)) != base:
+        raise DraftTargetMismatch(
+            f"{where}: its MTP layers follow a {raw.get('num_hidden_layers')}-layer target, but "
+            f"the target has {base} layers"
+        )
+    wanted = list(range(base, base + num_layers))
+    if _mtp_layers(found) != wanted:
+        raise CheckpointError(
+            f"{where}: num_nextn_predict_layers={num_layers} needs MTP layers {wanted} "
+            f"(model.layers.N.eh_proj.weight), found {_mtp_layers(found)}"
+        )
+    layer = attrs.evolve(_base_layer_config(raw), num_layers=1, num_nextn_predict_layers=0)
+    _check_target(layer.vocab_size, layer.hidden_size, target.config, where)
+    prefixes = _prefixes(base, num_layers)
+    own_head = {f"{p}shared_head.head.weight" in found for p in prefixes}
+    own_embedding = {f"{p}embed_tokens.weight" in found for p in prefixes}
+    if len(own_head) != 1 or len(own_embedding) != 1:
+        raise CheckpointError(
+            f"{where}: some MTP layers have their own shared_head.head / embed_tokens and "
+            "some do not; every layer must have the same parts"
+        )
+    config = draft_config(
+        target.config,
+        "mtp",
+        layer=layer,
+        own_head=own_head.pop(),
+        own_embedding=own_embedding.pop(),
+    )
+    with torch.device("meta"):
+        head = MultiLayerEagleHead(config, target, num_layers)
+    names = _keys(head)
+    params = dict(head.named_parameters())
+    expected = {key: params[name].shape for key, name in names.items()}
+    target_keys = {n for n, _ in target.named_parameters()} | {"lm_head.weight"}
+    tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
+    tolerated |= {k for k in found if k in target_keys and not k.startswith(tuple(prefixes))}
+    check_keys(expected, found, where, frozenset(tolerated))
+    weight = target.model.embed_tokens.weight
+    head.to_empty(device=weight.device if device is None else device)
+    params = dict(head.named_parameters())
+    with torch.no_grad():
+        for key, name in names.items():
+            params[name].copy_(found[key])
+    head = head.to(dtype or weight.dtype)
+    head.reset_buffers()
+    for mtp in head.layers:
+        _share_equal_embedding(mtp, weight)
+    return head.eval().requires_grad_(False)
+
+
+def save_multi_layer(
+    head: MultiLayerEagleHead, folder: str | Path, *, target: DecoderModel | None = None
+) -> Path:
+    """Write ``head`` to ``folder``: inside the target's folder when ``target`` is given (its
+    weights and config too, ``num_nextn_predict_layers = K``), else the separate form."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    params = dict(head.named_parameters())
+    tensors = {
+        key: params[name].detach().contiguous().cpu().clone() for key, name in _keys(head).items()
+    }
+    shape = attrs.evolve(
+        head.config.layer,
+        num_layers=head.config.target_num_layers,
+        num_nextn_predict_layers=head.num_layers,
+    )
+    if target is not None:
+        if target.config.num_layers != head.config.target_num_layers:
+            raise ValueError("this head belongs to a target with another layer count")
+        save_model(target, folder)
+        from safetensors.torch import load_file
+
+        tensors = {**load_file(folder / "model.safetensors"), **tensors}
+        shape = attrs.evolve(target.config, num_nextn_predict_layers=head.num_layers)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(shape.to_dict(), indent=2))
+    return folder
