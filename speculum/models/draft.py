@@ -64,6 +64,7 @@ __all__ = [
     "canonical_algorithm",
     "default_capture_layers",
     "draft_config",
+    "pool_for",
     "random_draft",
 ]
 
@@ -77,6 +78,28 @@ _ALIASES = {
     "mtp": "mtp",
     "nextn": "mtp",
 }
+
+
+def pool_for(
+    module: nn.Module,
+    layer: DecoderConfig,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype | None = None,
+) -> KVPool:
+    """A zeroed pool of ``num_layers`` layers shaped like ``layer``'s attention, in
+    ``module``'s dtype (unless given) and on its device."""
+    weight = next(module.parameters())
+    return KVPool.allocate(
+        num_layers=num_layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        dtype=dtype or weight.dtype,
+        device=weight.device,
+    )
 
 
 def canonical_algorithm(name: str) -> str:
@@ -284,15 +307,8 @@ class _DraftBase(nn.Module):
 
     def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
         """A zeroed KV pool shaped for the draft's own layers (page 0 is the padding sink)."""
-        weight = next(self.parameters())
-        return KVPool.allocate(
-            num_layers=self.config.layer.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=self.config.layer.num_kv_heads,
-            head_dim=self.config.layer.head_dim,
-            dtype=dtype or weight.dtype,
-            device=weight.device,
+        return pool_for(
+            self, self.config.layer, self.config.layer.num_layers, num_pages, page_size, dtype
         )
 
 

@@ -62,6 +62,7 @@ from typing import Any
 import attrs
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from speculum.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig, UnsupportedModel
 from speculum.models.decoder import DecoderModel
@@ -88,6 +89,7 @@ __all__ = [
     "DraftTargetMismatch",
     "detect_layout",
     "load_draft",
+    "materialize",
     "save_draft",
     "save_random_draft",
 ]
@@ -441,20 +443,35 @@ def load_draft(
     check_keys(expected, found, where, frozenset(tolerated))
 
     weight = target.model.embed_tokens.weight
-    device = weight.device if device is None else device
-    head.to_empty(device=device)
-    params = dict(head.named_parameters())
-    with torch.no_grad():
-        for key, name in names.items():
-            params[name].copy_(found[key])
-    head = head.to(dtype or weight.dtype)
-    head.reset_buffers()
+    head = materialize(head, names, found, target, dtype=dtype, device=device)
     if isinstance(head, Eagle3Head):
         head.set_target_ids(
             torch.arange(config.head_vocab_size) if vocab_ids is None else vocab_ids
         )
     _share_equal_embedding(head, weight)
     return head.eval().requires_grad_(False)
+
+
+def materialize(
+    head: nn.Module,
+    names: dict[str, str],
+    found: dict[str, torch.Tensor],
+    target: DecoderModel,
+    *,
+    dtype: torch.dtype | None,
+    device: str | torch.device | None,
+) -> nn.Module:
+    """Allocate a meta-device head and copy checked weights into it: ``names`` maps checkpoint
+    keys to parameter names. ``dtype`` and ``device`` default to the target's."""
+    weight = target.model.embed_tokens.weight
+    head.to_empty(device=weight.device if device is None else device)
+    params = dict(head.named_parameters())
+    with torch.no_grad():
+        for key, name in names.items():
+            params[name].copy_(found[key])
+    head = head.to(dtype or weight.dtype)
+    head.reset_buffers()
+    return head
 
 
 def _share_equal_embedding(head: Any, target_weight: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from speculum.models.decoder import DecoderModel
-from speculum.models.draft import DraftConfig, MTPHead, build_draft, draft_config
+from speculum.models.draft import DraftConfig, MTPHead, build_draft, draft_config, pool_for
 from speculum.models.draft_loading import (
     DraftTargetMismatch,
     _base_layer_config,
@@ -39,6 +39,7 @@ from speculum.models.draft_loading import (
     _read_json,
     _read_weights,
     _share_equal_embedding,
+    materialize,
 )
 from speculum.models.loading import CheckpointError, check_keys, randomize_, save_model
 from speculum.state.forward import ForwardBatch
@@ -100,16 +101,7 @@ class MultiLayerEagleHead(nn.Module):
 
     def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
         """A zeroed pool of ``num_layers`` layers (page 0 is the padding sink)."""
-        weight = next(self.parameters())
-        return KVPool.allocate(
-            num_layers=self.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=self.config.layer.num_kv_heads,
-            head_dim=self.config.layer.head_dim,
-            dtype=dtype or weight.dtype,
-            device=weight.device,
-        )
+        return pool_for(self, self.config.layer, self.num_layers, num_pages, page_size, dtype)
 
 
 def random_multi_layer(
@@ -215,13 +207,7 @@ def load_multi_layer(
     tolerated |= {k for k in found if k in target_keys and not k.startswith(tuple(prefixes))}
     check_keys(expected, found, where, frozenset(tolerated))
     weight = target.model.embed_tokens.weight
-    head.to_empty(device=weight.device if device is None else device)
-    params = dict(head.named_parameters())
-    with torch.no_grad():
-        for key, name in names.items():
-            params[name].copy_(found[key])
-    head = head.to(dtype or weight.dtype)
-    head.reset_buffers()
+    head = materialize(head, names, found, target, dtype=dtype, device=device)
     for mtp in head.layers:
         _share_equal_embedding(mtp, weight)
     return head.eval().requires_grad_(False)
