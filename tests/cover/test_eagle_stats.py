@@ -39,12 +39,15 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 from heads import agreeing_head, markov_target
 from stats import chi2_stat, chi2_threshold, tv_bound
 
 import speculum.pipelines.eagle as eagle_module
 import speculum.spec.accept as accept_module
 from speculum.models.draft import random_draft
+from speculum.models.loading import random_model
+from speculum.models.standalone import StandaloneHead
 from speculum.pipelines import get_pipeline
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
@@ -124,6 +127,12 @@ HEADS = {
     ("mtp", "random"): lambda: random_draft(TARGET, "mtp", seed=7, std=0.3),
     ("eagle3", "random"): lambda: random_draft(TARGET, "eagle3", seed=7, std=0.3),
     ("eagle3", "reduced"): reduced_vocab_eagle3_head,
+    # STANDALONE: the target as its own draft (sampled drafts are then drawn from exactly the
+    # target's law and accepted with probability 1) and a small random LM.
+    ("standalone", "agree"): lambda: StandaloneHead(TARGET, VOCAB),
+    ("standalone", "random"): lambda: StandaloneHead(
+        random_model(tiny_config(vocab_size=VOCAB, num_layers=1), seed=8, std=0.3), VOCAB
+    ),
 }
 _HEAD_CACHE: dict = {}
 
@@ -401,6 +410,27 @@ CASES = {
         spec={"num_steps": 2, "topk": 3, "sample_drafts": True},
         setting={"temperature": 2.5, "top_p": 0.9},
         prompt=[4, 1],
+    ),
+    "standalone-sampled-chain-self": dict(
+        algorithm="standalone",
+        head="agree",
+        spec={"num_steps": 3, "topk": 1, "sample_drafts": True},
+        setting={},
+        prompt=[2, 5],
+    ),
+    "standalone-sampled-chains3-random-topk": dict(
+        algorithm="standalone",
+        head="random",
+        spec={"num_steps": 2, "topk": 3, "sample_drafts": True},
+        setting={"top_k": 4},
+        prompt=[1, 3, 0],
+    ),
+    "standalone-tree2-self-topp": dict(
+        algorithm="standalone",
+        head="agree",
+        spec={"num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+        setting={"top_p": 0.9},
+        prompt=[4, 4, 1],
     ),
     "mtp-sampled-chains2-random-minp": dict(
         algorithm="mtp",
