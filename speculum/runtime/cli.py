@@ -54,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw draft tokens from the draft's distribution (topk independent chains)",
     )
+    gen.add_argument(
+        "--no-chain-hidden",
+        dest="chain_hidden",
+        action="store_false",
+        help="multi_layer_eagle: feed every MTP layer the target's hidden state instead of the "
+        "previous layer's output",
+    )
     ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
     ngram.add_argument(
         "--ngram-max-depth", type=int, help="longest suffix matched and deepest draft (default 18)"
@@ -109,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             topk=args.topk,
             num_draft_tokens=args.num_draft_tokens,
             sample_drafts=args.sample_drafts,
+            chain_hidden=args.chain_hidden,
             ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,

@@ -68,13 +68,15 @@ class SpecOptions:
 
     ``num_draft_tokens`` defaults to ``num_steps + 1`` for chains (``topk == 1``).
     ``sample_drafts`` draws drafts from the draft's filtered distribution (``topk``
-    independent chains) instead of taking its top-k.
+    independent chains) instead of taking its top-k. ``chain_hidden`` (multi-layer EAGLE only)
+    feeds each MTP layer's output hidden state into the next layer.
     """
 
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
     sample_drafts: bool = False
+    chain_hidden: bool = True
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -160,6 +162,8 @@ def _pipeline(
         return get_pipeline(algorithm)
     if draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    # Multi-layer EAGLE alone has the chain_hidden option.
+    extra = {"chain_hidden": spec.chain_hidden} if algorithm == "multi_layer_eagle" else {}
     return get_pipeline(
         algorithm,
         num_steps=spec.num_steps,
@@ -167,6 +171,7 @@ def _pipeline(
         num_draft_tokens=spec.num_draft_tokens,
         sample_drafts=spec.sample_drafts,
         vocab_size=draft.draft_vocab_size,  # topk cannot exceed what the draft can propose
+        **extra,
     )
 
 

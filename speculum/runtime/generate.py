@@ -53,6 +53,7 @@ def generate(
     topk: int = 1,
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
+    chain_hidden: bool = True,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -72,7 +73,8 @@ def generate(
     decoded together by the continuous-batching scheduler; each result is what that prompt
     yields alone. Speculative algorithms take their draft from ``draft`` and the round's shape
     from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
-    ``sample_drafts`` samples drafts instead of taking the draft's top-k. ``algorithm="ngram"``
+    ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
+    chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options.
     """
     if engine is None:
@@ -85,6 +87,7 @@ def generate(
                 topk=topk,
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
+                chain_hidden=chain_hidden,
             ),
             device=device,
             dtype=dtype,

@@ -23,7 +23,7 @@ from speculum.pipelines.base import PrefillChunk
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
-from speculum.state import PagedKV, replace
+from speculum.state import PagedKV
 
 MAX_STEPS = 4
 
@@ -53,19 +53,14 @@ HEADS = {
 
 
 def engine(kind, num_steps=3, chain_hidden=True, **limits):
-    """An engine running the registered pipeline, with ``chain_hidden`` chosen (an option the
-    engine's ``SpecOptions`` does not carry)."""
-    built = engine_from_model(
+    """An engine running the multi_layer_eagle pipeline with one of the test heads."""
+    return engine_from_model(
         TARGET,
         algorithm="multi_layer_eagle",
         draft=HEADS[kind, num_steps],
-        spec=SpecOptions(num_steps=num_steps),
+        spec=SpecOptions(num_steps=num_steps, chain_hidden=chain_hidden),
         **({"page_size": 4, "max_context": 48, "max_batch": 8} | limits),
     )
-    pipe = multi_layer_eagle.pipeline(
-        num_steps=num_steps, vocab_size=VOCAB, chain_hidden=chain_hidden
-    )
-    return attrs.evolve(built, pipeline=replace(pipe, name="multi_layer_eagle"))
 
 
 @settings(max_examples=30)
