@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
+import torch
 from jaxtyping import Int
 from torch import Tensor
 
 from speculum.models.decoder import DecoderModel
 from speculum.state.kv import KVPool, PagedKV
-from speculum.state.record import record, static
+from speculum.state.record import make, record, static
 from speculum.state.sampling import SamplingParams
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "StepOutput",
     "Pipeline",
     "PipelineState",
+    "first_token_output",
     "prefill",
     "step",
 ]
@@ -123,6 +125,11 @@ class Pipeline:
     decode: Callable[[Resources, Any], tuple[Any, StepOutput]] = static()
     max_tokens_per_step: int = static()
     kv_lookahead: int = static()
+
+
+def first_token_output(first: Int[Tensor, " batch"]) -> StepOutput:
+    """The one-token output of a prefill: the token sampled after each row's chunk."""
+    return make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
 
 
 def prefill(

@@ -32,20 +32,24 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.pipelines.base import (
+    Pipeline,
+    PrefillChunk,
+    Resources,
+    StepOutput,
+    first_token_output,
+)
 from speculum.spec.draft import (
     draft,
     draft_extend,
     draft_sampled,
     extend_draft,
     gather_nodes,
-    last_valid,
     predict,
     prepare_draft,
     propose,
 )
-from speculum.spec.paged import extend_batch
-from speculum.spec.sampling import sample
+from speculum.spec.prefill import prefill_target
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -84,13 +88,16 @@ def prefill(
     chunk's tokens and that following token itself (the following token is read again at the
     start of the next chunk, to the same cache entry).
     """
-    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
-    capture = resources.draft.capture_layers
-    hidden, captured = resources.target(batch, resources.target_pool, capture)
-    seq_lens = chunk.kv.seq_lens + chunk.q_lens
-    first = sample(
-        resources.target.logits(last_valid(hidden, chunk.q_lens)), chunk.sampling, seq_lens
+    out = prefill_target(
+        resources.target,
+        resources.target_pool,
+        chunk.kv,
+        chunk.tokens,
+        chunk.q_lens,
+        chunk.sampling,
+        resources.draft.capture_layers,
     )
+    first = out.first_tokens
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
     stream = F.pad(chunk.tokens, (0, 1)).scatter(1, chunk.q_lens[:, None], following[:, None])
     ahead = resources.draft.ahead
@@ -99,18 +106,14 @@ def prefill(
         chunk.kv,
         stream[:, 1 - ahead :],
         chunk.q_lens + ahead,
-        hidden,
-        captured,
+        out.hidden,
+        out.captured,
         config.topk,
     )
     state = make(
-        EagleState,
-        kv=replace(chunk.kv, seq_lens=seq_lens),
-        root_tokens=first,
-        prediction=prediction,
-        sampling=chunk.sampling,
+        EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling
     )
-    return state, make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
+    return state, first_token_output(first)
 
 
 def verify(

@@ -33,10 +33,16 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.pipelines import eagle
-from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.pipelines.base import (
+    Pipeline,
+    PrefillChunk,
+    Resources,
+    StepOutput,
+    first_token_output,
+)
 from speculum.spec import draft as spec_draft
 from speculum.spec.paged import extend_batch
-from speculum.spec.sampling import sample
+from speculum.spec.prefill import prefill_target
 from speculum.spec.tree import build_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
 from speculum.state.kv import PagedKV
@@ -98,21 +104,23 @@ def prefill(
 ) -> tuple[FrozenKVState, StepOutput]:
     """Target prefill of a prompt chunk; the seed is the first sampled token and the target's
     features at the chunk's last token (the draft runs no forward here)."""
-    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
-    hidden, captured = resources.target(
-        batch, resources.target_pool, resources.draft.capture_layers
+    out = prefill_target(
+        resources.target,
+        resources.target_pool,
+        chunk.kv,
+        chunk.tokens,
+        chunk.q_lens,
+        chunk.sampling,
+        resources.draft.capture_layers,
     )
-    seq_lens = chunk.kv.seq_lens + chunk.q_lens
     last = (chunk.q_lens - 1).clamp(min=0)
-    logits = resources.target.logits(spec_draft.gather_nodes(hidden, last[:, None])[:, 0])
-    first = sample(logits, chunk.sampling, seq_lens)
     state = make(
         FrozenKVState,
-        kv=replace(chunk.kv, seq_lens=seq_lens),
-        seed=_seed(resources, first, hidden, captured, last),
+        kv=out.kv,
+        seed=_seed(resources, out.first_tokens, out.hidden, out.captured, last),
         sampling=chunk.sampling,
     )
-    return state, make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
+    return state, first_token_output(out.first_tokens)
 
 
 def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> DraftPrediction:

@@ -45,10 +45,16 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.pipelines import eagle
-from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.pipelines.base import (
+    Pipeline,
+    PrefillChunk,
+    Resources,
+    StepOutput,
+    first_token_output,
+)
 from speculum.spec.draft import gather_nodes, last_valid
 from speculum.spec.paged import extend_batch
-from speculum.spec.sampling import sample
+from speculum.spec.prefill import prefill_target
 from speculum.spec.tree import build_tree
 from speculum.state.draft import EagleConfig
 from speculum.state.kv import PagedKV
@@ -142,11 +148,16 @@ def prefill(
     """Target prefill of a prompt chunk, then each layer over the chunk's entries."""
     num_steps = config.num_steps
     _check_head(resources, num_steps)
-    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
-    hidden, _ = resources.target(batch, resources.target_pool, ())
+    out = prefill_target(
+        resources.target,
+        resources.target_pool,
+        chunk.kv,
+        chunk.tokens,
+        chunk.q_lens,
+        chunk.sampling,
+    )
+    hidden, first, seq_lens = out.hidden, out.first_tokens, out.kv.seq_lens
     q, width = chunk.q_lens, chunk.tokens.shape[1]
-    seq_lens = chunk.kv.seq_lens + q
-    first = sample(resources.target.logits(last_valid(hidden, q)), chunk.sampling, seq_lens)
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
     # stream[:, i] = t_{S + i}: the chunk, the token after it, then d_1, d_2, ...
     stream = F.pad(chunk.tokens, (0, num_steps + 1)).scatter(1, q[:, None], following[:, None])
@@ -174,7 +185,7 @@ def prefill(
         carried=carried,
         sampling=chunk.sampling,
     )
-    return state, make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
+    return state, first_token_output(first)
 
 
 def draft(state: MultiLayerState) -> DraftTree:

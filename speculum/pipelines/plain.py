@@ -9,8 +9,15 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.pipelines.base import (
+    Pipeline,
+    PrefillChunk,
+    Resources,
+    StepOutput,
+    first_token_output,
+)
 from speculum.spec.paged import extend_batch
+from speculum.spec.prefill import prefill_target
 from speculum.spec.sampling import sample
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
@@ -34,19 +41,16 @@ def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, Step
     The sample is keyed by the position it will occupy (the new sequence length), so it is the
     same whether the prompt arrived in one chunk or many.
     """
-    batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
-    hidden, _ = resources.target(batch, resources.target_pool)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    last = hidden[rows, (chunk.q_lens - 1).clamp(min=0)]
-    seq_lens = chunk.kv.seq_lens + chunk.q_lens
-    tokens = sample(resources.target.logits(last), chunk.sampling, seq_lens)
-    state = make(
-        PlainState,
-        kv=replace(chunk.kv, seq_lens=seq_lens),
-        next_tokens=tokens,
-        sampling=chunk.sampling,
+    out = prefill_target(
+        resources.target,
+        resources.target_pool,
+        chunk.kv,
+        chunk.tokens,
+        chunk.q_lens,
+        chunk.sampling,
     )
-    return state, make(StepOutput, tokens=tokens[:, None], num_tokens=torch.ones_like(tokens))
+    state = make(PlainState, kv=out.kv, next_tokens=out.first_tokens, sampling=chunk.sampling)
+    return state, first_token_output(out.first_tokens)
 
 
 def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:

@@ -21,6 +21,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.spec.paged import extend_batch, tail_batch
+from speculum.spec.prefill import last_valid
 from speculum.spec.sampling import Stream, filtered_probs, sample_from_probs, uniforms
 from speculum.spec.tree import select_frontier
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -31,7 +32,6 @@ from speculum.state.tree import DraftCandidates, Verified
 __all__ = [
     "DraftResources",
     "predict",
-    "last_valid",
     "extend_draft",
     "prepare_draft",
     "draft_kv",
@@ -57,12 +57,6 @@ def predict(resources: DraftResources, hidden: Tensor, topk: int) -> DraftPredic
     probs = torch.softmax(resources.draft.logits(hidden), dim=-1)
     top = probs.topk(topk, dim=-1)
     return make(DraftPrediction, hidden=hidden, top_probs=top.values, top_tokens=top.indices)
-
-
-def last_valid(x: Tensor, lengths: Int[Tensor, " batch"]) -> Tensor:
-    """``x[b, lengths[b] - 1]`` for each row (rows of length 0 read index 0)."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    return x[rows, (lengths - 1).clamp(min=0)]
 
 
 def extend_draft(
