@@ -8,6 +8,13 @@ from conftest import tiny_config
 from heads import agreeing_head, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import (
+    max_new_tokens,
+    page_sizes,
+    prefill_budgets,
+    prompt_batches,
+    stop_token_sets,
+)
 
 from speculum.models.draft import random_draft
 from speculum.models.draft_loading import load_draft, save_random_draft
@@ -173,13 +180,11 @@ round_shapes = st.integers(1, 6).flatmap(
 @given(
     algorithm=st.sampled_from(["eagle", "eagle3", "mtp"]),
     shape=round_shapes,
-    prompts=st.lists(
-        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=8
-    ),
-    max_new_tokens=st.integers(1, 12),
-    stop_token_ids=st.sets(st.integers(0, VOCAB - 1), max_size=2).map(tuple),
-    page_size=st.sampled_from([1, 4]),
-    prefill_budget=st.sampled_from([5, 64]),
+    prompts=prompt_batches(VOCAB),
+    max_new_tokens=max_new_tokens,
+    stop_token_ids=stop_token_sets(VOCAB),
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
 )
 def test_greedy_speculative_decoding_equals_plain(
     heads, algorithm, shape, prompts, max_new_tokens, stop_token_ids, page_size, prefill_budget

@@ -13,6 +13,13 @@ from conftest import started, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+from strategies import (
+    max_new_tokens,
+    page_sizes,
+    prefill_budgets,
+    prompt_batches,
+    stop_token_sets,
+)
 from test_eagle import TARGET, VOCAB, plain_greedy, round_shapes
 
 from speculum.models.draft_loading import DraftTargetMismatch
@@ -76,13 +83,11 @@ def engine(head, num_steps=3, topk=1, num_draft_tokens=None, sample=False, **lim
     head=st.sampled_from(sorted(HEADS)),
     shape=round_shapes,
     sample=st.booleans(),
-    prompts=st.lists(
-        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=8
-    ),
-    max_new_tokens=st.integers(1, 12),
-    stop_token_ids=st.sets(st.integers(0, VOCAB - 1), max_size=2).map(tuple),
-    page_size=st.sampled_from([1, 4]),
-    prefill_budget=st.sampled_from([5, 64]),
+    prompts=prompt_batches(VOCAB),
+    max_new_tokens=max_new_tokens,
+    stop_token_ids=stop_token_sets(VOCAB),
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
 )
 def test_greedy_frozen_kv_mtp_equals_plain(
     head, shape, sample, prompts, max_new_tokens, stop_token_ids, page_size, prefill_budget

@@ -10,6 +10,13 @@ import torch
 from conftest import started, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import (
+    max_new_tokens,
+    page_sizes,
+    prefill_budgets,
+    prompt_batches,
+    stop_token_sets,
+)
 from test_eagle import TARGET, VOCAB, plain_greedy
 
 from speculum.models.loading import CheckpointError, load_model, random_model
@@ -68,13 +75,11 @@ def engine(kind, num_steps=3, chain_hidden=True, **limits):
     kind=st.sampled_from(["agreeing", "random"]),
     num_steps=st.integers(1, MAX_STEPS),
     chain_hidden=st.booleans(),
-    prompts=st.lists(
-        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=6
-    ),
-    max_new_tokens=st.integers(1, 12),
-    stop_token_ids=st.sets(st.integers(0, VOCAB - 1), max_size=2).map(tuple),
-    page_size=st.sampled_from([1, 4]),
-    prefill_budget=st.sampled_from([5, 64]),
+    prompts=prompt_batches(VOCAB, max_batch=6),
+    max_new_tokens=max_new_tokens,
+    stop_token_ids=stop_token_sets(VOCAB),
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
 )
 def test_greedy_multi_layer_eagle_equals_plain(
     kind,

@@ -1,0 +1,22 @@
+"""Hypothesis strategies shared by the greedy-equality properties of every pipeline."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+#: Page sizes of 1 and of several tokens (trees and draft tails then cross page boundaries).
+page_sizes = st.sampled_from([1, 4])
+#: A prefill budget that chunks most prompts, and one that never does.
+prefill_budgets = st.sampled_from([5, 64])
+max_new_tokens = st.integers(1, 12)
+
+
+def prompt_batches(vocab: int, max_batch: int = 8) -> st.SearchStrategy[list[list[int]]]:
+    """Batches of 1 to ``max_batch`` prompts of 1 to 12 token ids."""
+    prompt = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12)
+    return st.lists(prompt, min_size=1, max_size=max_batch)
+
+
+def stop_token_sets(vocab: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """Up to two stop token ids (they often fire in the middle of a speculative round)."""
+    return st.sets(st.integers(0, vocab - 1), max_size=2).map(tuple)
