@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, frozen_kv_mtp, multi_layer_eagle, ngram, plain
+from speculum.pipelines import eagle, frozen_kv_mtp, multi_layer_eagle, ngram, plain, standalone
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
@@ -30,7 +30,7 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "eagle3": eagle.pipeline,
     "mtp": eagle.pipeline,
     "nextn": eagle.pipeline,
-    "standalone": eagle.pipeline,
+    "standalone": standalone.pipeline,
     "ngram": ngram.pipeline,
     "frozen_kv_mtp": frozen_kv_mtp.pipeline,
     "multi_layer_eagle": multi_layer_eagle.pipeline,
