@@ -9,7 +9,7 @@ its ``kv`` field.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -27,7 +27,6 @@ __all__ = [
     "PrefillChunk",
     "StepOutput",
     "Pipeline",
-    "PipelineState",
     "first_token_output",
     "prefill",
     "step",
@@ -72,13 +71,6 @@ class Resources:
         """
         extra = () if self.draft_pool is None else (self.draft_pool,)
         return (self.target_pool, *extra)
-
-
-class PipelineState(Protocol):
-    """A pipeline's batch state: a record whose tensor leaves all lead with the batch axis."""
-
-    kv: PagedKV
-    sampling: SamplingParams
 
 
 @record

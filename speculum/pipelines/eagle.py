@@ -39,16 +39,7 @@ from speculum.pipelines.base import (
     StepOutput,
     first_token_output,
 )
-from speculum.spec.draft import (
-    draft,
-    draft_extend,
-    draft_sampled,
-    extend_draft,
-    gather_nodes,
-    predict,
-    prepare_draft,
-    propose,
-)
+from speculum.spec.draft import draft_extend, extend_draft, propose
 from speculum.spec.prefill import prefill_target
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
@@ -62,15 +53,8 @@ __all__ = [
     "EagleState",
     "DraftPrediction",
     "prefill",
-    "predict",
-    "gather_nodes",
-    "prepare_draft",
-    "draft",
-    "draft_sampled",
-    "propose",
     "verify",
     "commit",
-    "draft_extend",
     "decode",
     "round_config",
     "pipeline",

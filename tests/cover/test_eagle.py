@@ -22,6 +22,7 @@ from speculum.pipelines import eagle
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.spec import draft as spec_draft
 from speculum.spec.paged import extend_batch
 from speculum.state import PagedKV
 from speculum.state.kv import KVPool
@@ -298,7 +299,7 @@ def test_multi_step_draft_equals_the_head_run_from_scratch_along_each_path(heads
     config = eagle.EagleConfig(num_steps=num_steps, topk=topk, num_draft_tokens=num_steps + 1)
     pool = engine.resources.draft_pool
     before = KVPool(k=pool.k.clone(), v=pool.v.clone(), page_size=pool.page_size)
-    candidates = eagle.draft(engine.resources, state.batch, config)
+    candidates = spec_draft.draft(engine.resources, state.batch, config)
     tokens, parents = candidates.tokens[0].tolist(), candidates.parents[0].tolist()
     scores = candidates.scores[0]
     expanded = sorted(set(parents) - {-1})
