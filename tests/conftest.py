@@ -9,6 +9,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), so their parity
+# tests against the spec twins run in CI too. Triton reads this when a kernel is decorated, i.e.
+# when speculum.kernels is first imported, which is after this file.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
 # Tiny test models run fastest single-threaded; thread hand-offs cost more than the math.
