@@ -110,6 +110,8 @@ class Pipeline:
     ``decode(resources, state) -> (state, output)`` are its stage compositions;
     ``max_tokens_per_step`` bounds ``output.num_tokens`` and ``kv_lookahead`` is how many cache
     slots past the emitted tokens a round may write (the scheduler reserves them).
+    ``host_work`` marks a decode that runs host code between device stages (n-gram lookups);
+    such a round cannot be captured into one CUDA graph.
     """
 
     name: str = static()
@@ -117,6 +119,7 @@ class Pipeline:
     decode: Callable[[Resources, Any], tuple[Any, StepOutput]] = static()
     max_tokens_per_step: int = static()
     kv_lookahead: int = static()
+    host_work: bool = static(default=False)
 
 
 def first_token_output(first: Int[Tensor, " batch"]) -> StepOutput:

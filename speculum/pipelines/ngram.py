@@ -285,4 +285,5 @@ def pipeline(
         decode=functools.partial(decode, config=config, corpus=corpus),
         max_tokens_per_step=depth + 1,
         kv_lookahead=num_draft_tokens,
+        host_work=True,
     )

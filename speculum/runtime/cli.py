@@ -97,6 +97,12 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
+    gen.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, run decoding rounds eagerly instead of as captured CUDA graphs",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     return top
 
@@ -126,8 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             device=args.device,
             dtype=args.dtype,
+            cuda_graphs=args.cuda_graphs,
         )
-    except (ValueError, RuntimeError, KeyError) as err:
+    except (ValueError, RuntimeError, KeyError, MemoryError) as err:
         print(f"speculum: error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -19,7 +20,10 @@ from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import SPECULATIVE, get_pipeline
 from speculum.pipelines.base import Cell, Pipeline, Resources
+from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
+
+T = TypeVar("T")
 
 __all__ = [
     "EngineConfig",
@@ -33,13 +37,16 @@ __all__ = [
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
-    """Scheduler limits: KV pages, batch size, context length and prefill chunking."""
+    """Scheduler limits (KV pages, batch size, context length, prefill chunking) and, on CUDA,
+    whether decoding rounds run as CUDA graphs and for which batch-size buckets."""
 
     page_size: int = 16
     num_pages: int = 0
     max_batch: int = 16
     max_context: int = 1024
     prefill_budget: int = 512
+    cuda_graphs: bool = True
+    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -175,6 +182,32 @@ def _pipeline(
     )
 
 
+def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> Pipeline:
+    """``pipeline`` with its decoding round captured per batch bucket, where that applies: on
+    CUDA, with graphs switched on, for rounds without host work between stages."""
+    if device.type != "cuda" or not config.cuda_graphs or pipeline.host_work:
+        return pipeline
+    if config.max_batch > max(config.graph_buckets):
+        raise ValueError(
+            f"max_batch={config.max_batch} exceeds the largest CUDA-graph bucket "
+            f"{max(config.graph_buckets)}: add a larger bucket to graph_buckets, lower max_batch, "
+            "or pass cuda_graphs=False"
+        )
+    return attrs.evolve(pipeline, decode=GraphedDecode(pipeline.decode, config.graph_buckets))
+
+
+def _allocate(what: str, fix: str, build: Callable[[], T]) -> T:
+    """``build()``, with running out of GPU memory reported as what did not fit and the fix."""
+    try:
+        return build()
+    except torch.cuda.OutOfMemoryError as error:
+        free, total = torch.cuda.mem_get_info()
+        raise MemoryError(
+            f"{what} does not fit in GPU memory ({free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB): {fix}"
+        ) from error
+
+
 def engine_from_model(
     target: DecoderModel,
     *,
@@ -188,12 +221,16 @@ def engine_from_model(
     max_context: int | None = None,
     prefill_budget: int = 512,
     ngram: NgramOptions | None = None,
+    cuda_graphs: bool = True,
+    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
     ``max_context`` defaults to the model's ``max_position_embeddings`` (capped at 4096 to keep
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
-    ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise).
+    ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
+    runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
+    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram).
     """
     pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions(), ngram)
     context = max_context or min(target.config.max_position_embeddings, 4096)
@@ -204,18 +241,32 @@ def engine_from_model(
         max_batch=max_batch,
         max_context=context,
         prefill_budget=prefill_budget,
+        cuda_graphs=cuda_graphs,
+        graph_buckets=tuple(graph_buckets),
     )
     per_request = config.max_pages_per_request(pipeline.kv_lookahead)
     config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
+    fix = "lower max_batch, max_context or num_pages"
     resources = Resources(
         target=target,
-        target_pool=target.new_pool(config.num_pages, page_size),
+        target_pool=_allocate(
+            f"the target's KV pool of {config.num_pages} pages",
+            fix,
+            lambda: target.new_pool(config.num_pages, page_size),
+        ),
         draft=draft,
-        draft_pool=None if draft is None else draft.new_pool(config.num_pages, page_size),
+        draft_pool=None
+        if draft is None
+        else _allocate(
+            f"the draft's KV pool of {config.num_pages} pages",
+            fix,
+            lambda: draft.new_pool(config.num_pages, page_size),
+        ),
         ngram_store=_ngram_store(algorithm, ngram),
     )
+    device = resources.target_pool.k.device
     return Engine(
-        pipeline=pipeline,
+        pipeline=_graphed(pipeline, config, device),
         resources=resources,
         config=config,
         tokenizer=tokenizer,
@@ -232,7 +283,7 @@ def build_engine(
     device: str = "cpu",
     dtype: str | None = None,
     ngram: NgramOptions | None = None,
-    **limits: int,
+    **limits: Any,
 ) -> Engine:
     """Load a Hugging Face model folder (and its tokenizer, when it has one) into an engine.
 
@@ -249,7 +300,12 @@ def build_engine(
     if algorithm in SPECULATIVE and draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
     torch_dtype = DTYPES[dtype] if dtype else None
-    target = load_model(model, dtype=torch_dtype, device=device)
+    fix = "choose a smaller model, dtype='bfloat16', or a device with more memory"
+    target = _allocate(
+        f"the target model {model}",
+        fix,
+        lambda: load_model(model, dtype=torch_dtype, device=device),
+    )
     head = None
     if algorithm in SPECULATIVE:
         loaders = {
@@ -258,7 +314,11 @@ def build_engine(
             "multi_layer_eagle": load_multi_layer,
         }
         load = loaders.get(algorithm, load_draft)
-        head = load(draft, target, algorithm, dtype=torch_dtype, device=device)
+        head = _allocate(
+            f"the draft {draft}",
+            fix,
+            lambda: load(draft, target, algorithm, dtype=torch_dtype, device=device),
+        )
     folder = Path(model)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").exists() else None
     return engine_from_model(

@@ -66,6 +66,7 @@ def generate(
     ignore_eos: bool = False,
     device: str = "cpu",
     dtype: str | None = None,
+    cuda_graphs: bool = True,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
@@ -75,7 +76,8 @@ def generate(
     from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
     chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
-    needs no draft; ``ngram`` holds its options.
+    needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
+    unless ``cuda_graphs`` is False.
     """
     if engine is None:
         engine = build_engine(
@@ -92,6 +94,7 @@ def generate(
             device=device,
             dtype=dtype,
             ngram=ngram,
+            cuda_graphs=cuda_graphs,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_prompt_ids(engine, p) for p in batch]

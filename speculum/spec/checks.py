@@ -8,7 +8,16 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-__all__ = ["raise_for_rows"]
+__all__ = ["checking", "raise_for_rows"]
+
+
+def checking() -> bool:
+    """Whether eager validation runs here: not while ``torch.compile`` traces and not while a
+    CUDA graph is being captured (both forbid the host sync a check costs). Captured stages are
+    validated by the eager warm-up calls that precede capture."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def raise_for_rows(

@@ -1,0 +1,182 @@
+"""CUDA-graph capture of pure stages, per batch-size bucket.
+
+A stage is a pure function of records, so capturing it needs nothing from the stage itself:
+:func:`capture` flattens the argument records into tensor leaves, copies them into static
+buffers, warms the function up on a side stream (cuBLAS handles, Triton compilation) and records
+one call into a :class:`torch.cuda.CUDAGraph`; :func:`replay` copies new arguments of the same
+structure into the static buffers and replays. The records' static fields (``topk``,
+``page_size``...) live in the treespec, so a call whose structure or shapes differ needs another
+capture, never a silent reuse.
+
+:class:`GraphedDecode` wraps a pipeline's whole decoding round (draft, tree, verify, accept,
+commit, draft-extend: every stage, with no host work between them) and keeps one graph per
+batch-size bucket. A batch is padded to the next bucket with rows that read and write only the
+padding page, and the real rows are taken back out of the outputs: a gather, so what the caller
+receives is fresh memory that the next replay cannot overwrite, and snapshots of it stay valid.
+
+Graphs and their static buffers are owned resources, like KV pools: a :class:`GraphedDecode`
+belongs to one pipeline value and one set of resources; another pipeline value (another step
+count, another algorithm) has its own and never touches this one's.
+
+Eager-side validation (NaN logits, malformed trees) costs a host sync, which capture forbids:
+it runs during the warm-up calls and is skipped inside the graph (``spec.checks.checking``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from speculum.state.batch import batch_size, take_rows
+from speculum.state.kv import PADDING_PAGE
+from speculum.state.record import replace
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "Captured",
+    "GraphedDecode",
+    "bucket_for",
+    "capture",
+    "pad_batch",
+    "replay",
+    "without_cache",
+]
+
+#: Batch sizes a decoding round is captured for; a batch runs in the smallest bucket that holds it.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@attrs.define(frozen=True, slots=True, eq=False)
+class Captured:
+    """One recorded call: the graph, the static buffers its inputs are copied into, the
+    treespec those inputs must have, and the (static, overwritten-by-each-replay) outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Any, ...]
+    in_spec: pytree.TreeSpec
+    outputs: Any
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(
+        (tuple(x.shape), x.dtype, x.device) if isinstance(x, Tensor) else x for x in leaves
+    )
+
+
+def capture(
+    fn: Callable[..., Any], args: tuple[Any, ...], *, pool: Any = None, warmup: int = 2
+) -> Captured:
+    """Record ``fn(*args)`` into a CUDA graph.
+
+    ``args`` may be any pytree of records and tensors (all on one CUDA device); ``fn`` must not
+    synchronise with the host. The warm-up calls run eagerly on a side stream, with whatever
+    side effects ``fn`` has (a stage writes KV slots past its inputs' sequence lengths; call it
+    with arguments whose writes are harmless, e.g. rows on the padding page). ``pool`` shares
+    graph memory between captures (``torch.cuda.graph_pool_handle()``).
+    """
+    leaves, spec = pytree.tree_flatten(args)
+    inputs = tuple(x.clone() if isinstance(x, Tensor) else x for x in leaves)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(*pytree.tree_unflatten(list(inputs), spec))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
+    return Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+
+
+def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
+    """Run ``captured`` on new ``args`` of the captured structure; returns its static outputs.
+
+    The outputs are the graph's own buffers: the next replay overwrites them, so copy what must
+    outlive it.
+    """
+    leaves, spec = pytree.tree_flatten(args)
+    if spec != captured.in_spec or _signature(leaves) != _signature(captured.inputs):
+        raise ValueError(
+            "replay: arguments differ from the captured ones in structure, static fields, shapes "
+            "or dtypes; capture again for this shape"
+        )
+    for static, value in zip(captured.inputs, leaves):
+        if isinstance(static, Tensor):
+            static.copy_(value, non_blocking=True)
+    captured.graph.replay()
+    return captured.outputs
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``batch`` rows."""
+    for bucket in sorted(buckets):
+        if bucket >= batch:
+            return bucket
+    raise ValueError(
+        f"a batch of {batch} requests exceeds the largest CUDA-graph bucket {max(buckets)}: "
+        f"add a bucket >= {batch} (EngineConfig.graph_buckets), lower max_batch, or switch "
+        "CUDA graphs off (cuda_graphs=False)"
+    )
+
+
+def pad_batch(state: Any, bucket: int) -> Any:
+    """``state`` grown to ``bucket`` rows; the added rows repeat row 0's values but own no
+    cache (see :func:`without_cache`)."""
+    batch = batch_size(state)
+    if batch == bucket:
+        return state
+    rows = torch.arange(bucket, device=state.kv.seq_lens.device)
+    return without_cache(take_rows(state, torch.where(rows < batch, rows, 0)), rows >= batch)
+
+
+def without_cache(state: Any, rows: Tensor) -> Any:
+    """``state`` with the rows flagged in ``rows`` (bool ``[batch]``) moved onto the padding
+    page with an empty sequence: everything they write lands in the padding sink and nothing
+    they read belongs to a request."""
+    kv = state.kv
+    kv = replace(
+        kv,
+        page_table=torch.where(rows[:, None], PADDING_PAGE, kv.page_table),
+        seq_lens=torch.where(rows, 0, kv.seq_lens),
+    )
+    return replace(state, kv=kv)
+
+
+@attrs.define(slots=True, eq=False)
+class GraphedDecode:
+    """A pipeline's ``decode(resources, state)`` run as one CUDA graph per batch bucket.
+
+    A drop-in value for ``Pipeline.decode``: same call, same results (the graph runs the same
+    kernels on the same inputs). Graphs are captured on first use of a bucket and shape.
+    """
+
+    decode: Callable[[Any, Any], tuple[Any, Any]]
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    graphs: list[tuple[Any, Any, Captured]] = attrs.field(factory=list)
+    pool: Any = attrs.field(factory=lambda: torch.cuda.graph_pool_handle())
+
+    def __call__(self, resources: Any, state: Any) -> tuple[Any, Any]:
+        """One decoding round of the wrapped pipeline over ``state`` (any batch up to the
+        largest bucket); the returned records are fresh tensors, safe to keep."""
+        batch = batch_size(state)
+        padded = pad_batch(state, bucket_for(batch, self.buckets))
+        out = replay(self._graph_for(resources, padded), (padded,))
+        return take_rows(out, torch.arange(batch, device=state.kv.seq_lens.device))
+
+    def _graph_for(self, resources: Any, padded: Any) -> Captured:
+        leaves, spec = pytree.tree_flatten((padded,))
+        key = (spec, _signature(leaves))
+        for owner, known, captured in self.graphs:
+            if owner is resources and known == key:
+                return captured
+        # Warm up and capture on an all-padding copy, so the warm-up calls write only the sink.
+        dummy = without_cache(padded, torch.ones_like(padded.kv.seq_lens, dtype=torch.bool))
+        captured = capture(functools.partial(self.decode, resources), (dummy,), pool=self.pool)
+        self.graphs.append((resources, key, captured))
+        return captured

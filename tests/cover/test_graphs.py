@@ -1,0 +1,111 @@
+"""The device-independent half of CUDA-graph decoding: buckets and padding rows.
+
+A captured round runs a batch padded to its bucket; the padding rows must change nothing the
+real rows emit or the cache pages they own. That is a property of ``pad_batch`` and the stages,
+checked here eagerly on the CPU (the GPU tests check the captured graphs themselves).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from heads import agreeing_head, markov_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculum.runtime import scheduler
+from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.graphs import bucket_for, pad_batch, without_cache
+from speculum.state.batch import batch_size, take_rows
+from speculum.state.kv import PADDING_PAGE
+from speculum.state.record import tree_equal
+
+VOCAB = 24
+TARGET = markov_target(VOCAB)
+HEAD = agreeing_head(TARGET, "eagle")
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True), st.integers(1, 80))
+def test_bucket_is_the_smallest_that_holds_the_batch(buckets, batch):
+    if batch > max(buckets):
+        with pytest.raises(ValueError, match="exceeds the largest CUDA-graph bucket"):
+            bucket_for(batch, buckets)
+        return
+    bucket = bucket_for(batch, buckets)
+    assert bucket in buckets and bucket >= batch
+    assert all(b < batch or b >= bucket for b in buckets)
+
+
+def _running(engine, prompts):
+    state = scheduler.new_state(engine)
+    for prompt in prompts:
+        state, _ = scheduler.add_request(engine, state, prompt, max_new_tokens=40)
+    while state.waiting or state.prefilling:
+        state, _ = scheduler.step(engine, state)
+    return state
+
+
+def _owned(engine, state):
+    """Contents of every page a running request holds, in every pool."""
+    pages = torch.tensor([p for r in state.running for p in r.pages])
+    return [(pool.k[:, pages].clone(), pool.v[:, pages].clone()) for pool in engine.resources.pools]
+
+
+def _pools(engine):
+    return [(pool.k.clone(), pool.v.clone()) for pool in engine.resources.pools]
+
+
+def _put_back(engine, saved):
+    for pool, (k, v) in zip(engine.resources.pools, saved):
+        pool.k.copy_(k)
+        pool.v.copy_(v)
+
+
+@settings(max_examples=12)
+@given(
+    algorithm=st.sampled_from(["plain", "eagle"]),
+    topk=st.sampled_from([1, 2]),
+    prompts=st.lists(
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9), min_size=1, max_size=3
+    ),
+    extra=st.integers(1, 4),
+)
+def test_padding_rows_change_nothing_real_rows_emit_or_own(algorithm, topk, prompts, extra):
+    """Real rows of a padded batch do not depend on what the padding rows hold (bit for bit:
+    the padded batch has one shape, whatever the padding), and emit what the unpadded batch
+    emits (token for token: a different batch size may round matrix products differently)."""
+    spec = SpecOptions(num_steps=3, topk=topk, num_draft_tokens=4)
+    engine = engine_from_model(
+        TARGET,
+        algorithm=algorithm,
+        draft=HEAD if algorithm == "eagle" else None,
+        spec=spec,
+        page_size=4,
+        max_context=64,
+        max_batch=4,
+    )
+    state = _running(engine, prompts)
+    batch, bucket = batch_size(state.batch), batch_size(state.batch) + extra
+    before = _pools(engine)
+    _, unpadded_out = engine.pipeline.decode(engine.resources, state.batch)
+
+    _put_back(engine, before)
+    padded = pad_batch(state.batch, bucket)
+    assert batch_size(padded) == bucket
+    assert bool((padded.kv.page_table[batch:] == PADDING_PAGE).all())
+    assert bool((padded.kv.seq_lens[batch:] == 0).all())
+    padded_state, padded_out = engine.pipeline.decode(engine.resources, padded)
+    padded_pages = _owned(engine, state)
+
+    # The same batch padded with copies of its last row instead of its first.
+    _put_back(engine, before)
+    rows = torch.arange(bucket)
+    other = without_cache(take_rows(state.batch, rows.clamp(max=batch - 1)), rows >= batch)
+    other_state, other_out = engine.pipeline.decode(engine.resources, other)
+
+    real = torch.arange(batch)
+    assert tree_equal(take_rows(other_out, real), take_rows(padded_out, real))
+    assert tree_equal(take_rows(other_state, real), take_rows(padded_state, real))
+    for (k, v), (k2, v2) in zip(padded_pages, _owned(engine, state)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert tree_equal(take_rows(padded_out, real), unpadded_out)
