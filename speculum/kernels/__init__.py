@@ -1,9 +1,47 @@
 """Fast twins of ``spec`` functions, registered as ``torch.library`` custom ops.
 
-Every op's default kernel is its ``spec`` twin, so pipelines call one name on any device; device
-kernels (flashinfer, Triton) register for CUDA and are checked against the twin by parity tests.
+Every op's default kernel is its ``spec`` twin (or, for the decoder's elementwise ops, a
+pure-torch reference with the decoder's exact math), so pipelines call one name on any device.
+On a CUDA machine the Triton kernels register as the ops' CUDA kernels when this package is
+imported; each is checked against its twin by parity tests (``tests/cover/test_kernel_*`` under
+Triton's interpreter, ``tests/gpu/test_kernel_*`` on the device).
+
+Where Triton is not installed, CUDA tensors run the reference kernels (correct, slow) and a
+warning says so; :data:`DEVICE_KERNELS` names the path that runs.
 """
 
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+from speculum.kernels import model_ops
 from speculum.kernels.attention import paged_attention, write_kv
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["DEVICE_KERNELS", "model_ops", "paged_attention", "register_device_kernels", "write_kv"]
+
+#: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
+TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")
+
+
+def register_device_kernels() -> str:
+    """Install the Triton kernels as the CUDA kernels of every op; returns the path that CUDA
+    tensors take: ``"triton"``, or ``"reference"`` (with a warning) where Triton is missing."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            "Triton is not installed: on CUDA, speculum runs its reference kernels (correct but "
+            "several times slower); install it with `pip install triton`",
+            stacklevel=2,
+        )
+        return "reference"
+    for name in TRITON_MODULES:
+        importlib.import_module(f"speculum.kernels.{name}").register()
+    return "triton"
+
+
+#: Which kernels CUDA tensors run: "triton", "reference" (Triton missing) or "none" (no CUDA).
+DEVICE_KERNELS = register_device_kernels() if torch.cuda.is_available() else "none"

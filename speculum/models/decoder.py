@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
@@ -40,11 +39,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise the last axis of ``x`` and scale it by ``weight``."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Normalise the last axis of ``x`` and scale it by ``weight`` (``kernels.model_ops``)."""
+        return kernels.model_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
@@ -77,11 +73,7 @@ def apply_rope(
     inv_freq: Float[Tensor, " half"],
 ) -> Float[Tensor, "batch q head head_dim"]:
     """Rotate halves of ``x`` by ``positions * inv_freq`` (the non-interleaved convention)."""
-    freqs = positions.float()[..., None] * inv_freq.to(x.device)
-    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
+    return kernels.model_ops.rope(x, positions, inv_freq.to(x.device))
 
 
 class Attention(nn.Module):
@@ -162,7 +154,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``down(silu(gate(x)) * up(x))``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.model_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -177,8 +169,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor) -> Tensor:
         """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
-        x = x + self.self_attn(self.input_layernorm(x), batch, pool, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), batch, pool, inv_freq)
+        norm = self.post_attention_layernorm
+        normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.weight, norm.eps)
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):

@@ -155,8 +155,9 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
 
 
 def randomize_(module: torch.nn.Module, *, seed: int, std: float) -> torch.nn.Module:
-    """Fill ``module`` in place with normal(0, std) weights, unit norms and zero biases."""
-    generator = torch.Generator().manual_seed(seed)
+    """Fill ``module`` in place with normal(0, std) weights, unit norms and zero biases, drawn
+    on the device the weights live on (the same values as before for CPU modules)."""
+    generator = torch.Generator(next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith("norm.weight"):

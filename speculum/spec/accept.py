@@ -43,6 +43,13 @@ child's token position), and the bonus token at position ``root_positions + num_
 uses ``uniforms(seed, Stream.RESAMPLE, that position, 1)``. A walk stopping at depth ``a``
 consumes ACCEPT counters up to ``root_positions + a + 1`` and the next round's root sits at
 ``root_positions + a + 1``, so its coins start at fresh counters: rounds never share a draw.
+
+The walk itself is the custom op ``speculum::accept_tree`` (:func:`accept_tree`), so a device
+can run it as one kernel instead of hundreds of small ones. Its inputs are plain tensors and the
+uniforms are drawn before it, so the counter-based generator lives in one place: every coin, and
+the bonus uniform for every walk length ``0 .. max_depth`` (the walk picks the one its length
+needs). The default kernel is the reference walk below; ``speculum.kernels.triton_tree``
+registers a CUDA twin.
 """
 
 from __future__ import annotations
@@ -51,13 +58,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.spec.checks import raise_for_rows
+from speculum.spec.checks import checking, raise_for_rows
 from speculum.spec.sampling import Stream, sample_from_probs, uniforms
-from speculum.spec.tree import children, sibling_ranks
+from speculum.spec.tree import _children_of, sibling_ranks
 from speculum.state.record import make
 from speculum.state.tree import AcceptResult, DraftTree
 
-__all__ = ["accept"]
+__all__ = ["accept", "accept_tree"]
 
 
 def _try_child(
@@ -129,7 +136,7 @@ def _check_accept(
         raise ValueError(
             f"accept: max_depth={max_depth} must be >= 0 and max_children={max_children} >= 1"
         )
-    if torch.compiler.is_compiling():
+    if not checking():
         return
     node = torch.arange(n, device=tree.parents.device)
     parent_depth = tree.depths.gather(1, tree.parents.clamp(min=0))
@@ -220,13 +227,47 @@ def _accept_core(
     draft_probs: Float[Tensor, "batch num_nodes vocab"] | None,
     max_children: int,
 ) -> AcceptResult:
-    batch = tree.tokens.shape[0]
     device = tree.tokens.device
-    target_probs = target_probs.float()
-    draft_probs = None if draft_probs is None else draft_probs.float()
-    kids = children(tree, max_children)  # [batch, num_nodes, max_children]
     depth_positions = root_positions[:, None] + torch.arange(1, max_depth + 1, device=device)
     coins = uniforms(seed, Stream.ACCEPT, depth_positions, max_children)  # [b, depth, rank]
+    # A walk of a accepted tokens puts its bonus at root + a + 1: one uniform per possible a.
+    bonus_positions = root_positions[:, None] + torch.arange(1, max_depth + 2, device=device)
+    bonus_coins = uniforms(seed, Stream.RESAMPLE, bonus_positions, 1)[..., 0]  # [b, depth + 1]
+    path, emitted, num_accepted = accept_tree(
+        tree.tokens,
+        tree.parents,
+        target_probs.float(),
+        None if draft_probs is None else draft_probs.float(),
+        coins,
+        bonus_coins,
+    )
+    return make(AcceptResult, path=path, emitted=emitted, num_accepted=num_accepted)
+
+
+@torch.library.custom_op("speculum::accept_tree", mutates_args=())
+def accept_tree(
+    tokens: Tensor,
+    parents: Tensor,
+    target_probs: Tensor,
+    draft_probs: Tensor | None,
+    coins: Tensor,
+    bonus_coins: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``speculum::accept_tree`` op: the acceptance walk on bare tensors, unvalidated.
+
+    ``tokens`` and ``parents`` are the tree's int64 ``[batch, num_nodes]`` tables;
+    ``target_probs`` and ``draft_probs`` (or ``None``: one-hot drafts) float32
+    ``[batch, num_nodes, vocab]``. ``coins[b, d, k]`` (float32 ``[batch, max_depth,
+    max_children]``) is the ACCEPT uniform of the rank-``k`` child at depth ``d + 1``, and
+    ``bonus_coins[b, a]`` (``[batch, max_depth + 1]``) the RESAMPLE uniform of the bonus token
+    after ``a`` accepted nodes; their shapes fix ``max_depth`` and ``max_children``. Returns
+    ``(path, emitted, num_accepted)`` as in :class:`AcceptResult`. This default kernel is the
+    reference walk; ``speculum.kernels.triton_tree`` registers a CUDA twin.
+    """
+    batch = tokens.shape[0]
+    max_depth, max_children = coins.shape[1], coins.shape[2]
+    device = tokens.device
+    kids = _children_of(parents, max_children)  # [batch, num_nodes, max_children]
 
     current = torch.zeros(batch, dtype=torch.int64, device=device)
     walking = torch.ones(batch, dtype=torch.bool, device=device)
@@ -242,7 +283,7 @@ def _accept_core(
             child = node_kids[:, rank]
             trying = walking & ~moved & (child >= 0)
             safe = child.clamp(min=0)
-            token = tree.tokens.gather(1, safe[:, None])[:, 0]
+            token = tokens.gather(1, safe[:, None])[:, 0]
             q = None if draft_probs is None else _rows(draft_probs, safe)
             accepted, rejected = _try_child(residual, token, q, coins[:, depth, rank])
             accepted = accepted & trying
@@ -256,14 +297,21 @@ def _accept_core(
 
     path = torch.stack(path, dim=1)  # [batch, max_depth + 1]
     num_accepted = (path[:, 1:] >= 0).sum(-1)
-    bonus_position = root_positions + num_accepted + 1
-    u = uniforms(seed, Stream.RESAMPLE, bonus_position[:, None], 1)[:, 0, 0]
+    u = bonus_coins.gather(1, num_accepted[:, None])[:, 0]
     bonus = sample_from_probs(residual, u)
 
     # emitted[j] = token of path[j + 1] for j < num_accepted, the bonus at j == num_accepted.
     column = torch.arange(max_depth + 1, device=device)
     next_nodes = torch.cat([path[:, 1:], torch.full_like(path[:, :1], -1)], dim=1)
-    path_tokens = tree.tokens.gather(1, next_nodes.clamp(min=0))
+    path_tokens = tokens.gather(1, next_nodes.clamp(min=0))
     emitted = torch.where(column < num_accepted[:, None], path_tokens, -1)
     emitted = torch.where(column == num_accepted[:, None], bonus[:, None], emitted)
-    return make(AcceptResult, path=path, emitted=emitted, num_accepted=num_accepted)
+    return path, emitted, num_accepted
+
+
+@accept_tree.register_fake
+def _(tokens, parents, target_probs, draft_probs, coins, bonus_coins):
+    batch, width = bonus_coins.shape
+    path = tokens.new_empty((batch, width), dtype=torch.int64)
+    emitted = tokens.new_empty((batch, width), dtype=torch.int64)
+    return path, emitted, tokens.new_empty((batch,), dtype=torch.int64)

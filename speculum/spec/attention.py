@@ -36,6 +36,8 @@ def visible_keys(
     s = torch.arange(seq, device=prefix_lens.device)[None, :]
     rel = s - prefix_lens[:, None]  # [batch, seq]: index within the tail
     in_prefix = rel < 0
+    if tail == 0:  # nothing after the prefix (and no column to gather the mask from)
+        return in_prefix[:, None, :].expand(-1, q, -1)
     in_tail = (rel >= 0) & (rel < tail)
     gathered = new_mask.gather(2, rel.clamp(0, tail - 1)[:, None, :].expand(-1, q, -1))
     return in_prefix[:, None, :] | (in_tail[:, None, :] & gathered)

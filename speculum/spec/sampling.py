@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.spec.checks import raise_for_rows
+from speculum.spec.checks import checking, raise_for_rows
 from speculum.state.sampling import SamplingParams
 
 __all__ = ["Stream", "uniforms", "filtered_probs", "sample", "sample_from_probs"]
@@ -127,11 +127,12 @@ def uniforms(
 
 
 def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams) -> None:
-    """Eager-side validation of logits and sampling parameters; compiled code skips it.
+    """Eager-side validation of logits and sampling parameters; compiled and captured code skip
+    it (``spec.checks.checking``).
 
     Costs one device-to-host sync (all checks are packed into one tensor).
     """
-    if torch.compiler.is_compiling():
+    if not checking():
         return
     batch = logits.shape[0]
     for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
@@ -174,12 +175,21 @@ def _per_request(values: Tensor, ndim: int) -> Tensor:
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
 
-def _filtered_probs_core(
-    logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams
+def _filtered_probs_reference(
+    logits: Float[Tensor, "batch *rows vocab"],
+    temperature: Float[Tensor, " batch"],
+    top_k: Int[Tensor, " batch"],
+    top_p: Float[Tensor, " batch"],
+    min_p: Float[Tensor, " batch"],
 ) -> Float[Tensor, "batch *rows vocab"]:
+    """The math of :func:`filtered_probs`: the default kernel of ``speculum::filtered_probs``.
+
+    Parity tests call it directly, so a device kernel registered for the op is compared with
+    this and not with itself.
+    """
     x = logits.float()
     vocab = x.shape[-1]
-    temperature = _per_request(params.temperature.float(), x.ndim)
+    temperature = _per_request(temperature.float(), x.ndim)
     greedy = temperature == 0
     scaled = x / torch.where(greedy, 1.0, temperature)
     probs = torch.softmax(scaled, dim=-1)
@@ -190,19 +200,19 @@ def _filtered_probs_core(
     sorted_p = probs.gather(-1, order)
     rank = torch.arange(vocab, device=x.device)
 
-    top_k = _per_request(params.top_k, x.ndim)
+    top_k = _per_request(top_k, x.ndim)
     in_top_k = (top_k <= 0) | (rank < top_k)
 
     # top-p sees the top-k distribution renormalised; a token stays while the mass of the tokens
     # before it is still short of top_p. top_p == 1 is "off" even where the float cumsum of the
     # tail rounds up to 1 before the last token.
-    top_p = _per_request(params.top_p.float(), x.ndim)
+    top_p = _per_request(top_p.float(), x.ndim)
     topk_p = sorted_p * in_top_k
     renorm = topk_p / topk_p.sum(-1, keepdim=True)
     mass_before = F.pad(renorm.cumsum(-1)[..., :-1], (1, 0))
     in_top_p = (top_p >= 1) | (mass_before < top_p)
 
-    min_p = _per_request(params.min_p.float(), x.ndim)
+    min_p = _per_request(min_p.float(), x.ndim)
     in_min_p = sorted_p >= min_p * sorted_p[..., :1]
 
     # The most likely token always survives, so every row keeps at least one token.
@@ -213,6 +223,39 @@ def _filtered_probs_core(
 
     one_hot = F.one_hot(x.argmax(-1), vocab).to(torch.float32)
     return torch.where(greedy, one_hot, filtered)
+
+
+# The schemas are spelled out because infer_schema reads only bare ``Tensor`` annotations, and the
+# jaxtyping ones document the shapes. Parameters come as separate tensors: a schema takes no
+# records.
+@torch.library.custom_op(
+    "speculum::filtered_probs",
+    mutates_args=(),
+    schema=(
+        "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor"
+    ),
+)
+def _filtered_probs_op(
+    logits: Float[Tensor, "batch *rows vocab"],
+    temperature: Float[Tensor, " batch"],
+    top_k: Int[Tensor, " batch"],
+    top_p: Float[Tensor, " batch"],
+    min_p: Float[Tensor, " batch"],
+) -> Float[Tensor, "batch *rows vocab"]:
+    """``speculum::filtered_probs``: the reference by default, a device kernel where registered."""
+    return _filtered_probs_reference(logits, temperature, top_k, top_p, min_p)
+
+
+@_filtered_probs_op.register_fake
+def _(logits, temperature, top_k, top_p, min_p):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+def _filtered_probs_core(
+    logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams
+) -> Float[Tensor, "batch *rows vocab"]:
+    """:func:`filtered_probs` without validation, through the op (so CUDA gets its kernel)."""
+    return _filtered_probs_op(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def filtered_probs(
@@ -234,6 +277,36 @@ def filtered_probs(
     return _filtered_probs_core(logits, params)
 
 
+def _sample_from_probs_reference(
+    probs: Float[Tensor, "batch *rows vocab"], u: Float[Tensor, " batch *rows"]
+) -> Int[Tensor, " batch *rows"]:
+    """The math of :func:`sample_from_probs`: the default kernel of its op.
+
+    Parity tests call it directly, as they call :func:`_filtered_probs_reference`.
+    """
+    cdf = probs.float().cumsum(-1)
+    target = (u.float() * cdf[..., -1])[..., None]
+    index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)[..., 0]
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, positions, 0).amax(-1)
+    return torch.minimum(index, last_positive)
+
+
+@torch.library.custom_op(
+    "speculum::sample_from_probs", mutates_args=(), schema="(Tensor probs, Tensor u) -> Tensor"
+)
+def _sample_from_probs_op(
+    probs: Float[Tensor, "batch *rows vocab"], u: Float[Tensor, " batch *rows"]
+) -> Int[Tensor, " batch *rows"]:
+    """``speculum::sample_from_probs``: the reference by default, a device kernel if registered."""
+    return _sample_from_probs_reference(probs, u)
+
+
+@_sample_from_probs_op.register_fake
+def _(probs, u):
+    return probs.new_empty(probs.shape[:-1], dtype=torch.int64)
+
+
 def sample_from_probs(
     probs: Float[Tensor, "batch *rows vocab"], u: Float[Tensor, " batch *rows"]
 ) -> Int[Tensor, " batch *rows"]:
@@ -246,12 +319,7 @@ def sample_from_probs(
     the last token with positive probability. Rows whose total mass is zero return token 0; a
     total below float32's normal range (~1e-38) makes ``u * total`` coarse.
     """
-    cdf = probs.float().cumsum(-1)
-    target = (u.float() * cdf[..., -1])[..., None]
-    index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)[..., 0]
-    positions = torch.arange(probs.shape[-1], device=probs.device)
-    last_positive = torch.where(probs > 0, positions, 0).amax(-1)
-    return torch.minimum(index, last_positive)
+    return _sample_from_probs_op(probs, u)
 
 
 def sample(

@@ -10,7 +10,9 @@ root, which is SGLang's ``organize_draft_results`` + ``build_tree_kernel_efficie
 
 Every tensor function here is traceable by ``torch.compile(fullgraph=True)``: shapes decide the
 Python control flow, tensor values never do. Eager-only validation (one host sync) is skipped
-while compiling, as in :mod:`speculum.spec.sampling`.
+while compiling, as in :mod:`speculum.spec.sampling`. :func:`build_tree`'s tensor work is the
+custom op ``speculum::build_tree`` (:func:`build_tree_nodes`), whose default kernel is the
+reference math here and whose CUDA kernel ``speculum.kernels.triton_tree`` registers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from speculum.spec.checks import raise_for_rows
+from speculum.spec.checks import checking, raise_for_rows
 from speculum.state.record import make
 from speculum.state.tree import DraftCandidates, DraftTree
 
@@ -33,6 +35,7 @@ __all__ = [
     "sibling_ranks",
     "validate_tree_config",
     "num_candidates",
+    "build_tree_nodes",
 ]
 
 
@@ -175,7 +178,13 @@ def children(tree: DraftTree, max_children: int) -> Int[Tensor, "batch num_nodes
     """
     if max_children < 1:
         raise ValueError(f"children: max_children={max_children} must be >= 1")
-    parents = tree.parents
+    return _children_of(tree.parents, max_children)
+
+
+def _children_of(
+    parents: Int[Tensor, "batch num_nodes"], max_children: int
+) -> Int[Tensor, "batch num_nodes max_children"]:
+    """:func:`children` of a bare parent table (the ``speculum::accept_tree`` op has no record)."""
     batch, n = parents.shape
     rank = sibling_ranks(parents)
     # Child j goes to slot parent * max_children + rank of a flat [n * max_children] table; the
@@ -203,7 +212,7 @@ def _check_candidates(
         raise ValueError(
             f"build_tree: root_tokens must be [batch] = ({batch},), got {tuple(root_tokens.shape)}"
         )
-    if torch.compiler.is_compiling():
+    if not checking():
         return
     index = torch.arange(num_cand, device=candidates.parents.device)
     parents, scores = candidates.parents, candidates.scores
@@ -245,13 +254,34 @@ def build_tree(
 def _build_tree_core(
     candidates: DraftCandidates, root_tokens: Int[Tensor, " batch"], num_draft_tokens: int
 ) -> DraftTree:
-    batch, num_cand = candidates.tokens.shape
+    tokens, parents, depths = build_tree_nodes(
+        candidates.tokens, candidates.parents, candidates.scores, root_tokens, num_draft_tokens
+    )
+    return make(DraftTree, tokens=tokens, parents=parents, depths=depths)
+
+
+@torch.library.custom_op("speculum::build_tree", mutates_args=())
+def build_tree_nodes(
+    candidate_tokens: Tensor,
+    candidate_parents: Tensor,
+    scores: Tensor,
+    root_tokens: Tensor,
+    num_draft_tokens: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``speculum::build_tree`` op: :func:`build_tree` on bare tensors, unvalidated.
+
+    Takes the candidates' ``tokens``, ``parents`` (int64) and ``scores`` (float), each
+    ``[batch, num_candidates]``, and ``root_tokens [batch]``; returns the tree's ``tokens``,
+    ``parents`` and ``depths``, each int64 ``[batch, num_draft_tokens]``. This default kernel is
+    the reference; ``speculum.kernels.triton_tree`` registers a CUDA twin.
+    """
+    batch, num_cand = candidate_tokens.shape
     keep = num_draft_tokens - 1
-    device = candidates.tokens.device
-    best = torch.sort(candidates.scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    device = candidate_tokens.device
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
     kept = torch.sort(best, dim=-1).values  # [batch, keep], level order
-    kept_tokens = candidates.tokens.gather(1, kept)
-    kept_parents = candidates.parents.gather(1, kept)
+    kept_tokens = candidate_tokens.gather(1, kept)
+    kept_parents = candidate_parents.gather(1, kept)
 
     # node_of[b, c]: the node index of candidate c (1 .. keep), 0 where not kept; only kept
     # parents are ever looked up, and children of the root (parent -1) map to node 0.
@@ -264,4 +294,10 @@ def _build_tree_core(
     parents = torch.cat([root_parent, parent_nodes], dim=1)
     tokens = torch.cat([root_tokens[:, None], kept_tokens], dim=1).to(torch.int64)
     depths = _ancestor_mask(parents).sum(-1) - 1
-    return make(DraftTree, tokens=tokens, parents=parents, depths=depths.to(torch.int64))
+    return tokens, parents, depths.to(torch.int64)
+
+
+@build_tree_nodes.register_fake
+def _(candidate_tokens, candidate_parents, scores, root_tokens, num_draft_tokens):
+    shape = (candidate_tokens.shape[0], num_draft_tokens)
+    return tuple(candidate_tokens.new_empty(shape, dtype=torch.int64) for _ in range(3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -21,7 +22,7 @@ from speculum.state.record import make, replace
 from speculum.state.sampling import SamplingParams
 from speculum.state.tree import AcceptResult, DraftTree, Verified
 
-__all__ = ["verify_tree", "commit_path"]
+__all__ = ["verify_tree", "commit_path", "commit_kv"]
 
 
 def verify_tree(
@@ -63,16 +64,35 @@ def commit_path(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> PagedKV:
     """Move the accepted path's K/V to consecutive cache slots and extend the sequence.
 
     The root is already at ``seq_lens``; the node at depth ``d`` of the path moves from cache
-    index ``seq_lens + path[d]`` to ``seq_lens + d``. All sources are read before any
-    destination is written (a destination can be another node's source). The pool is written
-    in place by contract; the returned record counts the root and the accepted nodes, and the
-    rejected slots are simply never pointed at again.
+    index ``seq_lens + path[d]`` to ``seq_lens + d`` (the ``speculum::commit_kv`` op). All
+    sources are read before any destination is written (a destination can be another node's
+    source). The pool is written in place by contract; the returned record counts the root and
+    the accepted nodes, and the rejected slots are simply never pointed at again.
     """
     valid = accepted.path >= 0
     path_index = kv.seq_lens[:, None] + accepted.path.clamp(min=0)
-    source = slots_at(kv.page_table, kv.page_size, path_index, valid).reshape(-1)
-    destination = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid).reshape(-1)
-    for cache in (pool.k, pool.v):
-        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-        flat[:, destination] = flat[:, source]  # the right side is a copy: reads come first
+    source = slots_at(kv.page_table, kv.page_size, path_index, valid)
+    destination = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid)
+    commit_kv(pool.k, pool.v, source, destination)
     return replace(kv, seq_lens=kv.seq_lens + accepted.num_accepted + 1)
+
+
+@torch.library.custom_op("speculum::commit_kv", mutates_args=("k", "v"))
+def commit_kv(k: Tensor, v: Tensor, source: Tensor, destination: Tensor) -> None:
+    """The ``speculum::commit_kv`` op: ``flat[:, destination] = flat[:, source]`` for K and V.
+
+    ``k`` and ``v`` are pools ``[layer, page, page_size, kv_head, head_dim]``, viewed as
+    ``[layer, slot, kv_head, head_dim]``; ``source`` and ``destination`` are int64 flat slots
+    ``[batch, max_depth + 1]`` of each request's path (padding entries point both at the padding
+    sink). Every source is read before any destination is written. This default kernel is the
+    reference; ``speculum.kernels.triton_tree`` registers a CUDA twin.
+    """
+    for cache in (k, v):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        # The right side is a copy, so all reads come before the writes.
+        flat[:, destination.reshape(-1)] = flat[:, source.reshape(-1)]
+
+
+@commit_kv.register_fake
+def _(k, v, source, destination):
+    return None

@@ -214,3 +214,19 @@ def test_gather_kv_returns_tokens_in_sequence_order(case: Case) -> None:
         sink_from = len(case.pages[b]) * case.page_size
         sink = cache[PADDING_PAGE].repeat(case.max_pages - len(case.pages[b]), 1, 1)
         assert torch.equal(gathered[b, sink_from:], sink)
+
+
+@given(case=cases())
+def test_an_empty_tail_is_the_same_as_an_unseen_one(case: Case) -> None:
+    """Queries may attend to their prefix alone (a zero-width tail), as with a tail no query
+    sees: the mask's width is a shape, not a reason to fail."""
+    gen = torch.Generator().manual_seed(case.seed)
+    heads = case.kv_heads * case.group
+    q = torch.randn(case.batch, case.q, heads, case.head_dim, generator=gen)
+    k_cache, v_cache = garbage_cache(case, gen), garbage_cache(case, gen)
+    prefix = torch.tensor(case.prefix_lens, dtype=torch.int64)
+    args = (q, k_cache, v_cache, case.page_table(), prefix, torch.tensor(case.q_lens))
+    empty = torch.zeros(case.batch, case.q, 0, dtype=torch.bool)
+    unseen = torch.zeros(case.batch, case.q, 1, dtype=torch.bool)
+    scale = case.head_dim**-0.5
+    assert torch.equal(paged_attention(*args, empty, scale), paged_attention(*args, unseen, scale))

@@ -1,0 +1,428 @@
+"""Decoding on one GPU: plain decoding against the HBM roofline, one speculative round split by
+stage, break-even acceptance lengths, and transformers' ``generate`` as the peer.
+
+The target is shaped like Llama-3.1-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads,
+intermediate 14336, vocabulary 128256) with random bf16 weights, and the draft like an EAGLE-3
+head for it (one layer, a 32000-token draft vocabulary). Random weights make acceptance
+meaningless, so speculative decoding is reported as what a round costs and the acceptance length
+at which it breaks even with plain decoding: ``round time / plain step time`` (a round emits
+its acceptance length in tokens where plain decoding emits one).
+
+- plain: tokens/s of the decode loop (``pipeline.decode`` as CUDA graphs, one device-to-host
+  copy per step, as the scheduler does), for a 512-token prompt and 256 new tokens; the roofline
+  is the bytes a step must read (every weight but the embedding table, plus the KV cache at the
+  mean context) over the copy bandwidth measured in the same run.
+- round split: each stage captured alone and replayed (median of device-event timings); the
+  model floor is the target's tree forward with its logits plus the draft's forwards with
+  theirs; host work is the full round's call from Python (padding, replay, output gather, one
+  device-to-host copy) minus its replay.
+- peer: transformers' ``generate`` on the same weights with a static cache, greedy.
+
+Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
+a CPU smoke run of the script itself, whose numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+os.environ.pop("SPECULUM_TYPECHECK", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from speculum.models.config import DecoderConfig  # noqa: E402
+from speculum.models.decoder import DecoderModel  # noqa: E402
+from speculum.models.draft import build_draft, draft_config  # noqa: E402
+from speculum.models.loading import randomize_  # noqa: E402
+from speculum.pipelines import eagle  # noqa: E402
+from speculum.runtime import scheduler  # noqa: E402
+from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
+from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
+from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
+from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
+from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
+from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
+from speculum.state.record import replace  # noqa: E402
+
+LLAMA_8B = attrs.evolve(
+    TINY_CONFIG,
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    eos_token_ids=(),
+    bos_token_id=None,
+    dtype="bfloat16",
+)
+#: The CPU smoke-run stand-in: same code paths, tiny sizes.
+TINY = attrs.evolve(
+    LLAMA_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+DRAFT_VOCAB = 32000
+#: (label, num_steps, topk, num_draft_tokens) of the speculative rounds measured.
+ROUNDS = (("chain 3", 3, 1, 4), ("chain 5", 5, 1, 6), ("tree 8", 4, 4, 8))
+
+
+@contextlib.contextmanager
+def building_on(device: str, dtype: torch.dtype) -> Iterator[None]:
+    """Modules constructed inside are allocated on ``device`` in ``dtype`` directly."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def build_models(config: DecoderConfig, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The random target and an EAGLE-3 head for it (draft ids a random subset of the target's)."""
+    with building_on(device, dtype):
+        target = DecoderModel(config)
+        head_config = draft_config(
+            config, "eagle3", draft_vocab_size=min(DRAFT_VOCAB, config.vocab_size // 2)
+        )
+        head = build_draft(head_config, target)
+    randomize_(target, seed=0, std=0.02)
+    randomize_(head, seed=1, std=0.02)
+    target.reset_rope()
+    head.reset_buffers()
+    subset = torch.randperm(config.vocab_size, device=device)[: head.config.head_vocab_size]
+    head.set_target_ids(subset.sort().values)
+    return target.eval().requires_grad_(False), head.eval().requires_grad_(False)
+
+
+def median_ms(run: Callable[[], Any], device: str, repeat: int) -> float:
+    """Median milliseconds of ``run()``: device events on CUDA, the host clock on the CPU."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def stage_ms(fn: Callable[..., Any], args: tuple[Any, ...], device: str, repeat: int) -> float:
+    """Median time of one stage call: its CUDA-graph replay on CUDA, eager on the CPU."""
+    if device != "cuda":
+        return median_ms(lambda: fn(*args), device, repeat)
+    graph = capture(fn, args).graph
+    return median_ms(graph.replay, device, repeat)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    size = (1 << 30) if device == "cuda" else (1 << 24)
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(4)]
+    for b in buffers:
+        b.random_(0, 255)
+
+    def copy_twice() -> None:
+        buffers[1].copy_(buffers[0])
+        buffers[3].copy_(buffers[2])
+
+    ms = median_ms(copy_twice, device, 20)
+    return 4 * size / (ms / 1e3)
+
+
+def step_bytes(target: DecoderModel, batch: int, context: float) -> float:
+    """Bytes one plain decode step must read: every weight but the embedding table (a step reads
+    only ``batch`` of its rows), plus the K and V of ``context`` tokens per request."""
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    embedding = target.model.embed_tokens.weight
+    if embedding is not target.lm_head.weight:
+        weights -= embedding.numel() * embedding.element_size()
+    c = target.config
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * embedding.element_size()
+    return weights + batch * context * kv
+
+
+def make_engine(
+    target, head, batch: int, context: int, rounds: tuple[int, int, int] | None
+) -> Engine:
+    """A plain engine (``rounds`` None) or an EAGLE-3 engine with that (steps, topk, tokens)."""
+    spec = (
+        None
+        if rounds is None
+        else SpecOptions(num_steps=rounds[0], topk=rounds[1], num_draft_tokens=rounds[2])
+    )
+    return engine_from_model(
+        target,
+        algorithm="plain" if rounds is None else "eagle3",
+        draft=None if rounds is None else head,
+        spec=spec,
+        max_batch=batch,
+        max_context=context,
+        prefill_budget=2048,
+        graph_buckets=(batch,),
+    )
+
+
+def running(engine: Engine, batch: int, prompt: int, new_tokens: int) -> Any:
+    """A scheduler state with ``batch`` random prompts prefilled and decoding."""
+    generator = torch.Generator().manual_seed(batch)
+    vocab = engine.resources.target.config.vocab_size
+    state = scheduler.new_state(engine)
+    for _ in range(batch):
+        ids = torch.randint(0, vocab, (prompt,), generator=generator).tolist()
+        state, _ = scheduler.add_request(
+            engine, state, ids, max_new_tokens=new_tokens, ignore_eos=True
+        )
+    while state.waiting or state.prefilling:
+        state, _ = scheduler.step(engine, state)
+    return state
+
+
+def plain_row(target, head, batch: int, args, bandwidth: float, device: str) -> dict[str, Any]:
+    """Plain decoding's tokens/s over ``args.new_tokens`` steps, and its roofline ratio."""
+    engine = make_engine(target, head, batch, args.prompt + args.new_tokens + 64, None)
+    state = running(engine, batch, args.prompt, args.new_tokens + 8).batch
+    decode = engine.pipeline.decode
+    state, _ = decode(engine.resources, state)  # capture outside the timed loop
+    sync(device)
+    begin = time.perf_counter()
+    for _ in range(args.new_tokens):
+        state, out = decode(engine.resources, state)
+        out.tokens.tolist()  # the scheduler's one device-to-host copy per step
+    seconds = time.perf_counter() - begin
+    step_ms = seconds / args.new_tokens * 1e3
+    context = args.prompt + args.new_tokens / 2
+    roofline_ms = step_bytes(target, batch, context) / bandwidth * 1e3
+    return {
+        "batch": batch,
+        "tok/s": batch * args.new_tokens / seconds,
+        "ms/step": step_ms,
+        "roofline ms": roofline_ms,
+        "of roofline": roofline_ms / step_ms,
+    }
+
+
+def sync(device: str) -> None:
+    """Wait for the device (a no-op on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def round_row(target, head, batch: int, label, rounds, args, plain_ms: float, device: str):
+    """One EAGLE-3 round at ``batch``: per-stage times, model floor, host work, break-even."""
+    engine = make_engine(target, head, batch, args.prompt + args.new_tokens + 64, rounds)
+    state = running(engine, batch, args.prompt, args.new_tokens).batch
+    res, n = engine.resources, args.repeat
+    config = eagle.round_config(
+        num_steps=rounds[0],
+        topk=rounds[1],
+        num_draft_tokens=rounds[2],
+        vocab_size=head.draft_vocab_size,
+    )
+    padded = pad_batch(state, batch)
+    candidates, draft_probs = propose(res, padded, config)
+    tree = build_tree(candidates, padded.root_tokens, config.num_draft_tokens)
+    verified = eagle.verify(res, padded, tree, config, draft_probs)
+    times = {
+        "draft": stage_ms(lambda s: propose(res, s, config), (padded,), device, n),
+        "build_tree": stage_ms(
+            lambda c, r: build_tree(c, r, config.num_draft_tokens),
+            (candidates, padded.root_tokens),
+            device,
+            n,
+        ),
+        "verify+accept": stage_ms(
+            lambda s, t: eagle.verify(res, s, t, config, draft_probs), (padded, tree), device, n
+        ),
+        "draft-extend": stage_ms(
+            lambda s, v: draft_extend(res, s, v, config), (padded, verified), device, n
+        ),
+        "commit": stage_ms(
+            lambda s, a: eagle.commit(res, s, a), (padded, verified.accepted), device, n
+        ),
+    }
+    target_ms = stage_ms(functools.partial(target_tree_forward, res), (padded, tree), device, n)
+    times["accept"] = times["verify+accept"] - target_ms
+    times["verify"] = target_ms
+    del times["verify+accept"]
+    floor = target_ms + draft_floor_ms(res, padded, config, device, n)
+    decode = engine.pipeline.decode
+    call_ms = median_ms(lambda: decode(res, state)[1].tokens.tolist(), device, n)
+    replay_ms = (
+        median_ms(decode.graphs[0][2].graph.replay, device, n) if device == "cuda" else call_ms
+    )
+    times["host"] = call_ms - replay_ms
+    return {
+        "batch": batch,
+        "round": label,
+        **{
+            k: times[k]
+            for k in ("draft", "build_tree", "verify", "accept", "commit", "draft-extend", "host")
+        },
+        "round ms": call_ms,
+        "model floor": floor,
+        "non-model": 1 - floor / call_ms,
+        "break-even AL": call_ms / plain_ms,
+    }
+
+
+def target_tree_forward(res, state, tree):
+    """The target's forward over a tree and its logits: verify's model work alone."""
+    positions = state.kv.seq_lens[:, None] + tree.depths
+    batch = tail_batch(state.kv, tree.tokens, positions, tree_mask(tree))
+    hidden, captured = res.target(batch, res.target_pool, res.draft.capture_layers)
+    return res.target.logits(hidden), captured
+
+
+def draft_floor_ms(res, state, config, device: str, repeat: int) -> float:
+    """The draft's model work in a round: ``num_steps - 1`` drafting forwards over ``topk``
+    nodes and one draft-extend forward over ``num_steps + 1`` tokens, each with its logits."""
+    k, kv = config.topk, replace(state.kv, seq_lens=state.kv.seq_lens + res.draft.ahead)
+    tokens = state.prediction.top_tokens
+    hidden = state.prediction.hidden[:, None, :].expand(-1, k, -1).contiguous()
+
+    def step(tokens, hidden):
+        out, _ = draft_forward(res, kv, 1, tokens, hidden, no_ancestors(kv, k))
+        return res.draft.logits(out)
+
+    width = config.num_steps + 1
+    ext_tokens = state.root_tokens[:, None].expand(-1, width).contiguous()
+    ext_hidden = state.prediction.hidden[:, None, :].expand(-1, width, -1).contiguous()
+
+    def extend(tokens, hidden):
+        batch = extend_batch(kv, tokens, torch.full_like(kv.seq_lens, width))
+        return res.draft.logits(res.draft(batch, res.draft_pool, hidden))
+
+    steps = (config.num_steps - 1) * stage_ms(step, (tokens, hidden), device, repeat)
+    return steps + stage_ms(extend, (ext_tokens, ext_hidden), device, repeat)
+
+
+def peer_row(target, batch: int, args, device: str) -> dict[str, Any]:
+    """transformers' greedy ``generate`` with a static cache on the same weights."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c = target.config
+        hf_config = LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+        with building_on(device, target.lm_head.weight.dtype):
+            hf = LlamaForCausalLM(hf_config)
+        hf.load_state_dict(target.state_dict(), strict=True)
+        hf.eval()
+        ids = torch.randint(0, c.vocab_size, (batch, args.prompt), device=device)
+
+        def run(new_tokens: int) -> float:
+            sync(device)
+            begin = time.perf_counter()
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
+            sync(device)
+            return time.perf_counter() - begin
+
+        run(4)  # warm-up
+        total, prefill = run(args.new_tokens), run(1)
+        seconds = max(total - prefill, 1e-9)
+        return {"batch": batch, "tok/s": batch * (args.new_tokens - 1) / seconds}
+    except Exception as error:  # the peer's failure must not lose the rest of the run
+        return {"batch": batch, "tok/s": float("nan"), "error": f"{type(error).__name__}: {error}"}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of ``rows`` (floats to 4 significant digits)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Run every measurement and print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    config = TINY if args.tiny else LLAMA_8B
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    target, head = build_models(config, device, dtype)
+    bandwidth = copy_bandwidth(device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    batches = [int(b) for b in args.batches.split(",")]
+    plain, rounds, peers = [], [], []
+    for batch in batches:
+        row = plain_row(target, head, batch, args, bandwidth, device)
+        plain.append(row)
+        print(table([row]), flush=True)
+        for label, *shape in ROUNDS:
+            r = round_row(target, head, batch, label, tuple(shape), args, row["ms/step"], device)
+            rounds.append(r)
+            print(table([r]), flush=True)
+        if not args.no_peer:
+            peer = peer_row(target, batch, args, device)
+            peer["ours/peer"] = row["tok/s"] / peer["tok/s"]
+            peers.append(peer)
+            print(table([peer]), flush=True)
+    print("\n## plain decoding\n\n" + table(plain))
+    print("\n## speculative round (EAGLE-3 head), ms\n\n" + table(rounds))
+    if peers:
+        print("\n## transformers generate (static cache), decode tokens/s\n\n" + table(peers))
+
+
+if __name__ == "__main__":
+    main()

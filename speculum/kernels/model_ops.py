@@ -1,0 +1,124 @@
+"""The decoder's elementwise ops (RMSNorm, residual add + RMSNorm, rotary embedding, SwiGLU).
+
+Each op's default kernel is a pure-torch reference with exactly the decoder's math, rounding step
+for rounding step (``speculum.models.decoder``: ``RMSNorm.forward``, ``apply_rope``, the MLP's
+``silu(gate) * up``), so routing the decoder through these ops changes no bit on the CPU. Fused
+Triton kernels (``speculum.kernels.triton_model_ops``) register as the CUDA kernels: eagerly the
+reference is ~7 kernel launches for a norm and ~10 for rotary, each ~2 µs even inside a CUDA
+graph, against one launch fused.
+
+Outputs are fresh contiguous tensors (the Triton kernels write contiguous outputs, so the
+reference does too, and the fake kernels say so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_reference",
+    "silu_mul",
+    "silu_mul_reference",
+]
+
+
+def rms_norm_reference(
+    x: Float[Tensor, "*rows hidden"], weight: Float[Tensor, " hidden"], eps: float
+) -> Float[Tensor, "*rows hidden"]:
+    """``weight * (x * rsqrt(mean(x^2) + eps))``: statistics in float32, the normed values
+    rounded back to ``x.dtype``, then multiplied in the promoted dtype of ``weight`` and ``x``."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_reference(
+    x: Float[Tensor, "*rows hidden"],
+    residual: Float[Tensor, "*rows hidden"],
+    weight: Float[Tensor, " hidden"],
+    eps: float,
+) -> tuple[Float[Tensor, "*rows hidden"], Float[Tensor, "*rows hidden"]]:
+    """``(rms_norm(x + residual), x + residual)``: a decoder layer's residual add (rounded to
+    the dtype of the sum, as ``x = x + attn(...)`` is) followed by the next block's norm."""
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+def rope_reference(
+    x: Float[Tensor, "batch q head head_dim"],
+    positions: Int[Tensor, "batch q"],
+    inv_freq: Float[Tensor, " half"],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Rotate halves of ``x`` by ``positions * inv_freq`` (the non-interleaved convention).
+
+    Angles, cosines and sines in float32; the cosines and sines rounded to ``x.dtype``; both
+    products and their sum rounded to ``x.dtype``.
+    """
+    freqs = positions.float()[..., None] * inv_freq.to(x.device)
+    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def silu_mul_reference(
+    gate: Float[Tensor, "*rows inter"], up: Float[Tensor, "*rows inter"]
+) -> Float[Tensor, "*rows inter"]:
+    """SwiGLU's ``silu(gate) * up``: silu rounded to ``gate.dtype``, the product rounded again."""
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("speculum::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis of ``x`` (see :func:`rms_norm_reference`)."""
+    return rms_norm_reference(x, weight, eps).contiguous()
+
+
+@torch.library.custom_op("speculum::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(normed, new_residual)`` of a residual add and RMSNorm (see
+    :func:`add_rms_norm_reference`)."""
+    normed, summed = add_rms_norm_reference(x, residual, weight, eps)
+    return normed.contiguous(), summed.contiguous()
+
+
+@torch.library.custom_op("speculum::rope", mutates_args=())
+def rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotary embedding of ``x [batch, q, head, head_dim]`` (see :func:`rope_reference`)."""
+    return rope_reference(x, positions, inv_freq).contiguous()
+
+
+@torch.library.custom_op("speculum::silu_mul", mutates_args=())
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of equally shaped tensors (see :func:`silu_mul_reference`)."""
+    return silu_mul_reference(gate, up).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.result_type(weight, x))
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    summed = x.new_empty(x.shape, dtype=torch.result_type(x, residual))
+    return summed.new_empty(x.shape, dtype=torch.result_type(weight, summed)), summed
+
+
+@rope.register_fake
+def _(x, positions, inv_freq):
+    return x.new_empty(x.shape)
+
+
+@silu_mul.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.result_type(gate, up))

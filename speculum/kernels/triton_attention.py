@@ -1,0 +1,499 @@
+"""Triton kernel of ``speculum::paged_attention``: attention over a paged prefix and masked tail.
+
+Same function as :func:`speculum.spec.attention.paged_attention` (read its docstring for the
+semantics), computed flash-attention style so that nothing of size ``seq`` is materialised.
+
+Design
+------
+* **Grid** ``(query_blocks, batch * kv_head, splits)``. One program owns one KV head of one
+  request and a block of ``BLOCK_Q`` query tokens, *together with all ``group`` query heads that
+  share that KV head*: its ``BLOCK_M = BLOCK_Q * group`` query rows (row ``r`` is token
+  ``r // group``, head ``kv_head * group + r % group``) form the M dimension of ``tl.dot``. Each
+  K/V tile is then read once for the whole group, and a decode step (one token) still fills
+  ``group`` rows of the matrix unit. ``BLOCK_M`` is at least 16, the smallest ``tl.dot`` tile.
+* **Prefix** (every cache index ``< prefix_lens[b]``, seen by every query): a loop over blocks of
+  ``BLOCK_N`` keys whose bound is read from ``prefix_lens`` inside the kernel. Each key row finds
+  its pool slot through the page table (``page_table[b, s // page_size] * page_size +
+  s % page_size``), so pages need not be contiguous and any ``page_size >= 1`` works. Online
+  softmax in base 2 with a float32 accumulator.
+* **Tail** (cache indices ``prefix_lens[b] + j``, ``j < t``, seen per ``new_mask``): a first pass
+  over this block's mask rows finds one past the last column any real row sees (``tail_end``),
+  so a causal prefill chunk only visits the tiles on or below its diagonal (without
+  special-casing causal masks: the kernel only reads the mask), and the first column no real
+  row sees (``dense_end``). Tiles below ``dense_end`` load every key; tiles after it load a key
+  only where some row of the block sees it, so stale NaN/inf in slots nobody sees never reaches
+  ``P @ V`` (``0 * NaN`` would). That per-column check is a reduction over the tile's rows,
+  which the dense tiles (all of a causal chunk's but the diagonal one) skip.
+* **Split-KV** (flash-decoding): when ``batch * kv_head * query_blocks`` programs would leave the
+  GPU idle (decode at small batch), the prefix of each request is cut into ``splits`` chunks
+  (sized inside the kernel from the real ``prefix_lens[b]``), each program writes a partial
+  ``(max, sum, unnormalised accumulator)``, the last split also takes the tail, and a small
+  combine kernel merges the partials. ``splits = min(2 * SMs // programs, capacity // 128, 64)``
+  where ``capacity = max_pages * page_size``; 1 (no partials, no combine) once the grid already
+  fills two programs per SM.
+* **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
+  the device alone; lengths are read on the device, so a launch can be captured and replayed.
+
+Without a GPU the same kernels run on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported), which the parity tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+__all__ = ["paged_attention_triton", "register"]
+
+#: Triton's interpreter runs kernels on CPU tensors; it is read once, when kernels are decorated.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: Prefix keys a split must be able to hold before a request is cut once more: below two key
+#: blocks, the partial writes and the combine cost more than the parallelism gains.
+_MIN_KEYS_PER_SPLIT = 128
+#: More splits only multiply combine traffic; 64 already covers a 1-request batch of 1 KV head.
+_MAX_SPLITS = 64
+#: Programs per SM the split rule aims for: two resident programs hide one's load latency.
+_PROGRAMS_PER_SM = 2
+#: Stand-in SM count under the interpreter, small so that CPU tests exercise the split path.
+_INTERPRET_SMS = 4
+#: Query rows (tokens x group) from which a call is a prefill chunk, tiled for the matrix units.
+_PREFILL_ROWS = 1024
+#: Shared-memory budget (bytes) for the software-pipelined K/V tiles on Hopper (228 KiB per SM,
+#: leaving room for the Q tile and layout conversions).
+_SMEM_BUDGET = 160 * 1024
+
+
+@triton.jit
+def _attend_block(
+    q,
+    s,
+    key_ok,
+    visible,
+    page_row,
+    stride_pp,
+    k_base,
+    stride_kp,
+    stride_ks,
+    v_base,
+    stride_vp,
+    stride_vs,
+    d_ok,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the keys at cache indices ``s [BLOCK_N]`` into the running softmax state.
+
+    Only keys with ``key_ok`` are loaded (others read as 0: they may be stale garbage, and
+    ``0 * NaN`` in ``P @ V`` would be NaN); ``visible [BLOCK_M, BLOCK_N]`` masks the scores. The
+    state is (row max, row sum, unnormalised accumulator) with base-2 exponents. A row that has
+    seen nothing yet keeps ``m = -inf``; its shift is taken as 0 so that ``exp2(-inf - shift)``
+    gives 0 instead of ``exp2(-inf + inf) = NaN``.
+    """
+    page = tl.load(page_row + (s // PAGE_SIZE) * stride_pp, mask=key_ok, other=0)
+    offset = (s % PAGE_SIZE).to(tl.int64)
+    load_ok = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + (page * stride_kp + offset * stride_ks)[:, None], mask=load_ok, other=0.0)
+    v = tl.load(v_base + (page * stride_vp + offset * stride_vs)[:, None], mask=load_ok, other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(qk - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = v.to(q.dtype)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_seen(mask_rows, j, stride_mj, row_ok, num_tail):
+    """``new_mask`` bytes of this block's rows at tail columns ``j``; 0 for padding rows."""
+    return tl.load(
+        mask_rows + j[None, :] * stride_mj, mask=row_ok[:, None] & (j < num_tail)[None, :], other=0
+    ).to(tl.int32)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    page_table_ptr,
+    prefix_lens_ptr,
+    q_lens_ptr,
+    mask_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    qk_scale,
+    num_q,
+    num_tail,
+    num_kv_heads,
+    stride_qb,
+    stride_qi,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_pb,
+    stride_pp,
+    stride_mb,
+    stride_mi,
+    stride_mj,
+    stride_ob,
+    stride_oi,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TOKENS: tl.constexpr,
+    SCAN_N: tl.constexpr,
+):
+    """One (query block, request x KV head, split) program; see the module docstring.
+
+    With ``SPLITS == 1`` it writes the normalised output into ``out_ptr``; otherwise it writes
+    its unnormalised accumulator to ``out_ptr`` (a contiguous ``[batch, q, head, splits,
+    head_dim]`` float32 buffer) and its row max / row sum to ``m_ptr`` / ``l_ptr``.
+    """
+    q_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (bh // num_kv_heads).to(tl.int64)
+    kv_head = bh % num_kv_heads
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    keys = tl.arange(0, BLOCK_N)
+
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    q_len = tl.load(q_lens_ptr + b).to(tl.int32)
+    row_in = (rows < BLOCK_Q * GROUP) & (qi < num_q)  # rows of the output tensor
+    row_ok = row_in & (qi < q_len)  # rows that are real queries
+    # A block of padding rows does no work at all: its loops get empty ranges.
+    block_live = q_block * BLOCK_Q < q_len
+
+    # The tail is taken by the last split. A first pass over the block's mask rows (one per
+    # token, not per head, in wide tiles: this loop has no matrix work to hide its latency)
+    # finds one past the last column a real row sees (``tail_end``) and the first column no
+    # real row sees (``dense_end``); tiles below ``dense_end`` then load every key unchecked.
+    tail = tl.where(block_live & (split == SPLITS - 1), num_tail, 0)
+    tokens = q_block * BLOCK_Q + tl.arange(0, TOKENS)
+    token_ok = (tl.arange(0, TOKENS) < BLOCK_Q) & (tokens < num_q) & (tokens < q_len)
+    token_rows = mask_ptr + b * stride_mb + tokens[:, None] * stride_mi
+    tail_end = tl.zeros([], tl.int32)
+    dense_end = tail
+    for start in range(0, tail, SCAN_N):
+        j = start + tl.arange(0, SCAN_N)
+        col_seen = tl.max(_load_seen(token_rows, j, stride_mj, token_ok, num_tail), axis=0) > 0
+        tail_end = tl.maximum(tail_end, tl.max(tl.where(col_seen, j + 1, 0)))
+        dense_end = tl.minimum(dense_end, tl.min(tl.where(col_seen | (j >= num_tail), tail, j)))
+
+    q = tl.load(
+        q_ptr
+        + b * stride_qb
+        + qi[:, None] * stride_qi
+        + head[:, None] * stride_qh
+        + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    page_row = page_table_ptr + b * stride_pb
+    k_base = k_ptr + kv_head * stride_kh + d[None, :] * stride_kd
+    v_base = v_ptr + kv_head * stride_vh + d[None, :] * stride_vd
+
+    # Prefix: this split's chunk, rounded to whole key blocks, of the request's real prefix.
+    prefix = tl.where(block_live, prefix_len, 0)
+    chunk = tl.cdiv(tl.cdiv(prefix, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + keys
+        key_ok = s < hi
+        m_i, l_i, acc = _attend_block(
+            q, s, key_ok, key_ok[None, :], page_row, stride_pp, k_base, stride_kp, stride_ks,
+            v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
+        )  # fmt: skip
+
+    mask_rows = mask_ptr + b * stride_mb + qi[:, None] * stride_mi
+    dense_end = tl.minimum(dense_end, tail_end) // BLOCK_N * BLOCK_N
+    for start in range(0, dense_end, BLOCK_N):
+        j = start + keys
+        seen = _load_seen(mask_rows, j, stride_mj, row_ok, num_tail) != 0
+        m_i, l_i, acc = _attend_block(
+            q, prefix_len + j, j < num_tail, seen, page_row, stride_pp, k_base, stride_kp,
+            stride_ks, v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+            DOT_PRECISION,
+        )  # fmt: skip
+    for start in range(dense_end, tail_end, BLOCK_N):
+        j = start + keys
+        seen = _load_seen(mask_rows, j, stride_mj, row_ok, num_tail) != 0
+        m_i, l_i, acc = _attend_block(
+            q, prefix_len + j, tl.max(seen.to(tl.int32), axis=0) > 0, seen, page_row, stride_pp,
+            k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc,
+            qk_scale, PAGE_SIZE, DOT_PRECISION,
+        )  # fmt: skip
+
+    # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
+    acc = tl.where(row_ok[:, None], acc, 0.0)
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + b * stride_ob
+            + qi[:, None] * stride_oi
+            + head[:, None] * stride_oh
+            + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_in[:, None] & d_ok[None, :],
+        )
+    else:
+        num_heads = num_kv_heads * GROUP
+        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
+        tl.store(
+            out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=row_in[:, None] & d_ok[None, :],
+        )
+        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
+        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    num_q,
+    num_heads,
+    stride_ob,
+    stride_oi,
+    stride_oh,
+    stride_od,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the ``SPLITS`` partials of one (request, query, head) row into its output."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // (num_q * num_heads)
+    qi = (row // num_heads) % num_q
+    head = row % num_heads
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.load(m_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(l_ptr + row * SPLITS + s, mask=s_ok, other=0.0)
+    acc = tl.load(
+        acc_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, axis=0)
+    # All splits empty (padding row, or a query that sees nothing): weights 0, output 0.
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(weight * l_s, axis=0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + qi * stride_oi + head * stride_oh + d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed stand-in under the interpreter)."""
+    if device.type != "cuda":
+        return _INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes and launch options, from shapes alone (measured on an H200, bf16, d=128).
+
+    Rows of one program are ``BLOCK_Q`` tokens times ``group`` heads: 128 rows with 64-key tiles
+    and 8 warps for prefill chunks (matrix-unit bound); at most 64 rows and 4 warps for decode
+    and tree verify, which need more programs in flight, with 128-key tiles for decode (memory
+    bound: more bytes in flight per program).
+    Under the interpreter tiles are 16 wide, so that tiny test shapes still cross key-tile and
+    query-block boundaries.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    item = torch.tensor([], dtype=dtype).element_size()
+    rows = num_q * group
+    if _INTERPRET:
+        block_m, block_n = 16, 16
+    elif rows >= _PREFILL_ROWS:
+        block_m, block_n = 128, 64
+    else:
+        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
+        # 128-key tiles keep more bytes in flight; at 64 rows they would spill registers.
+        block_n = 128 if block_m <= 32 else 64
+    block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program
+    if not _INTERPRET and item * block_d > 256:  # wide rows (float32, head_dim > 128)
+        block_n //= 2
+    # Pipeline depth: as many K/V stages as fit beside the Q tile.
+    stage_bytes = 2 * block_n * block_d * item
+    stages = max(1, min(3, (_SMEM_BUDGET - block_m * block_d * item) // stage_bytes))
+    tokens = triton.next_power_of_2(block_m // group)
+    return {
+        "BLOCK_Q": block_m // group,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": block_d,
+        # The mask scan reads ~8K bytes a step (1 per token and column), and no fewer than a tile.
+        "TOKENS": tokens,
+        "SCAN_N": block_n if _INTERPRET else max(block_n, min(1024, 8192 // tokens)),
+        "num_warps": 8 if block_m >= 128 else 4,
+        "num_stages": stages,
+    }
+
+
+def _num_splits(programs: int, capacity: int, device: torch.device) -> int:
+    """How many programs share one request's prefix (flash-decoding), from shapes alone."""
+    spare = _PROGRAMS_PER_SM * _sm_count(device) // programs
+    return max(1, min(spare, capacity // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+def paged_attention_triton(
+    q: Float[Tensor, "batch q head head_dim"],
+    k_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    v_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    page_table: Int[Tensor, "batch max_pages"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: Float[Tensor, "batch q head head_dim"] | None = None,
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Attention of ``q`` over each request's paged prefix and masked tail, in Triton.
+
+    Same arguments and result as :func:`speculum.spec.attention.paged_attention`: float32
+    accumulation, output in ``q.dtype``, zeros for padded rows (``i >= q_lens[b]``) and for
+    queries that see no key. Tensors live on one CUDA device (or the CPU under
+    ``TRITON_INTERPRET=1``). Reads no tensor value on the host, so the call can be captured in
+    a CUDA graph.
+
+    ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
+    receives the result in place of a fresh tensor (tests poison it to prove every element is
+    written).
+    """
+    batch, num_q, heads, head_dim = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into {kv_heads} KV-head groups")
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if q.numel() == 0:
+        return out
+    tiles = _tiles(num_q, group, head_dim, q.dtype)
+    q_blocks = triton.cdiv(num_q, tiles["BLOCK_Q"])
+    programs = q_blocks * batch * kv_heads
+    if num_splits is None:
+        num_splits = _num_splits(programs, page_table.shape[1] * page_size, q.device)
+    if num_splits > 1:
+        part_shape = (batch, num_q, heads, num_splits)
+        acc = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
+        m = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+        target, target_strides = acc, (0, 0, 0, 0)  # partials are addressed as contiguous
+    else:
+        target, m, l_sum, target_strides = out, out, out, out.stride()
+    # Triton loads bytes; a bool tensor reinterpreted as uint8 keeps its (maybe 0) strides.
+    mask = new_mask.view(torch.uint8)
+    _attention_kernel[(q_blocks, batch * kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        prefix_lens.contiguous(),
+        q_lens.contiguous(),
+        mask,
+        target,
+        m,
+        l_sum,
+        scale * math.log2(math.e),
+        num_q,
+        mask.shape[2],
+        kv_heads,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *page_table.stride(),
+        *mask.stride(),
+        *target_strides,
+        GROUP=group,
+        BLOCK_Q=tiles["BLOCK_Q"],
+        BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_N=tiles["BLOCK_N"],
+        HEAD_DIM=head_dim,
+        BLOCK_D=tiles["BLOCK_D"],
+        PAGE_SIZE=page_size,
+        SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TOKENS=tiles["TOKENS"],
+        SCAN_N=tiles["SCAN_N"],
+        num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
+    )
+    if num_splits > 1:
+        _combine_kernel[(batch * num_q * heads,)](
+            acc,
+            m,
+            l_sum,
+            out,
+            num_q,
+            heads,
+            *out.stride(),
+            SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=tiles["BLOCK_D"],
+            num_warps=4,
+        )
+    return out
+
+
+def register() -> None:
+    """Make :func:`paged_attention_triton` the CUDA kernel of ``speculum::paged_attention``."""
+    from speculum.kernels.attention import paged_attention
+
+    paged_attention.register_kernel("cuda")(paged_attention_triton)

@@ -1,0 +1,361 @@
+"""Parity of the Triton tree kernels with their spec twins, run under Triton's interpreter.
+
+Without a GPU, ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before this module imports the
+kernels, so every launcher runs on CPU tensors (with a GPU, on CUDA copies). Hypothesis draws
+the structure (tree shapes, bounds, block sizes, modes) and a seed; the tensors come from a
+generator with that seed. The vocabularies are tiny and the vocabulary block (``block_v``)
+smaller still, so every pass over the residual runs several blocks with a masked tail.
+``tests/gpu/test_kernel_tree_gpu.py`` runs the same parity at real sizes on a device.
+
+Acceptance is compared exactly. One-hot (greedy) targets must match bit for bit by construction;
+sampled ones could in principle differ where the reference's comparison sits within a rounding
+error of its threshold (the kernels sum the vocabulary in another order), which random
+float32 data over a handful of entries does not hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculum.kernels.triton_tree import (
+    accept_tree_triton,
+    build_tree_triton,
+    commit_kv_triton,
+    register,
+)
+from speculum.spec.accept import accept_tree
+from speculum.spec.paged import cache_slots, slots_at
+from speculum.spec.sampling import Stream, uniforms
+from speculum.spec.tree import build_tree_nodes, select_frontier, sibling_ranks
+from speculum.spec.verify import commit_kv
+
+seeds = st.integers(0, 2**31 - 1)
+#: Where the launchers run: the interpreter takes CPU tensors, compiled kernels CUDA ones.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors):
+    return [None if t is None else t.to(DEVICE) for t in tensors]
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def forest_candidates(gen: torch.Generator, batch: int, num_cand: int, vocab: int):
+    """Valid candidate sets: any earlier parent, scores = parent score * 2**-k (ties common)."""
+    parents = torch.full((batch, num_cand), -1, dtype=torch.int64)
+    scores = torch.ones(batch, num_cand)
+    halvings = torch.randint(0, 4, (batch, num_cand), generator=gen)
+    for i in range(num_cand):
+        parents[:, i] = torch.randint(-1, i, (batch,), generator=gen)
+        above = scores.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0]
+        scores[:, i] = torch.where(parents[:, i] < 0, 1.0, above) * 2.0 ** -halvings[:, i]
+    tokens = torch.randint(0, vocab, (batch, num_cand), generator=gen)
+    return tokens, parents, scores
+
+
+def eagle_candidates(gen: torch.Generator, batch: int, topk: int, num_steps: int, vocab: int):
+    """EAGLE-2 candidates: ``topk`` children of the root, then of each step's ``topk`` best.
+
+    Child probabilities are powers of two, so equal scores (and the tie rule) are common.
+    """
+    probs = 2.0 ** -torch.randint(0, 4, (batch, num_steps, topk, topk), generator=gen).float()
+    tokens = [torch.randint(0, vocab, (batch, topk), generator=gen)]
+    scores = [probs[:, 0, 0]]
+    parents = [torch.full((batch, topk), -1, dtype=torch.int64)]
+    offset = 0  # candidate index of the previous step's first candidate
+    for s in range(1, num_steps):
+        frontier = select_frontier(scores[-1], topk)
+        parent_score = scores[-1].gather(1, frontier)
+        scores.append((parent_score[:, :, None] * probs[:, s]).flatten(1))
+        tokens.append(torch.randint(0, vocab, (batch, topk * topk), generator=gen))
+        parents.append((offset + frontier)[:, :, None].expand(-1, -1, topk).flatten(1))
+        offset += scores[-2].shape[1]
+    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+
+
+@st.composite
+def candidate_sets(draw, max_candidates: int = 12, vocab: int = 6):
+    """``(tokens, parents, scores, root_tokens, num_draft_tokens)`` for ``build_tree``."""
+    gen = torch.Generator().manual_seed(draw(seeds))
+    batch = draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        num_cand = draw(st.integers(1, max_candidates))
+        tokens, parents, scores = forest_candidates(gen, batch, num_cand, vocab)
+    else:
+        topk, num_steps = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        tokens, parents, scores = eagle_candidates(gen, batch, topk, num_steps, vocab)
+    num_draft_tokens = draw(st.integers(2, tokens.shape[1] + 1))
+    roots = torch.randint(0, vocab, (batch,), generator=gen)
+    return tokens, parents, scores, roots, num_draft_tokens
+
+
+@st.composite
+def trees(draw, vocab: int, max_nodes: int = 8):
+    """``(tokens, parents)`` of random trees, chains, or EAGLE-2 trees built by the spec.
+
+    Half the time the tokens come from the first two ids only, so siblings repeat tokens.
+    """
+    gen = torch.Generator().manual_seed(draw(seeds))
+    batch = draw(st.integers(1, 3))
+    shape = draw(st.sampled_from(["random", "chain", "eagle"]))
+    vocab = min(vocab, draw(st.sampled_from([2, vocab])))
+    if shape == "eagle":
+        tokens, parents, scores, roots, n = draw(candidate_sets(vocab=vocab))
+        tokens, parents, _ = build_tree_nodes(tokens, parents, scores, roots, n)
+        return tokens, parents
+    n = draw(st.integers(1, max_nodes))
+    if shape == "chain":
+        parents = torch.arange(-1, n - 1).expand(batch, n).clone()
+    else:
+        parents = torch.stack(
+            [torch.full((batch,), -1)]
+            + [torch.randint(0, i, (batch,), generator=gen) for i in range(1, n)],
+            dim=1,
+        )
+    return torch.randint(0, vocab, (batch, n), generator=gen), parents
+
+
+def depths_of(parents: torch.Tensor) -> torch.Tensor:
+    """Each node's depth (parents precede their children)."""
+    depths = torch.zeros_like(parents)
+    for i in range(1, parents.shape[1]):
+        depths[:, i] = depths.gather(1, parents[:, i : i + 1])[:, 0] + 1
+    return depths
+
+
+def distributions(gen, tokens, parents, vocab: int, greedy: bool, with_draft: bool):
+    """Target (and draft) rows for a tree, often favouring the tokens of a node's children.
+
+    Greedy targets are one-hot; sampled ones have zeros (as filtered distributions do). Draft
+    rows give every node's own token positive probability, as a draw from them requires.
+    """
+    batch, n = tokens.shape
+    # A random child's token per node (a random token at leaves), so walks get past the root.
+    is_child = parents[:, None, :] == torch.arange(n)[None, :, None]  # [b, node, child]
+    pick = torch.where(is_child, torch.rand(batch, n, n, generator=gen), -1.0).argmax(-1)
+    favourite = torch.where(
+        is_child.any(-1), tokens.gather(1, pick), torch.randint(0, vocab, (batch, n), generator=gen)
+    )
+    if greedy:
+        argmax = torch.where(
+            torch.rand(batch, n, generator=gen) < 0.7,
+            favourite,
+            torch.randint(0, vocab, (batch, n), generator=gen),
+        )
+        target = F.one_hot(argmax, vocab).float()
+    else:
+        logits = 2 * torch.randn(batch, n, vocab, generator=gen)
+        logits = logits.scatter_add(2, favourite[..., None], torch.full((batch, n, 1), 2.0))
+        dropped = torch.rand(batch, n, vocab, generator=gen) < 0.3
+        dropped &= logits < logits.amax(-1, keepdim=True)  # every row keeps its best entry
+        target = torch.softmax(logits.masked_fill(dropped, float("-inf")), -1)
+    if not with_draft:
+        return target, None
+    logits = torch.randn(batch, n, vocab, generator=gen)
+    own = F.one_hot(tokens, vocab).bool()
+    dropped = (torch.rand(batch, n, vocab, generator=gen) < 0.3) & ~own
+    return target, torch.softmax(logits.masked_fill(dropped, float("-inf")), -1)
+
+
+def coins_for(batch: int, seed: int, max_depth: int, max_children: int):
+    """The ACCEPT coins and per-length RESAMPLE uniforms, drawn as ``spec.accept`` draws them."""
+    seeds_ = torch.arange(batch, dtype=torch.int64) * 7919 + seed
+    positions = torch.arange(batch, dtype=torch.int64) * 5 + 3
+    steps = torch.arange(1, max_depth + 2)
+    coins = uniforms(seeds_, Stream.ACCEPT, positions[:, None] + steps[:-1], max_children)
+    bonus = uniforms(seeds_, Stream.RESAMPLE, positions[:, None] + steps, 1)[..., 0]
+    return coins, bonus
+
+
+def most_children(parents: torch.Tensor) -> int:
+    return int((sibling_ranks(parents)[:, 1:] + 1).max()) if parents.shape[1] > 1 else 0
+
+
+# ---------------------------------------------------------------- accept
+
+
+@settings(max_examples=250)
+@given(
+    st.integers(1, 12).flatmap(lambda v: st.tuples(st.just(v), trees(v))),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(0, 2),
+    st.integers(0, 2),
+    st.booleans(),
+    seeds,
+)
+def test_accept_matches_spec(
+    vocab_tree, greedy, with_draft, block_v, extra_depth, extra_kids, high_coins, seed
+):
+    vocab, (tokens, parents) = vocab_tree
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = distributions(gen, tokens, parents, vocab, greedy, with_draft)
+    # Bounds larger than the tree needs must not change the walk.
+    max_depth = int(depths_of(parents).max()) + extra_depth
+    max_children = max(most_children(parents), 1) + extra_kids
+    coins, bonus = coins_for(tokens.shape[0], seed, max_depth, max_children)
+    if high_coins:
+        # Coins near 1 reject most children, so residuals go through several rejections.
+        coins = 1 - (1 - coins) / 16
+
+    want = accept_tree(tokens, parents, target, draft, coins, bonus)
+    inputs = on_device(tokens, parents, target, draft, coins, bonus)
+    got = accept_tree_triton(*inputs, block_v=block_v)
+    for name, g, w in zip(("path", "emitted", "num_accepted"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w), (name, g, w)
+
+
+@pytest.mark.parametrize("block_v", [1, 2])
+def test_accept_keeps_the_residual_when_a_rejection_rounds_to_zero(block_v):
+    """q just above r everywhere: the coin near 1 rejects and max(r - q, 0) is all zeros.
+
+    Mathematically that rejection has probability 0; the reference then keeps r rather than
+    draw from an empty row (which would return token 0). Two entries sum alike in any order,
+    so kernel and reference see the same rounding.
+    """
+    tokens, parents = torch.tensor([[1, 0]]), torch.tensor([[-1, 0]])
+    target = torch.full((1, 2, 2), 0.5)
+    draft = torch.tensor([[[0.5, 0.5], [0.5 + 2.0**-24, 0.5]]])
+    coins = torch.full((1, 1, 1), 1 - 2.0**-24)
+    bonus = torch.tensor([[0.9, 0.9]])
+    want = accept_tree(tokens, parents, target, draft, coins, bonus)
+    inputs = on_device(tokens, parents, target, draft, coins, bonus)
+    got = accept_tree_triton(*inputs, block_v=block_v)
+    assert [t.tolist() for t in want] == [[[0, -1]], [[1, -1]], [0]]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("block_v", [1, 4])
+def test_repeated_sibling_tokens_leave_the_residual_once(block_v):
+    """Siblings 1 and 2 both carry token 0: the second finds it already removed (found on a GPU
+    run, where the bonus draw once subtracted token 0's mass twice)."""
+    tokens, parents = torch.tensor([[0, 0, 0]]), torch.tensor([[-1, 0, 0]])
+    target = torch.tensor([[[0.5, 0.25, 0.0, 0.25]]]).expand(1, 3, 4).contiguous()
+    coins = torch.tensor([[[0.75, 0.5]]])
+    bonus = torch.tensor([[0.25, 0.5]])  # threshold 0.125: token 1
+    want = accept_tree(tokens, parents, target, None, coins, bonus)
+    got = accept_tree_triton(
+        *on_device(tokens, parents, target, None, coins, bonus), block_v=block_v
+    )
+    assert want[1].tolist() == [[1, -1]]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_bonus_past_every_cumulative_sum_is_the_last_positive_token(with_draft):
+    """u * mass rounds up to the whole mass: the draw clamps to the last positive token.
+
+    A lone subnormal entry m has every u > 1/2 round u * m to m, in any summation order;
+    a row of zeros (which acceptance never sees) gives token 0 as sample_from_probs does.
+    """
+    tokens, parents = torch.tensor([[0], [0]]), torch.tensor([[-1], [-1]])
+    target = torch.zeros(2, 1, 6)
+    target[0, 0, 3] = 2.0**-149
+    coins = torch.zeros(2, 0, 1)
+    bonus = torch.full((2, 1), 0.75)
+    draft = torch.full((2, 1, 6), 1 / 6) if with_draft else None
+    want = accept_tree(tokens, parents, target, draft, coins, bonus)
+    got = accept_tree_triton(*on_device(tokens, parents, target, draft, coins, bonus), block_v=2)
+    assert want[1].tolist() == [[3], [0]]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+# ---------------------------------------------------------------- build_tree
+
+
+@settings(max_examples=150)
+@given(candidate_sets(), st.sampled_from([1, 2, 4, 16]))
+def test_build_tree_matches_spec(candidates, block_j):
+    tokens, parents, scores, roots, num_draft_tokens = candidates
+    want = build_tree_nodes(*candidates)
+    got = build_tree_triton(
+        *on_device(tokens, parents, scores, roots), num_draft_tokens, block_j=block_j
+    )
+    for name, g, w in zip(("tokens", "parents", "depths"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w), (name, g, w)
+
+
+# ---------------------------------------------------------------- commit
+
+
+@st.composite
+def commits(draw):
+    """A pool, page tables and accepted paths, as ``commit_path`` turns them into slots.
+
+    Sequence lengths are arbitrary, so the committed prefix and the tree share a page and both
+    the tree and the moved path cross page boundaries.
+    """
+    gen = torch.Generator().manual_seed(draw(seeds))
+    batch = draw(st.integers(1, 3))
+    page_size = draw(st.sampled_from([1, 2, 4]))
+    num_nodes = draw(st.integers(1, 8))
+    max_depth = draw(st.integers(0, 5))
+    seq_lens = torch.randint(0, 8, (batch,), generator=gen)
+    pages_each = -(-(int(seq_lens.max()) + num_nodes) // page_size)
+    num_pages = 1 + batch * pages_each
+    # Distinct pages for every request, in shuffled order; page 0 is the padding sink.
+    page_table = (1 + torch.randperm(num_pages - 1, generator=gen)).reshape(batch, pages_each)
+    path = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
+    for b in range(batch):
+        # Long paths are the interesting ones (a later depth's destination is an earlier
+        # depth's source), so the count is drawn down from the longest possible.
+        num = max(min(max_depth, num_nodes - 1) - draw(st.integers(0, 2)), 0)
+        nodes = torch.randperm(num_nodes - 1, generator=gen)[:num].sort().values + 1
+        path[b, : num + 1] = torch.cat([torch.zeros(1, dtype=torch.int64), nodes])
+    shape = (
+        draw(st.integers(1, 3)),
+        num_pages,
+        page_size,
+        draw(st.integers(1, 2)),
+        draw(st.integers(1, 3)),
+    )
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    return k, v, page_table, seq_lens, path
+
+
+@settings(max_examples=150)
+@given(commits(), st.sampled_from([1, 2, 4]))
+def test_commit_matches_spec(commit, block):
+    k, v, page_table, seq_lens, path = commit
+    page_size = k.shape[2]
+    valid = path >= 0
+    # The order argument of commit_kv_triton: along a path, cache indices strictly increase and
+    # the entry at depth d moves down (or stays), never up.
+    for row in path.tolist():
+        nodes = [p for p in row if p >= 0]
+        assert all(a < b for a, b in zip(nodes, nodes[1:]))
+        assert all(d <= p for d, p in enumerate(nodes))
+    source = slots_at(page_table, page_size, seq_lens[:, None] + path.clamp(min=0), valid)
+    destination = cache_slots(page_table, page_size, seq_lens, valid)
+
+    got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
+    source_dev, destination_dev = on_device(source, destination)
+    commit_kv(k, v, source, destination)
+    commit_kv_triton(got_k, got_v, source_dev, destination_dev, block=block)
+    assert torch.equal(got_k.cpu(), k) and torch.equal(got_v.cpu(), v)
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_register_leaves_cpu_on_the_reference():
+    """register() installs CUDA kernels only; CPU calls keep the spec (twice is harmless)."""
+    register()
+    register()
+    gen = torch.Generator().manual_seed(0)
+    tokens, parents, scores = eagle_candidates(gen, 2, 2, 3, 5)
+    roots = torch.tensor([1, 2])
+    tree = build_tree_nodes(tokens, parents, scores, roots, 5)
+    assert torch.equal(tree[2], depths_of(tree[1]))
+    target = torch.softmax(torch.randn(2, 5, 5, generator=gen), -1)
+    coins, bonus = coins_for(2, 0, 3, 2)
+    got = accept_tree(tree[0], tree[1], target, None, coins, bonus)
+    assert all(t.device.type == "cpu" for t in got)
