@@ -122,3 +122,43 @@ def _(x, positions, inv_freq):
 @silu_mul.register_fake
 def _(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.result_type(gate, up))
+
+
+def _backward_through(reference):
+    """Autograd for an op whose kernels compute ``reference``: the backward pass recomputes the
+    (pure-torch, differentiable) reference on the saved inputs and differentiates it. Training
+    runs these ops; its cost is a second forward of cheap elementwise work."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.inputs = inputs
+
+    def backward(ctx, *grads):
+        inputs = [
+            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, Tensor) else x
+            for x in ctx.inputs
+        ]
+        wanted = [x for x in inputs if isinstance(x, Tensor) and x.requires_grad]
+        with torch.enable_grad():
+            out = reference(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        found = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+            )
+        )
+        return tuple(
+            next(found) if isinstance(x, Tensor) and x.requires_grad else None for x in inputs
+        )
+
+    return backward, setup_context
+
+
+for _op, _reference in (
+    (rms_norm, rms_norm_reference),
+    (add_rms_norm, add_rms_norm_reference),
+    (rope, rope_reference),
+    (silu_mul, silu_mul_reference),
+):
+    _backward, _setup = _backward_through(_reference)
+    _op.register_autograd(_backward, setup_context=_setup)

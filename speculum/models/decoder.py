@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from jaxtyping import Float, Int
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from speculum import kernels
@@ -26,6 +27,8 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "apply_rope",
+    "dense_attention",
+    "dense_batch",
     "rope_inv_freq",
 ]
 
@@ -127,19 +130,78 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.flatten(2))
 
-    def forward(
-        self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor
-    ) -> Float[Tensor, "batch q hidden"]:
-        """Project, rotate, write K/V into the pool, attend, and project back."""
+    def keys_values(
+        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
+    ) -> tuple[
+        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
+    ]:
+        """The rotated keys and the values of ``x``."""
         b, q, _ = x.shape
         ks = self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
         vs = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             ks = self.k_norm(ks)
-        ks = apply_rope(ks, batch.positions, inv_freq)
+        return apply_rope(ks, batch.positions, inv_freq), vs
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, rotate, write K/V into the pool, attend, and project back.
+
+        With ``pool=None`` (training) nothing is cached: the queries attend to each other's
+        keys alone under ``batch.new_mask``, differentiably (:func:`dense_attention`).
+        """
+        ks, vs = self.keys_values(x, batch, inv_freq)
+        qs = self.queries(x, batch, inv_freq)
+        if pool is None:
+            return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
         kernels.write_kv(pool.k[self.layer], batch.slots, ks)
         kernels.write_kv(pool.v[self.layer], batch.slots, vs)
-        return self.attend(self.queries(x, batch, inv_freq), batch, pool)
+        return self.attend(qs, batch, pool)
+
+
+def dense_attention(
+    qs: Float[Tensor, "batch q head head_dim"],
+    ks: Float[Tensor, "batch k kv_head head_dim"],
+    vs: Float[Tensor, "batch k kv_head head_dim"],
+    mask: Bool[Tensor, "batch q k"],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Grouped-query softmax attention of ``qs`` over ``ks``/``vs`` where ``mask`` allows, with
+    no cache (training). Every query must see at least one key."""
+    group = qs.shape[2] // ks.shape[2]
+    out = F.scaled_dot_product_attention(
+        qs.transpose(1, 2),
+        ks.repeat_interleave(group, dim=2).transpose(1, 2),
+        vs.repeat_interleave(group, dim=2).transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=1.0 / math.sqrt(qs.shape[-1]),
+    )
+    return out.transpose(1, 2)
+
+
+def dense_batch(
+    tokens: Int[Tensor, "batch q"],
+    positions: Int[Tensor, "batch q"] | None = None,
+    mask: Bool[Tensor, "batch q q"] | None = None,
+) -> ForwardBatch:
+    """Inputs of a cache-free forward (``pool=None``): ``tokens`` at ``positions`` (default
+    ``0 .. q-1``) attending to each other under ``mask`` (default causal)."""
+    batch, q = tokens.shape
+    device = tokens.device
+    if positions is None:
+        positions = torch.arange(q, device=device).expand(batch, q)
+    if mask is None:
+        mask = torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch, q, q)
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        input_ids=tokens,
+        positions=positions,
+        slots=torch.zeros_like(tokens),
+        page_table=zeros[:, None],
+        prefix_lens=zeros,
+        q_lens=torch.full_like(zeros, q),
+        new_mask=mask,
+    )
 
 
 class MLP(nn.Module):
@@ -167,7 +229,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, batch: ForwardBatch, pool: KVPool, inv_freq: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Tensor:
         """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
         attended = self.self_attn(self.input_layernorm(x), batch, pool, inv_freq)
         norm = self.post_attention_layernorm
@@ -219,9 +283,11 @@ class DecoderModel(nn.Module):
         )
 
     def forward(
-        self, batch: ForwardBatch, pool: KVPool, capture_layers: tuple[int, ...] = ()
+        self, batch: ForwardBatch, pool: KVPool | None, capture_layers: tuple[int, ...] = ()
     ) -> tuple[Float[Tensor, "batch q hidden"], tuple[Float[Tensor, "batch q hidden"], ...]]:
         """Final-normed hidden states of the new tokens, and the outputs of ``capture_layers``.
+
+        ``pool=None`` runs cache-free and differentiably, for training (see ``dense_batch``).
 
         ``capture_layers[i] = n`` returns the residual stream leaving layer ``n`` (what
         transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
