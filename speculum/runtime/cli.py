@@ -1,11 +1,14 @@
-"""Command line: ``speculum generate ...`` (also ``python -m speculum``)."""
+"""Command line: ``speculum generate ...``, ``speculum train-target ...`` and
+``speculum train-draft ...`` (also ``python -m speculum``)."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ALGORITHMS
@@ -104,12 +107,112 @@ def parser() -> argparse.ArgumentParser:
         help="on CUDA, run decoding rounds eagerly instead of as captured CUDA graphs",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_train_target(commands)
+    _add_train_draft(commands)
     return top
+
+
+def _add_training_options(
+    command: argparse.ArgumentParser, defaults: dict[str, object] | None
+) -> None:
+    """Options shared by both training commands, with ``defaults`` by parameter name; with
+    ``None`` an option left out is not passed on at all, so the recipe's own default applies."""
+
+    def option(flag: str, help: str, **kwargs: object) -> None:
+        if defaults is None:
+            kwargs.update(default=argparse.SUPPRESS, help=f"{help} (default: the recipe's)")
+        else:
+            name = flag[2:].replace("-", "_")
+            kwargs.update(default=defaults[name], help=f"{help} (%(default)s)")
+        command.add_argument(flag, **kwargs)
+
+    option("--steps", "optimizer steps", type=int)
+    option("--batch-size", "token windows per step", type=int)
+    option("--length", "tokens per window, length - 1 of them predicted", type=int)
+    option("--lr", "peak learning rate", type=float)
+    option("--device", "where to train", choices=["cpu", "cuda"])
+    option("--seed", "seed of the corpus sample, the initial weights and the windows", type=int)
+    corpus = "the target's corpus" if defaults is None else "the interpreter's installed .py files"
+    command.add_argument(
+        "--files", nargs="+", metavar="F", help=f"text files to train on (default: {corpus})"
+    )
+    command.add_argument(
+        "--overwrite", action="store_true", help="replace a finished model in OUT_DIR"
+    )
+    command.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no status line on stderr"
+    )
+
+
+def _add_train_target(commands: argparse._SubParsersAction) -> None:
+    from speculum.training.target import SIZES, train_target
+
+    # One source of truth for the defaults: train_target's signature.
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(train_target).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    train = commands.add_parser(
+        "train-target",
+        help="train a small Llama code model on the installed .py files",
+        description="Train a Llama target on a sample of the .py files installed with this "
+        "Python and save it as a Hugging Face folder (config.json, model.safetensors, "
+        "tokenizer.json, corpus/). An interrupted run resumes when rerun with the same "
+        "options; its checkpoint lives in OUT_DIR.work until the model is finished.",
+    )
+    train.add_argument("out_dir", metavar="OUT_DIR", help="folder of the finished model")
+    train.add_argument(
+        "--size", default=defaults["size"], choices=list(SIZES), help="model preset (%(default)s)"
+    )
+    _add_training_options(train, defaults)
+    train.add_argument(
+        "--max-bytes",
+        type=int,
+        default=defaults["max_bytes"],
+        help="bytes of text sampled from the corpus (%(default)s)",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=defaults["vocab_size"],
+        help="BPE vocabulary (%(default)s)",
+    )
+
+
+def _add_train_draft(commands: argparse._SubParsersAction) -> None:
+    draft = commands.add_parser(
+        "train-draft",
+        help="train a draft for a target made by train-target",
+        description="Train a draft model for --target with --algorithm and save it in a "
+        "layout `speculum generate --draft` reads. Options left out take the recipe's "
+        "defaults.",
+    )
+    draft.add_argument("out_dir", metavar="OUT_DIR", help="folder of the finished draft")
+    draft.add_argument("--target", required=True, metavar="DIR", help="the target model folder")
+    draft.add_argument("--algorithm", required=True, help="the draft kind, e.g. eagle, eagle3, mtp")
+    _add_training_options(draft, None)
+    draft.add_argument(
+        "--num-steps",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="draft depth: EAGLE-3's training-time-test steps, multi-layer EAGLE's layer count",
+    )
+    draft.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="EAGLE-3: ids of the draft's reduced vocabulary",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``speculum`` console script; returns the exit status."""
     args = parser().parse_args(argv)
+    if args.command == "train-target":
+        return _train_target(args)
+    if args.command == "train-draft":
+        return _train_draft(args)
     ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
     ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
     try:
@@ -152,4 +255,97 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
         )
         print(stats, file=sys.stderr)
+    return 0
+
+
+#: What the training commands report as ``speculum: error: ...`` (status 2) rather than a
+#: traceback: bad options, missing or unreadable folders and files, numerical blow-ups.
+_TRAINING_ERRORS = (ValueError, RuntimeError, KeyError, MemoryError, OSError)
+
+
+def _print_metrics(metrics: dict[str, object]) -> None:
+    """One ``key=value, ...`` line on stdout."""
+    print(
+        ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+        )
+    )
+
+
+def _train_target(args: argparse.Namespace) -> int:
+    """``speculum train-target``: train, save, print the losses; the exit status."""
+    from speculum.training.target import train_target, work_dir
+
+    try:
+        result = train_target(
+            Path(args.out_dir),
+            size=args.size,
+            max_bytes=args.max_bytes,
+            vocab_size=args.vocab_size,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            length=args.length,
+            lr=args.lr,
+            device=args.device,
+            seed=args.seed,
+            files=None if args.files is None else [Path(f) for f in args.files],
+            overwrite=args.overwrite,
+            progress=args.progress,
+        )
+    except _TRAINING_ERRORS as err:
+        print(f"speculum: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"\nspeculum: interrupted; rerun the same command to resume from the last "
+            f"checkpoint in {work_dir(Path(args.out_dir))}",
+            file=sys.stderr,
+        )
+        return 130
+    _print_metrics(
+        {
+            "model": args.out_dir,
+            "steps": result.steps,
+            "train_loss": result.train_loss,
+            "heldout_loss": result.heldout_loss,
+            **{f"heldout_{k}": v for k, v in result.heldout_metrics.items()},
+            "seconds": result.seconds,
+        }
+    )
+    return 0
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    """``speculum train-draft``: hand the options given to ``train_draft`` (the others take
+    its defaults) and print the metrics it returns; the exit status."""
+    options = {
+        name: getattr(args, name)
+        for name in (
+            "steps",
+            "batch_size",
+            "length",
+            "lr",
+            "device",
+            "seed",
+            "num_steps",
+            "draft_vocab_size",
+        )
+        if hasattr(args, name)
+    }
+    try:
+        from speculum.training.draft import train_draft
+
+        metrics = train_draft(
+            target_dir=Path(args.target),
+            algorithm=args.algorithm,
+            out_dir=Path(args.out_dir),
+            files=None if args.files is None else [Path(f) for f in args.files],
+            overwrite=args.overwrite,
+            progress=args.progress,
+            **options,
+        )
+    except _TRAINING_ERRORS as err:
+        print(f"speculum: error: {err}", file=sys.stderr)
+        return 2
+    _print_metrics(metrics)
     return 0

@@ -1,0 +1,324 @@
+"""The training loop shared by the target and the drafts: :func:`fit`.
+
+Training is the one place where speculum mutates a module in place: ``fit`` updates the given
+module's parameters and returns a :class:`TrainResult` value describing the run. Everything that
+decides the run's numbers (the seed's window stream, the optimizer state, the step) goes into
+the checkpoint, so an interrupted run resumed from it ends where an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from speculum.training.data import TokenSplit, heldout_windows, random_windows
+
+__all__ = ["LossFn", "TrainResult", "fit", "learning_rate"]
+
+#: ``loss_fn(windows) -> (scalar loss, metrics)``; windows are int64 ``[batch, length]`` ids on
+#: the training device. Metrics are averaged over the held-out windows at each evaluation.
+LossFn = Callable[[Int[Tensor, "batch length"]], tuple[Tensor, dict[str, float]]]
+
+
+@attrs.define(frozen=True)
+class TrainResult:
+    """What a :func:`fit` run did.
+
+    ``train_loss`` is the mean training loss over the last evaluation interval and
+    ``heldout_loss`` the held-out loss after the last step. ``history`` holds
+    ``(step, mean training loss since the previous evaluation)`` at every evaluation,
+    ``heldout_history`` ``(step, held-out loss)`` at every evaluation, starting with step 0
+    (before any update). ``heldout_metrics`` are the loss function's metrics averaged over the
+    held-out windows at the end; ``seconds`` is this call's wall time (a resumed run counts only
+    its own part).
+    """
+
+    steps: int
+    train_loss: float
+    heldout_loss: float
+    history: tuple[tuple[int, float], ...]
+    heldout_history: tuple[tuple[int, float], ...] = ()
+    heldout_metrics: dict[str, float] = attrs.field(factory=dict)
+    seconds: float = 0.0
+
+
+def learning_rate(step: int, *, steps: int, lr: float, warmup: int) -> float:
+    """The learning rate of update ``step`` (1-based): linear warmup to ``lr`` over ``warmup``
+    updates, then cosine decay to ``lr / 10`` at update ``steps``."""
+    if step <= warmup:
+        return lr * step / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def fit(
+    module: nn.Module,
+    loss_fn: LossFn,
+    split: TokenSplit,
+    *,
+    steps: int,
+    batch_size: int,
+    length: int,
+    lr: float,
+    warmup: int = 100,
+    weight_decay: float = 0.0,
+    device: str = "cpu",
+    seed: int = 0,
+    checkpoint: Path | None = None,
+    eval_every: int = 200,
+    eval_batches: int = 8,
+    progress: bool = True,
+    grad_clip: float = 1.0,
+    autocast: torch.dtype | None = None,
+) -> TrainResult:
+    """Train ``module`` in place for ``steps`` AdamW updates of ``loss_fn`` on windows of
+    ``split.train``; return the run's :class:`TrainResult`.
+
+    Each update draws ``batch_size`` windows of ``length`` ids (:func:`random_windows`, from a
+    CPU generator seeded with ``seed``), moves them to ``device`` and steps AdamW (betas 0.9,
+    0.95; ``weight_decay`` on matrices only, not on norms and biases) over the module's
+    parameters that require grad, after clipping the gradient norm to ``grad_clip`` (0: off),
+    at :func:`learning_rate`. Every ``eval_every`` updates and after the last, the held-out
+    loss is the mean of ``loss_fn`` over the first ``eval_batches`` batches of
+    :func:`heldout_windows`, without gradients and with the module in eval mode.
+
+    With ``checkpoint``, the module, optimizer, step, window generator and history are saved
+    there at every evaluation (written to a temporary file, then renamed), and a run that finds
+    the file resumes from it; a checkpoint written with other options is refused. ``autocast``
+    runs ``loss_fn`` under ``torch.autocast`` with that dtype. ``progress`` prints a status line
+    to stderr.
+    """
+    options = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "length": length,
+        "lr": lr,
+        "warmup": warmup,
+        "weight_decay": weight_decay,
+        "seed": seed,
+        "eval_every": eval_every,
+        "eval_batches": eval_batches,
+        "grad_clip": grad_clip,
+    }
+    _validate(options, device)
+    started = time.perf_counter()
+    module.to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            "the module has no parameter that requires grad, so there is nothing to train; "
+            "call module.requires_grad_(True) first"
+        )
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    heldout = heldout_windows(split.heldout, batch_size, length, eval_batches)
+    kind = torch.device(device).type
+
+    def run_loss(windows: Tensor) -> tuple[Tensor, dict[str, float]]:
+        context = torch.autocast(kind, dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            return loss_fn(windows.to(device))
+
+    def evaluate() -> tuple[float, dict[str, float]]:
+        module.eval()
+        total, sums = 0.0, {}
+        with torch.no_grad():
+            for windows in heldout:
+                loss, metrics = run_loss(windows)
+                rows = len(windows)
+                total += float(loss) * rows
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * rows
+        module.train()
+        count = sum(len(w) for w in heldout)
+        return total / count, {name: value / count for name, value in sums.items()}
+
+    step, history, heldout_history = 0, [], []
+    if checkpoint is not None and Path(checkpoint).is_file():
+        state = _load(Path(checkpoint), options, device)
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["rng"])
+        step = state["step"]
+        history = [tuple(h) for h in state["history"]]
+        heldout_history = [tuple(h) for h in state["heldout_history"]]
+    module.train()
+    metrics: dict[str, float] | None = None
+    if not heldout_history:
+        heldout_history.append((0, evaluate()[0]))
+    resumed = step
+    bar = _Progress(steps, enabled=progress)
+    bar.show(resumed, history, heldout_history)
+    running = torch.zeros((), device=device)
+    interval = 0
+    for step in range(resumed + 1, steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, steps=steps, lr=lr, warmup=warmup)
+        loss, _ = run_loss(random_windows(split.train, batch_size, length, generator))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        # Accumulated on the device: reading the loss every step would sync a GPU every step.
+        running += loss.detach().float()
+        interval += 1
+        if step % eval_every == 0 or step == steps:
+            train_loss = float(running) / interval
+            if not math.isfinite(train_loss):
+                raise RuntimeError(
+                    f"the training loss became {train_loss} by step {step}; lower the learning "
+                    f"rate (now {lr}) or raise the warmup (now {warmup})"
+                )
+            held, metrics = evaluate()
+            history.append((step, train_loss))
+            heldout_history.append((step, held))
+            running.zero_()
+            interval = 0
+            if checkpoint is not None:
+                _save(
+                    Path(checkpoint),
+                    module,
+                    optimizer,
+                    generator,
+                    step,
+                    options,
+                    history,
+                    heldout_history,
+                )
+        bar.show(step, history, heldout_history)
+    bar.close()
+    if metrics is None:  # resumed from a checkpoint of the finished run: nothing was evaluated
+        _, metrics = evaluate()
+    return TrainResult(
+        steps=steps,
+        train_loss=history[-1][1],
+        heldout_loss=heldout_history[-1][1],
+        history=tuple(history),
+        heldout_history=tuple(heldout_history),
+        heldout_metrics=metrics,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _validate(options: dict[str, Any], device: str) -> None:
+    """Raise ``ValueError`` naming the first impossible option."""
+    for name in ("steps", "batch_size", "length", "eval_every", "eval_batches"):
+        if not isinstance(options[name], int) or options[name] < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {options[name]!r}")
+    if not options["lr"] > 0:
+        raise ValueError(f"lr must be > 0, got {options['lr']!r}")
+    for name in ("warmup", "weight_decay", "grad_clip"):
+        if not options[name] >= 0:
+            raise ValueError(f"{name} must be >= 0, got {options[name]!r}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda ({err})") from err
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda needs a CUDA GPU and none is visible; use --device cpu")
+
+
+def _save(
+    path: Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    step: int,
+    options: dict[str, Any],
+    history: list,
+    heldout_history: list,
+) -> None:
+    """Write the resumable state to ``path`` atomically (temporary file, then rename)."""
+    state = {
+        "module": module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": generator.get_state(),
+        "step": step,
+        "options": options,
+        "history": history,
+        "heldout_history": heldout_history,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def _load(path: Path, options: dict[str, Any], device: str) -> dict[str, Any]:
+    """The state saved at ``path``, refused if it was written with other ``options``."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # torch raises several unrelated types for damaged files
+        raise ValueError(
+            f"cannot read checkpoint {path}: {err}; delete it to start training over"
+        ) from err
+    saved = state["options"]
+    changed = [
+        f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in options.items() if saved.get(k) != v
+    ]
+    if changed:
+        raise ValueError(
+            f"checkpoint {path} belongs to a run with other options ({'; '.join(changed)}); "
+            "rerun with the same options to resume it, or delete it to start over"
+        )
+    state["rng"] = state["rng"].cpu()
+    return state
+
+
+class _Progress:
+    """A one-line status on stderr, redrawn in place with a carriage return."""
+
+    def __init__(self, steps: int, *, enabled: bool) -> None:
+        self.steps = steps
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+        self.last_draw = 0.0
+        self.width = 0
+
+    def show(self, step: int, history: list, heldout_history: list) -> None:
+        """Redraw the line (at most five times a second, and always at an evaluation)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.first_step is None:
+            self.first_step, self.start = step, now
+        evaluated = bool(history) and history[-1][0] == step
+        if now - self.last_draw < 0.2 and not evaluated and step != self.steps:
+            return
+        self.last_draw = now
+        rate = (step - self.first_step) / max(now - self.start, 1e-9)
+        done = int(20 * step / self.steps)
+        train = f"{history[-1][1]:.4f}" if history else "-"
+        held = f"{heldout_history[-1][1]:.4f}" if heldout_history else "-"
+        line = (
+            f"\r[{'#' * done}{'.' * (20 - done)}] {step}/{self.steps}  {rate:.2f} steps/s  "
+            f"train loss {train}  held-out loss {held}"
+        )
+        # Padding blanks out the tail of a longer previous line.
+        print(line.ljust(self.width), end="", file=sys.stderr, flush=True)
+        self.width = len(line)
+
+    def close(self) -> None:
+        """End the status line."""
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
