@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from speculum.models.config import DecoderConfig
 from speculum.models.decoder import DecoderModel
 
 __all__ = [
     "CheckpointError",
+    "cast_weights",
     "load_model",
     "load_state_dict",
     "check_keys",
@@ -152,6 +153,16 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return folder
+
+
+def cast_weights(folder: str | Path, dtype: torch.dtype) -> None:
+    """Rewrite every ``*.safetensors`` file in ``folder`` with its floating-point tensors in
+    ``dtype`` (to ship smaller files); ``config.json`` is left alone, so loaders still compute
+    in the dtype it names unless told otherwise."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors = load_file(str(path))
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        save_file(cast, str(path), metadata={"format": "pt"})
 
 
 def randomize_(module: torch.nn.Module, *, seed: int, std: float) -> torch.nn.Module:

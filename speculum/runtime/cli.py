@@ -35,12 +35,21 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
-        "default: the bundled tiny random model",
+        "default: the bundled tiny code model (with its EAGLE-3 draft unless --algorithm)",
     )
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
-    gen.add_argument("--algorithm", default="plain", help=f"one of {', '.join(sorted(ALGORITHMS))}")
+    gen.add_argument(
+        "--algorithm",
+        help=f"one of {', '.join(sorted(ALGORITHMS))} (default: eagle3 on the bundled model, "
+        "plain on --model)",
+    )
+    gen.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also decode with plain decoding; print the speedup and the acceptance length",
+    )
     gen.add_argument(
         "--draft",
         help="draft model folder (EAGLE / EAGLE-3 heads; MTP defaults to the target's folder)",
@@ -140,6 +149,11 @@ def _add_training_options(
         "--overwrite", action="store_true", help="replace a finished model in OUT_DIR"
     )
     command.add_argument(
+        "--save-dtype",
+        choices=sorted(DTYPES),
+        help="store the finished weights in this dtype (default: as trained, float32)",
+    )
+    command.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no status line on stderr"
     )
 
@@ -213,31 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train_target(args)
     if args.command == "train-draft":
         return _train_draft(args)
-    ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
-    ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
     try:
-        (result,) = generate(
-            [args.prompt] if args.prompt is not None else [args.prompt_ids],
-            model=args.model,
-            algorithm=args.algorithm,
-            draft=args.draft,
-            num_steps=args.num_steps,
-            topk=args.topk,
-            num_draft_tokens=args.num_draft_tokens,
-            sample_drafts=args.sample_drafts,
-            chain_hidden=args.chain_hidden,
-            ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            seed=args.seed,
-            device=args.device,
-            dtype=args.dtype,
-            cuda_graphs=args.cuda_graphs,
-        )
-    except (ValueError, RuntimeError, KeyError, MemoryError) as err:
+        result = _generate(args, args.algorithm)
+        plain = _generate(args, "plain") if args.compare_plain else None
+    except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
         print(f"speculum: error: {err}", file=sys.stderr)
         return 2
     if args.json:
@@ -248,14 +241,64 @@ def main(argv: Sequence[str] | None = None) -> int:
             "finish_reason": result.finish_reason,
             "stats": result.stats,
         }
+        if plain is not None:
+            payload["compare_plain"] = _comparison(result, plain)
         print(json.dumps(payload))
-    else:
-        print(result.text if result.text is not None else list(result.token_ids))
-        stats = ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
+        return 0
+    print(result.text if result.text is not None else list(result.token_ids))
+    stats = ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
+    )
+    print(stats, file=sys.stderr)
+    if plain is not None:
+        c = _comparison(result, plain)
+        print(
+            f"speculative {c['tokens_per_second']:.1f} tok/s vs plain "
+            f"{c['plain_tokens_per_second']:.1f} tok/s: speedup {c['speedup']:.2f}x, acceptance "
+            f"length {c['accept_length_mean']:.2f} (tokens per verify step, bonus included), "
+            f"same tokens as plain: {'yes' if c['same_tokens'] else 'no'}",
+            file=sys.stderr,
         )
-        print(stats, file=sys.stderr)
     return 0
+
+
+def _generate(args: argparse.Namespace, algorithm: str | None):
+    """One ``generate`` call with the command's options and ``algorithm``."""
+    ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+    ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
+    (result,) = generate(
+        [args.prompt] if args.prompt is not None else [args.prompt_ids],
+        model=args.model,
+        algorithm=algorithm,
+        draft=args.draft,
+        num_steps=args.num_steps,
+        topk=args.topk,
+        num_draft_tokens=args.num_draft_tokens,
+        sample_drafts=args.sample_drafts,
+        chain_hidden=args.chain_hidden,
+        ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+    )
+    return result
+
+
+def _comparison(result, plain) -> dict[str, float | bool]:
+    """Speedup of ``result`` over the plain run ``plain``, and its acceptance length."""
+    return {
+        "tokens_per_second": result.stats["tokens_per_second"],
+        "plain_tokens_per_second": plain.stats["tokens_per_second"],
+        "speedup": result.stats["tokens_per_second"] / plain.stats["tokens_per_second"],
+        "accept_length_mean": result.stats["accept_length_mean"],
+        "same_tokens": result.token_ids == plain.token_ids,
+    }
 
 
 #: What the training commands report as ``speculum: error: ...`` (status 2) rather than a
@@ -291,6 +334,7 @@ def _train_target(args: argparse.Namespace) -> int:
             files=None if args.files is None else [Path(f) for f in args.files],
             overwrite=args.overwrite,
             progress=args.progress,
+            save_dtype=args.save_dtype,
         )
     except _TRAINING_ERRORS as err:
         print(f"speculum: error: {err}", file=sys.stderr)
@@ -342,6 +386,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             files=None if args.files is None else [Path(f) for f in args.files],
             overwrite=args.overwrite,
             progress=args.progress,
+            save_dtype=args.save_dtype,
             **options,
         )
     except _TRAINING_ERRORS as err:

@@ -1,20 +1,33 @@
-"""The bundled default model: until trained weights ship, a tiny random Llama written on first use.
+"""The bundled default model, and the tiny random Llama that tests and examples build.
 
-Its completions are gibberish by construction; it exists so that ``speculum generate`` runs on
-a fresh machine with no download and so that every code path has a real checkpoint to load.
+``speculum generate`` with no ``--model`` runs the bundled default: a tiny code model trained by
+``speculum train-target`` on the Python source installed with the interpreter, with an EAGLE-3
+draft trained for it by ``speculum train-draft`` (``speculum/assets/default``; how it was made
+is in its ``training.json`` files and docs/training.md). It ships inside the package, so the
+command works on a fresh machine with no download.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from speculum.models.config import DecoderConfig
 from speculum.models.loading import random_model, save_model
 from speculum.models.tokenizer import byte_level_tokenizer, save_tokenizer
 
-__all__ = ["TINY_CONFIG", "default_model_dir", "write_tiny_model"]
+__all__ = [
+    "BUNDLED",
+    "DEFAULT_ALGORITHM",
+    "TINY_CONFIG",
+    "default_draft_dir",
+    "default_model_dir",
+    "write_tiny_model",
+]
+
+#: Where the bundled default model lives: ``target/`` and its EAGLE-3 draft ``eagle3/``.
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "default"
+#: The algorithm the bundled default runs when none is asked for.
+DEFAULT_ALGORITHM = "eagle3"
 
 #: A 4-layer, 128-wide Llama over the byte-level tokenizer's 258 ids (about 0.9M parameters).
 TINY_CONFIG = DecoderConfig(
@@ -50,18 +63,21 @@ def write_tiny_model(folder: str | Path, *, seed: int = 0) -> Path:
     return folder
 
 
-def default_model_dir() -> Path:
-    """Folder of the default model, written on first use under ``$SPECULUM_CACHE``
-    (default ``~/.cache/speculum``)."""
-    cache = Path(os.environ.get("SPECULUM_CACHE", Path.home() / ".cache" / "speculum"))
-    folder = cache / "tiny-random-llama"
-    if not (folder / "model.safetensors").exists():
-        # Write into a temporary sibling and rename, so an interrupted first run never leaves
-        # a half-written folder that looks like a model.
-        staging = cache / f".tiny-random-llama.{os.getpid()}"
-        write_tiny_model(staging)
-        if folder.exists():  # another process finished first
-            shutil.rmtree(staging)
-        else:
-            staging.replace(folder)
+def _bundled(name: str) -> Path:
+    folder = BUNDLED / name
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the bundled default model is missing ({folder}): this installation of speculum is "
+            "incomplete; reinstall it, or pass --model DIR"
+        )
     return folder
+
+
+def default_model_dir() -> Path:
+    """Folder of the bundled default target (a Hugging Face Llama folder)."""
+    return _bundled("target")
+
+
+def default_draft_dir() -> Path:
+    """Folder of the bundled default target's EAGLE-3 draft."""
+    return _bundled("eagle3")

@@ -9,7 +9,11 @@ from pathlib import Path
 import attrs
 
 from speculum.runtime import scheduler
-from speculum.runtime.default_model import default_model_dir
+from speculum.runtime.default_model import (
+    DEFAULT_ALGORITHM,
+    default_draft_dir,
+    default_model_dir,
+)
 from speculum.runtime.engine import Engine, NgramOptions, SpecOptions, build_engine
 
 __all__ = ["Generation", "generate", "run_to_completion", "acceptance_stats"]
@@ -47,7 +51,7 @@ def generate(
     *,
     model: str | Path | None = None,
     engine: Engine | None = None,
-    algorithm: str = "plain",
+    algorithm: str | None = None,
     draft: str | Path | None = None,
     num_steps: int = 3,
     topk: int = 1,
@@ -70,19 +74,24 @@ def generate(
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
-    With neither ``model`` nor ``engine``, the bundled default model runs. All prompts are
-    decoded together by the continuous-batching scheduler; each result is what that prompt
-    yields alone. Speculative algorithms take their draft from ``draft`` and the round's shape
-    from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
+    With neither ``model`` nor ``engine``, the bundled default model runs, by default with its
+    EAGLE-3 draft (``algorithm`` None means that, or plain decoding for any other model). All
+    prompts are decoded together by the continuous-batching scheduler; each result is what that
+    prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
+    shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
     chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False.
     """
     if engine is None:
+        if model is None:
+            model = default_model_dir()
+            if algorithm is None:
+                algorithm, draft = DEFAULT_ALGORITHM, draft or default_draft_dir()
         engine = build_engine(
-            model or default_model_dir(),
-            algorithm=algorithm,
+            model,
+            algorithm=algorithm or "plain",
             draft=draft,
             spec=SpecOptions(
                 num_steps=num_steps,

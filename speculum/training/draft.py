@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft_loading import DraftTargetMismatch
-from speculum.models.loading import CheckpointError, load_model
+from speculum.models.loading import DTYPES, CheckpointError, cast_weights, load_model
 from speculum.models.standalone import VocabularyMismatch
 from speculum.models.tokenizer import EOS, TOKENIZER_FILE, load_tokenizer
 from speculum.runtime.engine import SpecOptions, engine_from_model
@@ -88,6 +88,7 @@ def train_draft(
     standalone_size: tuple[int, int] | None = None,
     distill: bool = True,
     chain_hidden: bool = True,
+    save_dtype: str | None = None,
 ) -> dict[str, float]:
     """Train an ``algorithm`` draft for the target in ``target_dir`` and save it as ``out_dir``.
 
@@ -109,8 +110,11 @@ def train_draft(
     Raises ``ValueError`` for an unknown algorithm or impossible options, ``CheckpointError``
     when the target cannot be loaded, :class:`DraftTargetMismatch` when ``out_dir`` holds a
     draft of another target, and ``ValueError`` when it holds anything else and ``overwrite``
-    is not set.
+    is not set. ``save_dtype`` (e.g. ``"bfloat16"``) stores the draft's weights in that dtype
+    (they load in the target's); acceptance is measured on what was stored.
     """
+    if save_dtype is not None and save_dtype not in DTYPES:
+        raise ValueError(f"save_dtype {save_dtype!r}: choose one of {', '.join(DTYPES)}")
     chosen = recipe(algorithm)
     options = DraftOptions(
         num_steps=num_steps,
@@ -182,6 +186,8 @@ def train_draft(
         shutil.rmtree(staging)
     try:
         chosen.save(head.eval().requires_grad_(False), staging)
+        if save_dtype is not None:
+            cast_weights(staging, DTYPES[save_dtype])
         if (target_dir / TOKENIZER_FILE).is_file():
             shutil.copyfile(target_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
         # Measure what was saved, read back by the loader the engine uses.

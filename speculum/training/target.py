@@ -34,7 +34,7 @@ from torch import Tensor
 
 from speculum.models.config import DecoderConfig
 from speculum.models.decoder import DecoderModel, dense_batch
-from speculum.models.loading import save_model
+from speculum.models.loading import DTYPES, cast_weights, save_model
 from speculum.models.tokenizer import BOS, EOS, TOKENIZER_FILE, Tokenizer
 from speculum.training.data import prepare_corpus, special_id
 from speculum.training.loop import TrainResult, fit
@@ -173,6 +173,7 @@ def train_target(
     warmup: int | None = None,
     weight_decay: float = 0.1,
     eval_every: int = 200,
+    save_dtype: str | None = None,
 ) -> TrainResult:
     """Train a target model of preset ``size`` and save it, complete, as ``out_dir``.
 
@@ -185,8 +186,11 @@ def train_target(
 
     With ``resume`` (the default) a checkpoint left by an interrupted run with the same options
     is continued; ``resume=False`` starts over. ``out_dir`` must not hold a finished model
-    unless ``overwrite``.
+    unless ``overwrite``. ``save_dtype`` (e.g. ``"bfloat16"``) stores the finished weights in
+    that dtype; ``config.json`` keeps float32, the dtype loaders compute in by default.
     """
+    if save_dtype is not None and save_dtype not in DTYPES:
+        raise ValueError(f"save_dtype {save_dtype!r}: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
@@ -246,7 +250,7 @@ def train_target(
         "heldout_history": result.heldout_history,
         "seconds": result.seconds,
     }
-    _publish(out_dir, model, corpus, summary)
+    _publish(out_dir, model, corpus, summary, save_dtype)
     shutil.rmtree(work)
     return result
 
@@ -291,12 +295,21 @@ def _claim_work_dir(work: Path, options: dict[str, Any]) -> None:
     record.write_text(json.dumps(options, indent=1))
 
 
-def _publish(out_dir: Path, model: DecoderModel, corpus: Path, summary: dict[str, Any]) -> None:
-    """Write the finished folder beside ``out_dir`` and rename it into place."""
+def _publish(
+    out_dir: Path,
+    model: DecoderModel,
+    corpus: Path,
+    summary: dict[str, Any],
+    save_dtype: str | None = None,
+) -> None:
+    """Write the finished folder beside ``out_dir`` (weights in ``save_dtype`` if given) and
+    rename it into place."""
     staging = out_dir.with_name(f".{out_dir.name}.staging")
     if staging.exists():  # left by a run that died while publishing
         shutil.rmtree(staging)
     save_model(model.eval().requires_grad_(False), staging)
+    if save_dtype is not None:
+        cast_weights(staging, DTYPES[save_dtype])
     shutil.copyfile(corpus / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     shutil.copytree(corpus, staging / "corpus")
     (staging / "training.json").write_text(json.dumps(summary, indent=1))

@@ -26,7 +26,7 @@ import speculum
 from speculum.models.loading import random_model, save_model
 from speculum.models.tokenizer import byte_level_tokenizer, load_tokenizer, save_tokenizer
 from speculum.runtime import cli
-from speculum.runtime.default_model import TINY_CONFIG
+from speculum.runtime.default_model import TINY_CONFIG, default_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,17 +64,6 @@ def model_dir(tmp_path_factory) -> Path:
 def model_dir_no_tokenizer(tmp_path_factory) -> Path:
     """The same kind of folder without tokenizer.json."""
     return _write_small(tmp_path_factory.mktemp("small-no-tok"), tokenizer=False)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("speculum-cache")
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(monkeypatch, cache_dir):
-    """The default model is written under a temporary SPECULUM_CACHE, never ~/.cache."""
-    monkeypatch.setenv("SPECULUM_CACHE", str(cache_dir))
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -169,16 +158,35 @@ def test_prompt_text_goes_through_the_tokenizer(capsys, model_dir):
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
 
 
-def test_default_model_is_written_under_speculum_cache(capsys, cache_dir):
-    status, out, _ = run_cli(capsys, "--prompt", "def fibonacci(n):", "--max-new-tokens", "5")
+def test_default_is_the_bundled_model_with_its_eagle3_draft(capsys):
+    """No --model: the bundled tiny code model decodes with its EAGLE-3 draft, and emits
+    exactly what plain greedy decoding of the same model emits."""
+    folder = default_model_dir()
+    status, out, _ = run_cli(
+        capsys, "--prompt", "def fibonacci(n):", "--max-new-tokens", "24", "--json"
+    )
     assert status == 0
-    folder = cache_dir / "tiny-random-llama"
-    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-    status, out, _ = run_cli(capsys, "--prompt-ids", "256,1,2", "--max-new-tokens", "5", "--json")
     payload = parse_one_object(out)
-    check_contract(payload, 5, load_tokenizer(folder))
-    (expected,) = speculum.generate([[256, 1, 2]], max_new_tokens=5)
-    assert payload["token_ids"] == list(expected.token_ids)
+    check_contract(payload, 24, load_tokenizer(folder))
+    assert payload["stats"]["accept_length_mean"] > 1.0  # speculation ran and accepted drafts
+    (plain,) = speculum.generate(
+        "def fibonacci(n):", model=folder, algorithm="plain", max_new_tokens=24
+    )
+    assert payload["token_ids"] == list(plain.token_ids)
+
+
+def test_compare_plain_reports_speedup_and_acceptance(capsys, model_dir):
+    args = ["--model", str(model_dir), "--prompt-ids", "256,5,6,5,6,5", "--max-new-tokens", "12"]
+    status, out, _ = run_cli(capsys, *args, "--algorithm", "ngram", "--compare-plain", "--json")
+    assert status == 0
+    payload = parse_one_object(out)
+    comparison = payload["compare_plain"]
+    assert comparison["same_tokens"] is True
+    assert comparison["accept_length_mean"] == payload["stats"]["accept_length_mean"]
+    expected = comparison["tokens_per_second"] / comparison["plain_tokens_per_second"]
+    assert comparison["speedup"] == pytest.approx(expected)
+    status, _, err = run_cli(capsys, *args, "--algorithm", "ngram", "--compare-plain")
+    assert status == 0 and "speedup" in err and "same tokens as plain: yes" in err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +325,8 @@ def test_argument_errors_exit_2(capsys, model_dir, args):
 # Through a real process
 
 
-def _env(cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, SPECULUM_CACHE=str(cache_dir))
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -332,12 +340,12 @@ def _commands() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("command", list(_commands().values()), ids=list(_commands()))
-def test_subprocess(command, model_dir, cache_dir, capsys):
+def test_subprocess(command, model_dir, capsys):
     prompt = [BOS, 3, 1, 4, 1, 5]
     args = ["generate", "--model", str(model_dir), "--prompt-ids", ids_arg(prompt)]
     done = subprocess.run(
         [*command, *args, "--max-new-tokens", "9", "--json"],
-        capture_output=True, text=True, env=_env(cache_dir), cwd=REPO, timeout=120,
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     payload = parse_one_object(done.stdout)
@@ -347,23 +355,22 @@ def test_subprocess(command, model_dir, cache_dir, capsys):
 
     bad = subprocess.run(
         [*command, *args, "--algorithm", "nope"],
-        capture_output=True, text=True, env=_env(cache_dir), cwd=REPO, timeout=120,
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("speculum: error: ") and bad.stderr.count("\n") == 1
     assert "'nope'" in bad.stderr
 
 
-def test_subprocess_readme_command_on_the_default_model(tmp_path):
-    """The README's main job, on a fresh cache: the default model is written, then runs."""
+def test_subprocess_readme_command_on_the_default_model():
+    """The README's main job, in a fresh process: the bundled model runs, no download."""
     done = subprocess.run(
         [sys.executable, "-m", "speculum", "generate", "--prompt", "def fibonacci(n):",
          "--max-new-tokens", "32", "--json"],
-        capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=120,
+        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    folder = tmp_path / "tiny-random-llama"
-    check_contract(parse_one_object(done.stdout), 32, load_tokenizer(folder))
+    check_contract(parse_one_object(done.stdout), 32, load_tokenizer(default_model_dir()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,19 +8,15 @@ as a mismatch. The split-KV path is forced with ``num_splits``.
 
 from __future__ import annotations
 
-import math
-
 import attrs
+import kernel_cases as kc
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.kernels.triton_attention import paged_attention_triton
-from speculum.spec.attention import paged_attention, visible_keys
+from speculum.spec.attention import paged_attention
 from speculum.spec.paged import causal_mask
-from speculum.state.kv import PADDING_PAGE
-
-GARBAGE = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30])
 
 
 @attrs.define(frozen=True)
@@ -51,13 +47,11 @@ def cases(draw: st.DrawFn) -> Case:
     prefix_lens = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
     q_lens = draw(st.lists(st.integers(0, q), min_size=batch, max_size=batch))
     if tail >= q and draw(st.booleans()):
-        mask = torch.cat(
-            [causal_mask(batch, q), torch.zeros(batch, q, tail - q, dtype=torch.bool)], dim=2
-        )
+        mask = kc.causal_tail_mask(batch, q, tail)
     else:
         bits = draw(st.lists(st.booleans(), min_size=batch * q * tail, max_size=batch * q * tail))
         mask = torch.tensor(bits, dtype=torch.bool).view(batch, q, tail)
-    counts = [math.ceil((p + tail) / page_size) for p in prefix_lens]
+    counts = kc.pages_needed(prefix_lens, tail, page_size)
     max_pages = max(1, *counts) + draw(st.integers(0, 2))
     num_pages = 1 + sum(counts) + draw(st.integers(0, 3))
     order = draw(st.permutations(range(1, num_pages)))
@@ -68,7 +62,7 @@ def cases(draw: st.DrawFn) -> Case:
         head_dim=draw(st.sampled_from([8, 16])),
         prefix_lens=prefix_lens,
         q_lens=q_lens,
-        page_table=page_table(order, counts, max_pages),
+        page_table=kc.page_table(order, counts, max_pages),
         num_pages=num_pages,
         new_mask=mask,
         num_splits=draw(st.sampled_from([None, 1, 2, 3])),
@@ -76,49 +70,21 @@ def cases(draw: st.DrawFn) -> Case:
     )
 
 
-def page_table(order: list[int], counts: list[int], max_pages: int) -> torch.Tensor:
-    """Request ``b`` gets the next ``counts[b]`` pages of ``order``, padded with the sink."""
-    rows, used = [], 0
-    for c in counts:
-        rows.append(list(order[used : used + c]) + [PADDING_PAGE] * (max_pages - c))
-        used += c
-    return torch.tensor(rows, dtype=torch.int64)
-
-
-def garbage_pool(case: Case, seen: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A pool of random values in every slot some query sees, garbage everywhere else."""
-    shape = (case.num_pages * case.page_size, case.kv_heads, case.head_dim)
-    pick = torch.randint(len(GARBAGE), shape, generator=gen)
-    pool = GARBAGE[pick]
-    seq = seen.shape[1]
-    s = torch.arange(seq)
-    slots = case.page_table[:, s // case.page_size] * case.page_size + s % case.page_size
-    live = slots[seen]
-    pool[live] = torch.randn(live.numel(), *shape[1:], generator=gen)
-    return pool.view(case.num_pages, case.page_size, case.kv_heads, case.head_dim)
-
-
 def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel, reference) outputs of one case."""
-    gen = torch.Generator().manual_seed(case.seed)
-    batch, q, tail = case.new_mask.shape
-    heads = case.kv_heads * case.group
-    prefix_lens = torch.tensor(case.prefix_lens)
-    q_lens = torch.tensor(case.q_lens)
-    seq = case.page_table.shape[1] * case.page_size
-    # The reference needs one tail column to gather from; an all-False one sees nothing.
-    ref_mask = case.new_mask if tail else torch.zeros(batch, q, 1, dtype=torch.bool)
-    # As the reference defines it: a slot is seen when any query row (padding too) sees it.
-    seen = visible_keys(prefix_lens, ref_mask, seq).any(1)
-    k_cache, v_cache = garbage_pool(case, seen, gen), garbage_pool(case, seen, gen)
-    queries = torch.randn(batch, q, heads, case.head_dim, generator=gen)
-    padded = torch.arange(q)[None, :] >= q_lens[:, None]
-    queries[padded] = float("nan")
-    out = torch.full_like(queries, float("nan"))
-    scale = case.head_dim**-0.5
-    args = (queries, k_cache, v_cache, case.page_table, prefix_lens, q_lens)
-    got = paged_attention_triton(*args, case.new_mask, scale, num_splits=case.num_splits, out=out)
-    return got, paged_attention(*args, ref_mask, scale)
+    """(kernel, reference) outputs of one case, on inputs drawn from its seed."""
+    inputs = kc.attention_inputs(
+        torch.Generator().manual_seed(case.seed),
+        prefix_lens=case.prefix_lens,
+        q_lens=case.q_lens,
+        new_mask=case.new_mask,
+        page_table=case.page_table,
+        num_pages=case.num_pages,
+        heads=case.kv_heads * case.group,
+        kv_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        page_size=case.page_size,
+    )
+    return kc.run_attention(inputs, num_splits=case.num_splits)
 
 
 @settings(max_examples=40)
@@ -133,7 +99,7 @@ def test_multi_block_tail_and_queries():
     """A tail and a query set wider than one 16-wide tile, causal, over an odd page size."""
     batch, q, kv_heads, group, page_size = 2, 20, 1, 2, 3
     prefix_lens = [35, 0]
-    counts = [math.ceil((p + q) / page_size) for p in prefix_lens]
+    counts = kc.pages_needed(prefix_lens, q, page_size)
     case = Case(
         page_size=page_size,
         kv_heads=kv_heads,
@@ -141,7 +107,7 @@ def test_multi_block_tail_and_queries():
         head_dim=16,
         prefix_lens=prefix_lens,
         q_lens=[20, 17],
-        page_table=page_table(
+        page_table=kc.page_table(
             (torch.randperm(sum(counts), generator=torch.Generator().manual_seed(0)) + 1).tolist(),
             counts,
             max(counts),

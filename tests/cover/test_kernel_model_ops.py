@@ -13,6 +13,7 @@ summation order.
 
 from __future__ import annotations
 
+import kernel_cases as kc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,32 +41,25 @@ widths = st.integers(1, 70)
 leading = st.lists(st.integers(1, 3), min_size=1, max_size=3).filter(
     lambda s: torch.Size(s).numel() <= 12
 )
-seeds = st.integers(0, 2**31 - 1)
 epsilons = st.sampled_from([1e-5, 1e-6])
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance between ``a`` and ``b``, in units in the last place of their dtype."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        # Sign-magnitude bit patterns to integers in float order (+0 and -0 both 0).
-        i = t.contiguous().view(bits[t.dtype]).long()
-        return torch.where(i < 0, -(i & ((1 << (8 * t.element_size() - 1)) - 1)), i)
-
-    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+#: (batch, q, heads, head_dim) of rotary inputs.
+rope_shapes = (
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.sampled_from([2, 8, 16, 32]),
+)
+seeds = kc.seeds
 
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0):
-    """Normal samples of ``shape`` in ``dtype``."""
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+    """Normal samples of ``shape`` in ``dtype``, from ``gen``."""
+    return kc.randn(*shape, dtype=dtype, scale=scale, gen=gen)
 
 
 def rope_inputs(gen: torch.Generator, batch: int, q: int, heads: int, head_dim: int, dtype):
     """Queries, positions up to Llama 3.1's context, and rotary frequencies of some theta."""
-    x = randn(gen, batch, q, heads, head_dim, dtype=dtype)
-    positions = torch.randint(0, 131072, (batch, q), generator=gen)
+    x, positions = kc.rope_inputs(batch, q, heads, head_dim, dtype, gen=gen)
     theta = float(torch.randint(100, 1_000_000, (), generator=gen))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     return x, positions, inv_freq
@@ -87,15 +81,7 @@ def test_reference_norms_equal_the_decoders_rmsnorm(shape, n, dtype, weight_dtyp
 
 
 @settings(max_examples=30)
-@given(
-    st.integers(1, 3),
-    st.integers(1, 4),
-    st.integers(1, 5),
-    st.sampled_from([2, 8, 16, 32]),
-    dtypes,
-    st.booleans(),
-    seeds,
-)
+@given(*rope_shapes, dtypes, st.booleans(), seeds)
 def test_reference_rope_equals_apply_rope(batch, q, heads, head_dim, dtype, same_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x, positions, inv_freq = rope_inputs(gen, batch, q, heads, head_dim, dtype)
@@ -171,21 +157,13 @@ def test_norm_kernels_match_the_reference(shape, n, dtype, weight_dtype, eps, st
     normed, summed = tk.add_rms_norm_triton(x, residual, weight, eps)
     want_normed, want_summed = model_ops.add_rms_norm(x, residual, weight, eps)
     # The add is one correctly rounded op (the interpreter's bfloat16 truncation aside).
-    assert ulps(summed, want_summed) <= (1 if dtype == torch.bfloat16 else 0)
+    assert kc.ulps(summed, want_summed) <= (1 if dtype == torch.bfloat16 else 0)
     assert_near(normed, want_normed, dtype)
 
 
 @interpreted
 @settings(max_examples=40)
-@given(
-    st.integers(1, 3),
-    st.integers(1, 4),
-    st.integers(1, 5),
-    st.sampled_from([2, 8, 16, 32]),
-    dtypes,
-    st.booleans(),
-    seeds,
-)
+@given(*rope_shapes, dtypes, st.booleans(), seeds)
 def test_rope_kernel_matches_the_reference(batch, q, heads, head_dim, dtype, strided, seed):
     gen = torch.Generator().manual_seed(seed)
     x, positions, inv_freq = rope_inputs(gen, batch, q, heads + 2 * strided, head_dim, dtype)

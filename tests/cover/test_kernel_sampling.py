@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 
+import kernel_cases as kc
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import ATOL, FRAGILE, f32
 
 from speculum.kernels import triton_sampling
 from speculum.kernels.triton_sampling import filtered_probs_triton, sample_from_probs_triton
@@ -33,13 +35,6 @@ from speculum.spec.sampling import (
 from speculum.state.sampling import SamplingParams
 
 NEG_INF = float("-inf")
-ATOL = 1e-6
-FRAGILE = 1e-6
-
-
-def f32(value: float) -> float:
-    return float(np.float32(value))
-
 
 # ---------------------------------------------------------------------------------- strategies
 
@@ -79,22 +74,12 @@ def cases(draw, max_vocab: int = 300, max_rows: int = 6):
 
 
 def make_params(settings_) -> SamplingParams:
-    t, k, p, m = zip(*settings_, strict=True)
-    return SamplingParams(
-        temperature=torch.tensor(t, dtype=torch.float32),
-        top_k=torch.tensor(k, dtype=torch.int64),
-        top_p=torch.tensor(p, dtype=torch.float32),
-        min_p=torch.tensor(m, dtype=torch.float32),
-        seed=torch.zeros(len(settings_), dtype=torch.int64),
-    )
-
-
-def args(params: SamplingParams) -> tuple:
-    return params.temperature, params.top_k, params.top_p, params.min_p
+    """Parameters of requests given as ``(temperature, top_k, top_p, min_p)`` tuples."""
+    return kc.sampling_params(*zip(*settings_, strict=True))
 
 
 def run_kernel(logits: torch.Tensor, params: SamplingParams, **options) -> torch.Tensor:
-    return filtered_probs_triton(logits, *args(params), **options)
+    return filtered_probs_triton(logits, *kc.filter_args(params), **options)
 
 
 # ----------------------------------------------------------------------------------- checking
@@ -201,7 +186,7 @@ def test_cpu_dispatch_stays_on_the_spec():
     assert sample_from_probs(probs, torch.tensor([0.75])).tolist() == [3]
     logits = torch.randn(3, 2, 40, generator=torch.Generator().manual_seed(2))
     params = make_params([(0.0, 0, 1.0, 0.0), (0.8, 5, 0.9, 0.0), (1.3, 0, 0.7, 0.1)])
-    reference = _filtered_probs_reference(logits, *args(params))
+    reference = _filtered_probs_reference(logits, *kc.filter_args(params))
     assert torch.equal(filtered_probs(logits, params), reference)
     u = torch.rand(3, 2, generator=torch.Generator().manual_seed(3))
     assert torch.equal(sample_from_probs(reference, u), _sample_from_probs_reference(reference, u))

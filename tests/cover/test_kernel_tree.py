@@ -15,6 +15,7 @@ float32 data over a handful of entries does not hit.
 
 from __future__ import annotations
 
+import kernel_cases as kc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,54 +29,19 @@ from speculum.kernels.triton_tree import (
     register,
 )
 from speculum.spec.accept import accept_tree
-from speculum.spec.paged import cache_slots, slots_at
-from speculum.spec.sampling import Stream, uniforms
-from speculum.spec.tree import build_tree_nodes, select_frontier, sibling_ranks
+from speculum.spec.tree import build_tree_nodes
 from speculum.spec.verify import commit_kv
 
-seeds = st.integers(0, 2**31 - 1)
+seeds = kc.seeds
 #: Where the launchers run: the interpreter takes CPU tensors, compiled kernels CUDA ones.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def on_device(*tensors):
-    return [None if t is None else t.to(DEVICE) for t in tensors]
+    return kc.to_device(tensors, DEVICE)
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def forest_candidates(gen: torch.Generator, batch: int, num_cand: int, vocab: int):
-    """Valid candidate sets: any earlier parent, scores = parent score * 2**-k (ties common)."""
-    parents = torch.full((batch, num_cand), -1, dtype=torch.int64)
-    scores = torch.ones(batch, num_cand)
-    halvings = torch.randint(0, 4, (batch, num_cand), generator=gen)
-    for i in range(num_cand):
-        parents[:, i] = torch.randint(-1, i, (batch,), generator=gen)
-        above = scores.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0]
-        scores[:, i] = torch.where(parents[:, i] < 0, 1.0, above) * 2.0 ** -halvings[:, i]
-    tokens = torch.randint(0, vocab, (batch, num_cand), generator=gen)
-    return tokens, parents, scores
-
-
-def eagle_candidates(gen: torch.Generator, batch: int, topk: int, num_steps: int, vocab: int):
-    """EAGLE-2 candidates: ``topk`` children of the root, then of each step's ``topk`` best.
-
-    Child probabilities are powers of two, so equal scores (and the tie rule) are common.
-    """
-    probs = 2.0 ** -torch.randint(0, 4, (batch, num_steps, topk, topk), generator=gen).float()
-    tokens = [torch.randint(0, vocab, (batch, topk), generator=gen)]
-    scores = [probs[:, 0, 0]]
-    parents = [torch.full((batch, topk), -1, dtype=torch.int64)]
-    offset = 0  # candidate index of the previous step's first candidate
-    for s in range(1, num_steps):
-        frontier = select_frontier(scores[-1], topk)
-        parent_score = scores[-1].gather(1, frontier)
-        scores.append((parent_score[:, :, None] * probs[:, s]).flatten(1))
-        tokens.append(torch.randint(0, vocab, (batch, topk * topk), generator=gen))
-        parents.append((offset + frontier)[:, :, None].expand(-1, -1, topk).flatten(1))
-        offset += scores[-2].shape[1]
-    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
 
 
 @st.composite
@@ -85,10 +51,10 @@ def candidate_sets(draw, max_candidates: int = 12, vocab: int = 6):
     batch = draw(st.integers(1, 3))
     if draw(st.booleans()):
         num_cand = draw(st.integers(1, max_candidates))
-        tokens, parents, scores = forest_candidates(gen, batch, num_cand, vocab)
+        tokens, parents, scores = kc.forest_candidates(gen, batch, num_cand, vocab)
     else:
         topk, num_steps = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-        tokens, parents, scores = eagle_candidates(gen, batch, topk, num_steps, vocab)
+        tokens, parents, scores = kc.eagle_candidates(gen, batch, topk, num_steps, vocab)
     num_draft_tokens = draw(st.integers(2, tokens.shape[1] + 1))
     roots = torch.randint(0, vocab, (batch,), generator=gen)
     return tokens, parents, scores, roots, num_draft_tokens
@@ -118,14 +84,6 @@ def trees(draw, vocab: int, max_nodes: int = 8):
             dim=1,
         )
     return torch.randint(0, vocab, (batch, n), generator=gen), parents
-
-
-def depths_of(parents: torch.Tensor) -> torch.Tensor:
-    """Each node's depth (parents precede their children)."""
-    depths = torch.zeros_like(parents)
-    for i in range(1, parents.shape[1]):
-        depths[:, i] = depths.gather(1, parents[:, i : i + 1])[:, 0] + 1
-    return depths
 
 
 def distributions(gen, tokens, parents, vocab: int, greedy: bool, with_draft: bool):
@@ -163,17 +121,10 @@ def distributions(gen, tokens, parents, vocab: int, greedy: bool, with_draft: bo
 
 
 def coins_for(batch: int, seed: int, max_depth: int, max_children: int):
-    """The ACCEPT coins and per-length RESAMPLE uniforms, drawn as ``spec.accept`` draws them."""
+    """The ACCEPT coins and per-length RESAMPLE uniforms of ``batch`` requests from ``seed``."""
     seeds_ = torch.arange(batch, dtype=torch.int64) * 7919 + seed
     positions = torch.arange(batch, dtype=torch.int64) * 5 + 3
-    steps = torch.arange(1, max_depth + 2)
-    coins = uniforms(seeds_, Stream.ACCEPT, positions[:, None] + steps[:-1], max_children)
-    bonus = uniforms(seeds_, Stream.RESAMPLE, positions[:, None] + steps, 1)[..., 0]
-    return coins, bonus
-
-
-def most_children(parents: torch.Tensor) -> int:
-    return int((sibling_ranks(parents)[:, 1:] + 1).max()) if parents.shape[1] > 1 else 0
+    return kc.accept_coins(seeds_, positions, max_depth, max_children)
 
 
 # ---------------------------------------------------------------- accept
@@ -197,8 +148,8 @@ def test_accept_matches_spec(
     gen = torch.Generator().manual_seed(seed)
     target, draft = distributions(gen, tokens, parents, vocab, greedy, with_draft)
     # Bounds larger than the tree needs must not change the walk.
-    max_depth = int(depths_of(parents).max()) + extra_depth
-    max_children = max(most_children(parents), 1) + extra_kids
+    max_depth = int(kc.depths_of(parents).max()) + extra_depth
+    max_children = max(kc.most_children(parents), 1) + extra_kids
     coins, bonus = coins_for(tokens.shape[0], seed, max_depth, max_children)
     if high_coins:
         # Coins near 1 reject most children, so residuals go through several rejections.
@@ -284,57 +235,18 @@ def test_build_tree_matches_spec(candidates, block_j):
 # ---------------------------------------------------------------- commit
 
 
-@st.composite
-def commits(draw):
-    """A pool, page tables and accepted paths, as ``commit_path`` turns them into slots.
-
-    Sequence lengths are arbitrary, so the committed prefix and the tree share a page and both
-    the tree and the moved path cross page boundaries.
-    """
-    gen = torch.Generator().manual_seed(draw(seeds))
-    batch = draw(st.integers(1, 3))
-    page_size = draw(st.sampled_from([1, 2, 4]))
-    num_nodes = draw(st.integers(1, 8))
-    max_depth = draw(st.integers(0, 5))
-    seq_lens = torch.randint(0, 8, (batch,), generator=gen)
-    pages_each = -(-(int(seq_lens.max()) + num_nodes) // page_size)
-    num_pages = 1 + batch * pages_each
-    # Distinct pages for every request, in shuffled order; page 0 is the padding sink.
-    page_table = (1 + torch.randperm(num_pages - 1, generator=gen)).reshape(batch, pages_each)
-    path = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
-    for b in range(batch):
-        # Long paths are the interesting ones (a later depth's destination is an earlier
-        # depth's source), so the count is drawn down from the longest possible.
-        num = max(min(max_depth, num_nodes - 1) - draw(st.integers(0, 2)), 0)
-        nodes = torch.randperm(num_nodes - 1, generator=gen)[:num].sort().values + 1
-        path[b, : num + 1] = torch.cat([torch.zeros(1, dtype=torch.int64), nodes])
-    shape = (
-        draw(st.integers(1, 3)),
-        num_pages,
-        page_size,
-        draw(st.integers(1, 2)),
-        draw(st.integers(1, 3)),
-    )
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    k = torch.randn(shape, generator=gen).to(dtype)
-    v = torch.randn(shape, generator=gen).to(dtype)
-    return k, v, page_table, seq_lens, path
-
-
 @settings(max_examples=150)
-@given(commits(), st.sampled_from([1, 2, 4]))
+@given(kc.commits(kc.CommitSizes()), st.sampled_from([1, 2, 4]))
 def test_commit_matches_spec(commit, block):
     k, v, page_table, seq_lens, path = commit
     page_size = k.shape[2]
-    valid = path >= 0
     # The order argument of commit_kv_triton: along a path, cache indices strictly increase and
     # the entry at depth d moves down (or stays), never up.
     for row in path.tolist():
         nodes = [p for p in row if p >= 0]
         assert all(a < b for a, b in zip(nodes, nodes[1:]))
         assert all(d <= p for d, p in enumerate(nodes))
-    source = slots_at(page_table, page_size, seq_lens[:, None] + path.clamp(min=0), valid)
-    destination = cache_slots(page_table, page_size, seq_lens, valid)
+    source, destination = kc.commit_slots(page_table, page_size, seq_lens, path)
 
     got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
     source_dev, destination_dev = on_device(source, destination)
@@ -351,10 +263,10 @@ def test_register_leaves_cpu_on_the_reference():
     register()
     register()
     gen = torch.Generator().manual_seed(0)
-    tokens, parents, scores = eagle_candidates(gen, 2, 2, 3, 5)
+    tokens, parents, scores = kc.eagle_candidates(gen, 2, 2, 3, 5)
     roots = torch.tensor([1, 2])
     tree = build_tree_nodes(tokens, parents, scores, roots, 5)
-    assert torch.equal(tree[2], depths_of(tree[1]))
+    assert torch.equal(tree[2], kc.depths_of(tree[1]))
     target = torch.softmax(torch.randn(2, 5, 5, generator=gen), -1)
     coins, bonus = coins_for(2, 0, 3, 2)
     got = accept_tree(tree[0], tree[1], target, None, coins, bonus)

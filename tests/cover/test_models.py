@@ -389,3 +389,21 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match=rf"cannot read tokenizer {path}.*--prompt-ids"):
         load_tokenizer(tmp_path)
+
+
+def test_cast_weights_stores_a_smaller_dtype_that_loads_back_close(tmp_path: Path) -> None:
+    """Weights stored in bf16 load in the config's float32, each within bf16 rounding."""
+    from conftest import tiny_config
+
+    from speculum.models.loading import cast_weights, random_model, save_model
+
+    model = random_model(tiny_config(), seed=3, std=0.3)
+    save_model(model, tmp_path)
+    cast_weights(tmp_path, torch.bfloat16)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    loaded = load_model(tmp_path)
+    for name, param in model.named_parameters():
+        again = dict(loaded.named_parameters())[name]
+        assert again.dtype == torch.float32
+        assert torch.equal(again, param.to(torch.bfloat16).float())

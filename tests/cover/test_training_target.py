@@ -349,6 +349,7 @@ def test_cli_train_draft_forwards_options(tmp_path: Path, monkeypatch, capsys) -
         "files": None,
         "overwrite": False,
         "progress": False,
+        "save_dtype": None,
         "num_steps": 4,
         "lr": 0.01,
     }

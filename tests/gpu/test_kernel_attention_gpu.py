@@ -8,86 +8,51 @@ upcast inputs, by relative error ``||out - ref|| / ||ref|| < 1e-2``.
 
 from __future__ import annotations
 
-import math
-
+import kernel_cases as kc
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.kernels.triton_attention import paged_attention_triton, register
-from speculum.spec.attention import paged_attention, visible_keys
+from speculum.spec.attention import paged_attention
 from speculum.spec.paged import causal_mask
-from speculum.state.kv import PADDING_PAGE
 
 pytestmark = pytest.mark.gpu
 
-GARBAGE = [float("nan"), float("inf"), float("-inf"), 1e30]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+#: Llama-3-8B's attention (32 query heads, 8 KV heads of 128) over 16-token pages.
+LLAMA_8B = {"heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16}
 
 
 def make_inputs(
-    *,
-    prefix_lens: list[int],
-    q_lens: list[int],
-    new_mask: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    spare_pages: int = 2,
-    seed: int = 0,
+    *, prefix_lens: list[int], q_lens: list[int], new_mask, spare_pages=2, seed=0, **sizes
 ) -> dict:
-    """Float32 CUDA inputs: pages shuffled, unseen slots and padded query rows garbage."""
+    """Float32 CUDA inputs: pages shuffled, unseen slots and padded query rows garbage.
+
+    ``sizes`` (``heads``, ``kv_heads``, ``head_dim``, ``page_size``) override ``LLAMA_8B``'s.
+    """
+    sizes = {**LLAMA_8B, **sizes}
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    batch, q, tail = new_mask.shape
-    new_mask = new_mask.to("cuda")
-    counts = [math.ceil((p + tail) / page_size) for p in prefix_lens]
-    max_pages = max(1, *counts) + spare_pages
+    counts = kc.pages_needed(prefix_lens, new_mask.shape[2], sizes["page_size"])
     num_pages = 1 + sum(counts) + spare_pages
     order = (torch.randperm(num_pages - 1, generator=gen, device="cuda") + 1).tolist()
-    rows, used = [], 0
-    for c in counts:
-        rows.append(order[used : used + c] + [PADDING_PAGE] * (max_pages - c))
-        used += c
-    page_table = torch.tensor(rows, dtype=torch.int64, device="cuda")
-    prefix = torch.tensor(prefix_lens, device="cuda")
-    lens = torch.tensor(q_lens, device="cuda")
-    # The reference cannot gather from an empty tail; an all-False column sees nothing.
-    ref_mask = new_mask if tail else torch.zeros(batch, q, 1, dtype=torch.bool, device="cuda")
-    seq = max_pages * page_size
-    seen = visible_keys(prefix, ref_mask, seq).any(1)  # what the reference reads
-    s = torch.arange(seq, device="cuda")
-    live = (page_table[:, s // page_size] * page_size + s % page_size)[seen]
-    garbage = torch.tensor(GARBAGE, device="cuda")
-
-    def pool() -> torch.Tensor:
-        shape = (num_pages * page_size, kv_heads, head_dim)
-        values = garbage[torch.randint(len(GARBAGE), shape, generator=gen, device="cuda")]
-        values[live] = torch.randn(live.numel(), kv_heads, head_dim, generator=gen, device="cuda")
-        return values.view(num_pages, page_size, kv_heads, head_dim)
-
-    queries = torch.randn(batch, q, heads, head_dim, generator=gen, device="cuda")
-    queries[torch.arange(q, device="cuda")[None, :] >= lens[:, None]] = float("nan")
-    return {
-        "q": queries,
-        "k_cache": pool(),
-        "v_cache": pool(),
-        "page_table": page_table,
-        "prefix_lens": prefix,
-        "q_lens": lens,
-        "new_mask": new_mask,
-        "ref_mask": ref_mask,
-        "scale": head_dim**-0.5,
-    }
+    return kc.attention_inputs(
+        gen,
+        prefix_lens=prefix_lens,
+        q_lens=q_lens,
+        new_mask=new_mask,
+        page_table=kc.page_table(order, counts, max(1, *counts) + spare_pages, device="cuda"),
+        num_pages=num_pages,
+        **sizes,
+    )
 
 
 def check(inputs: dict, dtype: torch.dtype, num_splits: int | None = None) -> None:
     """Kernel (in ``dtype``, output poisoned) against the float32 reference."""
-    args = {k: v for k, v in inputs.items() if k != "ref_mask"}
-    want = paged_attention(**{**args, "new_mask": inputs["ref_mask"]})
-    q, k, v = (args.pop(name).to(dtype) for name in ("q", "k_cache", "v_cache"))
-    out = torch.full_like(q, float("nan"))
-    got = paged_attention_triton(q, k, v, **args, num_splits=num_splits, out=out)
+    got, want = kc.run_attention(inputs, dtype, num_splits)
     assert got.dtype == dtype
     assert not got.isnan().any(), "unwritten or NaN output"
     if dtype == torch.float32:
@@ -106,7 +71,7 @@ def shapes(draw: st.DrawFn) -> dict:
     tail = draw(st.integers(0, q + 8))
     kv_heads, group = draw(st.sampled_from([(1, 1), (2, 4), (8, 4), (1, 8)]))
     if tail >= q and draw(st.booleans()):
-        mask = torch.cat([causal_mask(batch, q), torch.zeros(batch, q, tail - q, dtype=bool)], 2)
+        mask = kc.causal_tail_mask(batch, q, tail)
     else:
         mask = torch.rand(batch, q, tail, generator=torch.Generator().manual_seed(seed)) < 0.5
     return {
@@ -122,7 +87,7 @@ def shapes(draw: st.DrawFn) -> dict:
 
 
 @settings(max_examples=30)
-@given(shapes(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([None, 3]))
+@given(shapes(), st.sampled_from(DTYPES), st.sampled_from([None, 3]))
 def test_drawn_shapes(inputs, dtype, num_splits):
     check(make_inputs(**inputs), dtype, num_splits)
 
@@ -144,52 +109,27 @@ def tree_mask(batch: int, q: int, tail: int, seed: int) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 64])
 def test_decode(batch, dtype):
     """One token per request over a 4096-token prefix, Llama-3-8B heads; batch 1 splits KV."""
     prefix = [4096 - 37 * b for b in range(batch)]
-    inputs = make_inputs(
-        prefix_lens=prefix,
-        q_lens=[1] * batch,
-        new_mask=causal_mask(batch, 1),
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-    )
+    inputs = make_inputs(prefix_lens=prefix, q_lens=[1] * batch, new_mask=causal_mask(batch, 1))
     check(inputs, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q", "tail"), [(8, 8), (64, 64), (16, 48)])
 def test_tree_verify(q, tail, dtype):
     """Tree verify (tail == q) and a later multi-step draft step (tail > q)."""
-    batch = 4
-    inputs = make_inputs(
-        prefix_lens=[1500, 0, 333, 2048],
-        q_lens=[q, q, q - 3, 1],
-        new_mask=tree_mask(batch, q, tail, seed=q),
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-    )
-    check(inputs, dtype)
+    lens, mask = [q, q, q - 3, 1], tree_mask(4, q, tail, seed=q)
+    check(make_inputs(prefix_lens=[1500, 0, 333, 2048], q_lens=lens, new_mask=mask), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_chunk(dtype):
     """A causal 512-token chunk after a cached prefix, and a first chunk, one padded short."""
-    inputs = make_inputs(
-        prefix_lens=[1000, 0],
-        q_lens=[512, 300],
-        new_mask=causal_mask(2, 512),
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-    )
+    inputs = make_inputs(prefix_lens=[1000, 0], q_lens=[512, 300], new_mask=causal_mask(2, 512))
     check(inputs, dtype)
 
 
@@ -202,24 +142,14 @@ def test_forced_splits(num_splits):
         new_mask=tree_mask(3, 3, 5, seed=1),
         heads=8,
         kv_heads=2,
-        head_dim=128,
-        page_size=16,
     )
     check(inputs, torch.bfloat16, num_splits)
 
 
 def test_cuda_graph_replay_reads_new_lengths():
     """Launch parameters depend on shapes only: a captured call follows new prefix lengths."""
-    inputs = make_inputs(
-        prefix_lens=[2000, 900],
-        q_lens=[1, 1],
-        new_mask=causal_mask(2, 1),
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-    )
-    args = {k: v for k, v in inputs.items() if k != "ref_mask"}
+    inputs = make_inputs(prefix_lens=[2000, 900], q_lens=[1, 1], new_mask=causal_mask(2, 1))
+    args = kc.kernel_args(inputs)
     paged_attention_triton(**args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -241,9 +171,8 @@ def test_registered_as_the_cuda_kernel_of_the_op():
         heads=4,
         kv_heads=2,
         head_dim=64,
-        page_size=16,
     )
-    args = {k: v for k, v in inputs.items() if k != "ref_mask"}
+    args = kc.kernel_args(inputs)
     torch.testing.assert_close(
         kernels.paged_attention(**args), paged_attention(**args), rtol=1e-4, atol=1e-4
     )

@@ -8,6 +8,7 @@ Hidden 4096, 32 query heads and 8 KV heads of 128, MLP width 14336, Llama 3.1 ro
 from __future__ import annotations
 
 import attrs
+import kernel_cases as kc
 import pytest
 import torch
 from conftest import tiny_config
@@ -44,22 +45,9 @@ def _triton_kernels():
     tk.register()
 
 
-def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance between ``a`` and ``b``, in units in the last place of their dtype."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        # Sign-magnitude bit patterns to integers in float order (+0 and -0 both 0).
-        i = t.contiguous().view(bits[t.dtype]).long()
-        return torch.where(i < 0, -(i & ((1 << (8 * t.element_size() - 1)) - 1)), i)
-
-    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
-
-
 def check(name: str, op: str, dtype: torch.dtype, actual, expected) -> None:
     """Print the measured distance and assert ``op``'s bound."""
-    measured = ulps(actual, expected)
+    measured = kc.ulps(actual, expected)
     print(f"{name} {str(dtype).removeprefix('torch.')}: max {measured} ulp")
     assert measured <= MAX_ULPS[op, dtype], f"{name}: {measured} ulp"
 
@@ -88,7 +76,7 @@ def llama31_inv_freq() -> torch.Tensor:
 @pytest.mark.parametrize(("rows", "n"), [(r, HIDDEN) for r in ROWS] + [(5, 1), (9, 37), (64, 3584)])
 def test_rms_norm(rows, n, dtype):
     torch.manual_seed(rows)
-    x, weight = (3 * torch.randn(rows, n, device="cuda")).to(dtype), norm_weight(n, dtype)
+    x, weight = kc.randn(rows, n, dtype=dtype, scale=3, device="cuda"), norm_weight(n, dtype)
     out = model_ops.rms_norm(x, weight, 1e-5)
     assert torch.equal(out, tk.rms_norm_triton(x, weight, 1e-5))  # the CUDA kernel is Triton's
     check(
@@ -104,7 +92,7 @@ def test_rms_norm(rows, n, dtype):
 @pytest.mark.parametrize("rows", ROWS)
 def test_qk_rms_norm(rows, dtype):
     torch.manual_seed(rows)
-    q = torch.randn(rows, 1, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    q = kc.randn(rows, 1, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     weight = norm_weight(HEAD_DIM, dtype)
     check(
         f"qk rms_norm rows={rows}",
@@ -119,8 +107,8 @@ def test_qk_rms_norm(rows, dtype):
 @pytest.mark.parametrize("rows", ROWS)
 def test_add_rms_norm(rows, dtype):
     torch.manual_seed(rows)
-    x = torch.randn(rows, 1, HIDDEN, device="cuda").to(dtype)
-    residual = (4 * torch.randn(rows, 1, HIDDEN, device="cuda")).to(dtype)
+    x = kc.randn(rows, 1, HIDDEN, dtype=dtype, device="cuda")
+    residual = kc.randn(rows, 1, HIDDEN, dtype=dtype, scale=4, device="cuda")
     weight = norm_weight(HIDDEN, dtype)
     normed, summed = model_ops.add_rms_norm(x, residual, weight, 1e-5)
     want_normed, want_summed = model_ops.add_rms_norm_reference(x, residual, weight, 1e-5)
@@ -133,8 +121,7 @@ def test_add_rms_norm(rows, dtype):
 @pytest.mark.parametrize(("batch", "q"), [(r, 1) for r in ROWS] + [(4, 128), (1, 512)])
 def test_rope(batch, q, heads, dtype):
     torch.manual_seed(batch * q)
-    x = torch.randn(batch, q, heads, HEAD_DIM, device="cuda").to(dtype)
-    positions = torch.randint(0, 131072, (batch, q), device="cuda")
+    x, positions = kc.rope_inputs(batch, q, heads, HEAD_DIM, dtype, device="cuda")
     inv_freq = llama31_inv_freq()
     out = model_ops.rope(x, positions, inv_freq)
     check(
@@ -152,10 +139,10 @@ def test_rope(batch, q, heads, dtype):
 def test_silu_mul(rows, fused, dtype):
     torch.manual_seed(rows)
     if fused:  # halves of one [gate | up] projection
-        gate, up = (4 * torch.randn(rows, 2 * INTER, device="cuda")).to(dtype).chunk(2, dim=-1)
+        gate, up = kc.randn(rows, 2 * INTER, dtype=dtype, scale=4, device="cuda").chunk(2, dim=-1)
     else:
-        gate = (4 * torch.randn(rows, INTER, device="cuda")).to(dtype)
-        up = torch.randn(rows, INTER, device="cuda").to(dtype)
+        gate = kc.randn(rows, INTER, dtype=dtype, scale=4, device="cuda")
+        up = kc.randn(rows, INTER, dtype=dtype, device="cuda")
     check(
         f"silu_mul rows={rows} fused={fused}",
         "silu_mul",
@@ -168,13 +155,12 @@ def test_silu_mul(rows, fused, dtype):
 def test_ops_replay_in_a_cuda_graph():
     torch.manual_seed(0)
     dtype, rows = torch.bfloat16, 8
-    x = torch.randn(rows, 1, HIDDEN, device="cuda").to(dtype)
+    x = kc.randn(rows, 1, HIDDEN, dtype=dtype, device="cuda")
     residual = torch.randn_like(x)
     weight = norm_weight(HIDDEN, dtype)
-    q = torch.randn(rows, 1, HEADS, HEAD_DIM, device="cuda").to(dtype)
-    positions = torch.randint(0, 4096, (rows, 1), device="cuda")
+    q, positions = kc.rope_inputs(rows, 1, HEADS, HEAD_DIM, dtype, device="cuda", max_position=4096)
     inv_freq = llama31_inv_freq()
-    gate, up = torch.randn(rows, 1, INTER, device="cuda").to(dtype).chunk(2, dim=-1)
+    gate, up = kc.randn(rows, 1, INTER, dtype=dtype, device="cuda").chunk(2, dim=-1)
 
     def run():
         return (

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import kernel_cases as kc
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import ATOL, FRAGILE, f32
 
 from speculum.kernels import triton_sampling
 from speculum.kernels.triton_sampling import filtered_probs_triton, sample_from_probs_triton
@@ -30,13 +31,7 @@ from speculum.state.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-ATOL = 1e-6
-FRAGILE = 1e-6
 VOCABS = [1, 7, 300, 1000, 32000, 128256, 151936]
-
-
-def f32(value: float) -> float:
-    return float(np.float32(value))
 
 
 @st.composite
@@ -75,18 +70,8 @@ def build(case: dict) -> tuple[torch.Tensor, SamplingParams]:
     holes = torch.rand(shape, generator=g, device="cuda") < case["holes"]
     logits = logits.masked_fill(holes, -math.inf)
     logits[..., 0] = logits[..., 0].clamp(min=-100.0)  # every row keeps a finite logit
-    params = SamplingParams(
-        temperature=torch.tensor(case["temperature"], device="cuda"),
-        top_k=torch.tensor(case["top_k"], device="cuda"),
-        top_p=torch.tensor(case["top_p"], device="cuda"),
-        min_p=torch.tensor(case["min_p"], device="cuda"),
-        seed=torch.zeros(shape[0], dtype=torch.int64, device="cuda"),
-    )
-    return logits, params
-
-
-def args(params: SamplingParams) -> tuple:
-    return params.temperature, params.top_k, params.top_p, params.min_p
+    filters = (case[name] for name in ("temperature", "top_k", "top_p", "min_p"))
+    return logits, kc.sampling_params(*filters, device="cuda")
 
 
 def per_row(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -120,7 +105,7 @@ def fragile_mask(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def assert_matches(logits, params, got) -> None:
     """Greedy rows exact; sampled rows to ATOL, or differing only in threshold-fragile tokens."""
-    expected = _filtered_probs_reference(logits, *args(params))
+    expected = _filtered_probs_reference(logits, *kc.filter_args(params))
     vocab = logits.shape[-1]
     got, expected = got.reshape(-1, vocab), expected.reshape(-1, vocab)
     greedy = per_row(params.temperature, logits)[:, 0] == 0
@@ -140,7 +125,7 @@ def assert_matches(logits, params, got) -> None:
 @given(cases())
 def test_filtered_probs_matches_spec_on_cuda(case):
     logits, params = build(case)
-    got = filtered_probs_triton(logits, *args(params), block=case["block"])
+    got = filtered_probs_triton(logits, *kc.filter_args(params), block=case["block"])
     assert got.dtype == torch.float32 and got.shape == logits.shape
     assert_matches(logits, params, got)
 
@@ -149,7 +134,7 @@ def test_filtered_probs_matches_spec_on_cuda(case):
 @given(case=cases(), seed=st.integers(0, 2**32 - 1))
 def test_sample_from_probs_matches_spec_on_cuda(case, seed):
     logits, params = build(case)
-    probs = _filtered_probs_reference(logits, *args(params))
+    probs = _filtered_probs_reference(logits, *kc.filter_args(params))
     g = torch.Generator(device="cuda").manual_seed(seed)
     u = torch.rand(probs.shape[:-1], generator=g, device="cuda").clamp(2**-24, 1 - 2**-24)
     got = sample_from_probs_triton(probs, u, block=case["block"])
@@ -168,16 +153,12 @@ def test_sample_from_probs_matches_spec_on_cuda(case, seed):
 def test_register_routes_the_cuda_ops_to_triton():
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(4, 64, 128256, generator=g, device="cuda") * 3
-    params = SamplingParams(
-        temperature=torch.tensor([0.0, 1.0, 0.7, 1.2], device="cuda"),
-        top_k=torch.tensor([0, 50, 0, 20], device="cuda"),
-        top_p=torch.tensor([1.0, 0.9, 0.95, 1.0], device="cuda"),
-        min_p=torch.tensor([0.0, 0.0, 0.05, 0.0], device="cuda"),
-        seed=torch.zeros(4, dtype=torch.int64, device="cuda"),
+    params = kc.sampling_params(
+        [0.0, 1.0, 0.7, 1.2], [0, 50, 0, 20], [1.0, 0.9, 0.95, 1.0], [0.0, 0.0, 0.05, 0.0], "cuda"
     )
     triton_sampling.register()
     probs = filtered_probs(logits, params)
-    assert torch.equal(probs, filtered_probs_triton(logits, *args(params)))
+    assert torch.equal(probs, filtered_probs_triton(logits, *kc.filter_args(params)))
     assert_matches(logits, params, probs)
     u = torch.rand(4, 64, generator=g, device="cuda")
     assert torch.equal(sample_from_probs(probs, u), sample_from_probs_triton(probs, u))

@@ -16,6 +16,7 @@ of cases, where either answer is correct.
 
 from __future__ import annotations
 
+import kernel_cases as kc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,7 @@ from speculum.kernels.triton_tree import (
     register,
 )
 from speculum.spec.accept import accept, accept_tree
-from speculum.spec.paged import cache_slots, slots_at
-from speculum.spec.sampling import Stream, uniforms
-from speculum.spec.tree import build_tree, build_tree_nodes, select_frontier, sibling_ranks
+from speculum.spec.tree import build_tree, build_tree_nodes
 from speculum.spec.verify import commit_kv, commit_path
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make
@@ -40,41 +39,13 @@ from speculum.state.tree import DraftCandidates, DraftTree
 
 pytestmark = pytest.mark.gpu
 
-seeds = st.integers(0, 2**31 - 1)
+seeds = kc.seeds
 vocabs = st.one_of(st.integers(2, 300), st.integers(1000, 128256), st.sampled_from([32000, 128256]))
 #: Elements of one [batch, num_nodes, vocab] tensor: the batch is cut to fit, so the CPU
 #: reference stays quick.
 BUDGET = 2**24
 
 # ---------------------------------------------------------------- inputs
-
-
-def eagle_candidates(gen: torch.Generator, batch: int, topk: int, num_steps: int, vocab: int):
-    """EAGLE-2 candidates with power-of-two child probabilities (so ties are common)."""
-    probs = 2.0 ** -torch.randint(0, 4, (batch, num_steps, topk, topk), generator=gen).float()
-    tokens = [torch.randint(0, vocab, (batch, topk), generator=gen)]
-    scores = [probs[:, 0, 0]]
-    parents = [torch.full((batch, topk), -1, dtype=torch.int64)]
-    offset = 0
-    for s in range(1, num_steps):
-        frontier = select_frontier(scores[-1], topk)
-        scores.append((scores[-1].gather(1, frontier)[:, :, None] * probs[:, s]).flatten(1))
-        tokens.append(torch.randint(0, vocab, (batch, topk * topk), generator=gen))
-        parents.append((offset + frontier)[:, :, None].expand(-1, -1, topk).flatten(1))
-        offset += scores[-2].shape[1]
-    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
-
-
-def forest_candidates(gen: torch.Generator, batch: int, num_cand: int, vocab: int):
-    """Valid candidate sets with any earlier parent; scores = parent score * 2**-k."""
-    parents = torch.full((batch, num_cand), -1, dtype=torch.int64)
-    scores = torch.ones(batch, num_cand)
-    halvings = torch.randint(0, 4, (batch, num_cand), generator=gen)
-    for i in range(num_cand):
-        parents[:, i] = torch.randint(-1, i, (batch,), generator=gen)
-        above = scores.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0]
-        scores[:, i] = torch.where(parents[:, i] < 0, 1.0, above) * 2.0 ** -halvings[:, i]
-    return torch.randint(0, vocab, (batch, num_cand), generator=gen), parents, scores
 
 
 @st.composite
@@ -84,13 +55,6 @@ def eagle_settings(draw):
     num_cand = topk + (num_steps - 1) * topk * topk
     num_draft_tokens = num_steps + 1 if topk == 1 else draw(st.integers(2, min(64, num_cand + 1)))
     return topk, num_steps, num_draft_tokens
-
-
-def depths_of(parents: torch.Tensor) -> torch.Tensor:
-    depths = torch.zeros_like(parents)
-    for i in range(1, parents.shape[1]):
-        depths[:, i] = depths.gather(1, parents[:, i : i + 1])[:, 0] + 1
-    return depths
 
 
 def distributions(gen, tokens, parents, support, vocab: int, greedy: bool, with_draft: bool):
@@ -134,28 +98,25 @@ def accept_cases(draw):
     support = torch.stack(
         [torch.randperm(vocab, generator=gen)[:support_size] for _ in range(batch)]
     )
-    cand_tokens, cand_parents, scores = eagle_candidates(gen, batch, topk, num_steps, vocab)
+    cand_tokens, cand_parents, scores = kc.eagle_candidates(gen, batch, topk, num_steps, vocab)
     # Draft tokens from the support, so sampled targets can accept them.
     cand_tokens = support.gather(1, cand_tokens % support_size)
     roots = support[:, 0]
     tokens, parents, _ = build_tree_nodes(cand_tokens, cand_parents, scores, roots, num_nodes)
     greedy, with_draft = draw(st.booleans()), draw(st.booleans())
     target, draft = distributions(gen, tokens, parents, support, vocab, greedy, with_draft)
-    max_depth = int(depths_of(parents).max()) + draw(st.integers(0, 1))
-    most = int((sibling_ranks(parents)[:, 1:] + 1).max()) if num_nodes > 1 else 1
-    max_children = most + draw(st.integers(0, 1))
+    max_depth = int(kc.depths_of(parents).max()) + draw(st.integers(0, 1))
+    max_children = max(kc.most_children(parents), 1) + draw(st.integers(0, 1))
     seed = torch.arange(batch, dtype=torch.int64) * 7919 + draw(seeds)
     positions = torch.randint(0, 4096, (batch,), generator=gen)
-    steps = torch.arange(1, max_depth + 2)
-    coins = uniforms(seed, Stream.ACCEPT, positions[:, None] + steps[:-1], max_children)
-    bonus = uniforms(seed, Stream.RESAMPLE, positions[:, None] + steps, 1)[..., 0]
+    coins, bonus = kc.accept_coins(seed, positions, max_depth, max_children)
     if draw(st.booleans()):
         coins = 1 - (1 - coins) / 16  # mostly rejections: long chains of residual updates
     return (tokens, parents, target, draft, coins, bonus), (seed, positions, max_depth)
 
 
 def cuda(tensors):
-    return [None if t is None else t.cuda() for t in tensors]
+    return kc.to_device(tensors, "cuda")
 
 
 # ---------------------------------------------------------------- parity
@@ -177,9 +138,9 @@ def test_build_tree_matches_spec_on_cuda(seed, batch, eagle, setting, num_cand):
     gen = torch.Generator().manual_seed(seed)
     if eagle:
         topk, num_steps, num_draft_tokens = setting
-        candidates = eagle_candidates(gen, batch, topk, num_steps, 128256)
+        candidates = kc.eagle_candidates(gen, batch, topk, num_steps, 128256)
     else:
-        candidates = forest_candidates(gen, batch, num_cand, 128256)
+        candidates = kc.forest_candidates(gen, batch, num_cand, 128256)
         num_draft_tokens = min(setting[2], num_cand + 1)
     roots = torch.randint(0, 128256, (batch,), generator=gen)
     want = build_tree_nodes(*candidates, roots, num_draft_tokens)
@@ -188,39 +149,26 @@ def test_build_tree_matches_spec_on_cuda(seed, batch, eagle, setting, num_cand):
         assert torch.equal(g.cpu(), w), (name, g, w)
 
 
-@st.composite
-def commits(draw):
-    """Pools, page tables and accepted paths (see tests/cover/test_kernel_tree.py)."""
-    gen = torch.Generator().manual_seed(draw(seeds))
-    batch = draw(st.integers(1, 64))
-    page_size = draw(st.sampled_from([1, 16, 64]))
-    num_nodes = draw(st.integers(1, 64))
-    max_depth = draw(st.integers(0, 8))
-    seq_lens = torch.randint(0, 300, (batch,), generator=gen)
-    pages_each = -(-(int(seq_lens.max()) + num_nodes) // page_size)
-    num_pages = 1 + batch * pages_each
-    page_table = (1 + torch.randperm(num_pages - 1, generator=gen)).reshape(batch, pages_each)
-    path = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
-    for b in range(batch):
-        num = max(min(max_depth, num_nodes - 1) - draw(st.integers(0, 3)), 0)
-        nodes = torch.randperm(num_nodes - 1, generator=gen)[:num].sort().values + 1
-        path[b, : num + 1] = torch.cat([torch.zeros(1, dtype=torch.int64), nodes])
-    layers = draw(st.integers(1, 4))
-    heads, head_dim = draw(st.sampled_from([1, 8])), draw(st.sampled_from([64, 128]))
-    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
-    shape = (layers, num_pages, page_size, heads, head_dim)
-    k = torch.randn(shape, generator=gen).to(dtype)
-    v = torch.randn(shape, generator=gen).to(dtype)
-    return k, v, page_table, seq_lens, path
+#: Pools, page tables and accepted paths (see tests/cover/test_kernel_tree.py) at serving sizes.
+SERVING_COMMITS = kc.CommitSizes(
+    max_batch=64,
+    page_sizes=(1, 16, 64),
+    max_nodes=64,
+    max_depth=8,
+    max_seq_len=300,
+    max_shortfall=3,
+    max_layers=4,
+    heads=(1, 8),
+    head_dims=(64, 128),
+    dtypes=(torch.bfloat16, torch.float16, torch.float32),
+)
 
 
 @settings(max_examples=20)
-@given(commits())
+@given(kc.commits(SERVING_COMMITS))
 def test_commit_matches_spec_on_cuda(commit):
     k, v, page_table, seq_lens, path = commit
-    valid = path >= 0
-    source = slots_at(page_table, k.shape[2], seq_lens[:, None] + path.clamp(min=0), valid)
-    destination = cache_slots(page_table, k.shape[2], seq_lens, valid)
+    source, destination = kc.commit_slots(page_table, k.shape[2], seq_lens, path)
     k_dev, v_dev = k.cuda(), v.cuda()
     commit_kv(k, v, source, destination)
     commit_kv_triton(k_dev, v_dev, source.cuda(), destination.cuda())
@@ -231,7 +179,7 @@ def test_commit_matches_spec_on_cuda(commit):
 
 
 def as_tree(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
-    depths = depths_of(parents.cpu()).to(parents.device)
+    depths = kc.depths_of(parents.cpu()).to(parents.device)
     return make(DraftTree, tokens=tokens, parents=parents, depths=depths)
 
 
@@ -255,7 +203,7 @@ def test_registered_ops_serve_the_public_stages_on_cuda(case):
     for name in ("path", "emitted", "num_accepted"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
-    fields = eagle_candidates(gen, batch, 4, 4, 1000)
+    fields = kc.eagle_candidates(gen, batch, 4, 4, 1000)
     cands = make(DraftCandidates, **dict(zip(("tokens", "parents", "scores"), fields)))
     roots = torch.randint(0, 1000, (batch,), generator=gen)
     want_tree = build_tree(cands, roots, 20)
@@ -291,7 +239,7 @@ def test_accept_kernel_replays_in_a_cuda_graph():
     """The launcher captures (scratch allocation included); replays on new inputs stay exact."""
     gen = torch.Generator().manual_seed(0)
     batch, vocab, num_nodes, max_depth, max_children = 8, 32000, 24, 5, 4
-    cands = eagle_candidates(gen, batch, 4, max_depth, vocab)
+    cands = kc.eagle_candidates(gen, batch, 4, max_depth, vocab)
     support = torch.stack([torch.randperm(vocab, generator=gen)[:64] for _ in range(batch)])
     cands = (support.gather(1, cands[0] % 64), *cands[1:])
     tokens, parents, _ = build_tree_nodes(*cands, support[:, 0], num_nodes)
@@ -300,9 +248,8 @@ def test_accept_kernel_replays_in_a_cuda_graph():
         g = torch.Generator().manual_seed(salt)
         target, draft = distributions(g, tokens, parents, support, vocab, salt % 2 == 0, True)
         seed = torch.arange(batch, dtype=torch.int64) + 1000 * salt
-        steps = torch.arange(1, max_depth + 2).expand(batch, -1)
-        coins = uniforms(seed, Stream.ACCEPT, steps[:, :-1], max_children)
-        bonus = uniforms(seed, Stream.RESAMPLE, steps, 1)[..., 0]
+        positions = torch.zeros(batch, dtype=torch.int64)
+        coins, bonus = kc.accept_coins(seed, positions, max_depth, max_children)
         return [tokens, parents, target, draft, coins, bonus]
 
     static = cuda(inputs(0))
