@@ -83,9 +83,10 @@ def parse_one_object(stdout: str) -> dict:
 
 def check_contract(payload: dict, max_new_tokens: int, tokenizer=None) -> None:
     ids = payload["token_ids"]
+    vocab = VOCAB if tokenizer is None else tokenizer.vocab_size
     assert isinstance(ids, list) and all(type(t) is int for t in ids)
     assert 1 <= len(ids) <= max_new_tokens
-    assert all(0 <= t < VOCAB for t in ids)
+    assert all(0 <= t < vocab for t in ids)
     assert isinstance(payload["text"], str)
     if tokenizer is not None:
         assert payload["text"] == tokenizer.decode(ids)
