@@ -50,7 +50,7 @@ from speculum.training.data import (
 )
 from speculum.training.loop import fit
 from speculum.training.recipes import DraftOptions, Recipe, recipe
-from speculum.training.target import _claim_work_dir, work_dir
+from speculum.training.target import claim_work_dir, work_dir
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -143,7 +143,7 @@ def train_draft(
     _check_out_dir(chosen, out_dir, target_dir, target, overwrite)
     split = _corpus(target_dir, target, files, seed)
     work = work_dir(out_dir)
-    _claim_work_dir(
+    claim_work_dir(
         work,
         {
             "target_dir": str(target_dir.absolute()),

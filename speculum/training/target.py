@@ -41,6 +41,7 @@ from speculum.training.loop import TrainResult, fit
 
 __all__ = [
     "SIZES",
+    "claim_work_dir",
     "init_model",
     "next_token_loss",
     "target_config",
@@ -206,7 +207,7 @@ def train_target(
         "files": None if files is None else sorted(str(f) for f in files),
         "seed": seed,
     }
-    _claim_work_dir(work, options)
+    claim_work_dir(work, options)
     corpus = work / "corpus" if corpus_dir is None else Path(corpus_dir)
     tokenizer, split = prepare_corpus(
         corpus, max_bytes=max_bytes, vocab_size=vocab_size, seed=seed, files=files
@@ -274,7 +275,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
         )
 
 
-def _claim_work_dir(work: Path, options: dict[str, Any]) -> None:
+def claim_work_dir(work: Path, options: dict[str, Any]) -> None:
     """Create the work folder, or check that the run it belongs to had the same corpus and
     model options (the checkpoint checks the training options itself)."""
     record = work / "run.json"
