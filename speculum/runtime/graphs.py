@@ -159,7 +159,9 @@ class GraphedDecode:
     decode: Callable[[Any, Any], tuple[Any, Any]]
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     graphs: list[tuple[Any, Any, Captured]] = attrs.field(factory=list)
-    pool: Any = attrs.field(factory=lambda: torch.cuda.graph_pool_handle())
+    # Graph memory shared by this decode's captures; made at the first capture, so that the
+    # value can be built (and checked) where no GPU is present.
+    pool: Any = None
 
     def __call__(self, resources: Any, state: Any) -> tuple[Any, Any]:
         """One decoding round of the wrapped pipeline over ``state`` (any batch up to the
@@ -177,6 +179,8 @@ class GraphedDecode:
                 return captured
         # Warm up and capture on an all-padding copy, so the warm-up calls write only the sink.
         dummy = without_cache(padded, torch.ones_like(padded.kv.seq_lens, dtype=torch.bool))
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         captured = capture(functools.partial(self.decode, resources), (dummy,), pool=self.pool)
         self.graphs.append((resources, key, captured))
         return captured

@@ -109,3 +109,23 @@ def test_padding_rows_change_nothing_real_rows_emit_or_own(algorithm, topk, prom
     for (k, v), (k2, v2) in zip(padded_pages, _owned(engine, state)):
         assert torch.equal(k, k2) and torch.equal(v, v2)
     assert tree_equal(take_rows(padded_out, real), unpadded_out)
+
+
+def test_engines_capture_rounds_only_on_cuda_and_without_host_work():
+    """Which pipelines a CUDA engine graphs: every one but n-gram (host work between device
+    stages), and only with graphs switched on and a batch limit the buckets hold."""
+    from speculum.pipelines import get_pipeline
+    from speculum.runtime.engine import EngineConfig, _graphed
+    from speculum.runtime.graphs import GraphedDecode
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    plain = get_pipeline("plain")
+    ngram = get_pipeline("ngram", num_draft_tokens=4)
+    config = EngineConfig(max_batch=8, graph_buckets=(1, 8))
+    assert isinstance(_graphed(plain, config, cuda).decode, GraphedDecode)
+    assert _graphed(plain, config, cpu) is plain
+    assert _graphed(ngram, config, cuda) is ngram
+    off = EngineConfig(max_batch=8, cuda_graphs=False)
+    assert _graphed(plain, off, cuda) is plain
+    with pytest.raises(ValueError, match="exceeds the largest CUDA-graph bucket 8"):
+        _graphed(plain, EngineConfig(max_batch=9, graph_buckets=(1, 8)), cuda)
