@@ -1,4 +1,5 @@
-"""Time the Triton paged-attention kernel at decode and tree-verify shapes on one CUDA GPU.
+"""Time the Triton paged-attention kernel at decode and tree-verify shapes on one CUDA GPU,
+and flashinfer's paged kernels on the same inputs where flashinfer is installed.
 
 Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16, page_size 16), pages
 scattered at random over a pool. Reports median times of eager calls (``do_bench``: includes the
@@ -7,6 +8,10 @@ a captured decode step pays), and, from the replay time, the achieved bandwidth 
 requests can see, plus queries and output) and matrix rate (over the visible query-key pairs).
 Decode is memory-bound: compare its bandwidth with the card's (about 4.3 TB/s copy on an H200);
 a prefill chunk is matrix-bound.
+
+flashinfer's rows time ``run()`` alone: its ``plan()`` (host work over the page table) is done
+once before timing, as a captured decode step would do it outside the graph. Tree verify uses
+its prefill kernel with a boolean ``custom_mask`` (the FA2 path), decode its decode kernel.
 
 Run: ``python benchmarks/attention.py`` (needs a GPU, Triton and the repository on the path).
 """
@@ -46,10 +51,59 @@ def inputs(batch: int, prefix: int, q: int, mask: torch.Tensor) -> dict:
     }
 
 
-def measure(name: str, batch: int, prefix: int, q: int, mask: torch.Tensor) -> None:
-    """Print one table row."""
+def flashinfer_call(args: dict, workspace: torch.Tensor):
+    """flashinfer's kernel over the same pages and mask, planned here; ``None`` without it."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    batch, q = args["q"].shape[:2]
+    prefix = int(args["prefix_lens"][0])
+    kv_len = prefix + q
+    pages = args["page_table"][:, : math.ceil(kv_len / PAGE_SIZE)]
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages.shape[1]
+    indices = pages.reshape(-1).to(torch.int32)
+    last = torch.full((batch,), kv_len - (pages.shape[1] - 1) * PAGE_SIZE, dtype=torch.int32)
+    last = last.to("cuda")
+    cache = (args["k_cache"], args["v_cache"])
+    shape = dict(num_qo_heads=HEADS, num_kv_heads=KV_HEADS, page_size=PAGE_SIZE)
+    if q == 1:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(indptr, indices, last, head_dim=HEAD_DIM, q_data_type=DTYPE, **shape)
+        query = args["q"][:, 0]
+        return lambda: wrapper.run(query, cache)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q
+    seen = torch.ones(batch, q, prefix, dtype=torch.bool, device="cuda")
+    mask = torch.cat([seen, args["new_mask"]], dim=2).reshape(-1)
+    wrapper.plan(
+        qo_indptr,
+        indptr,
+        indices,
+        last,
+        head_dim_qk=HEAD_DIM,
+        custom_mask=mask,
+        q_data_type=DTYPE,
+        **shape,
+    )
+    query = args["q"].reshape(batch * q, HEADS, HEAD_DIM)
+    return lambda: wrapper.run(query, cache)
+
+
+def measure(name: str, batch: int, prefix: int, q: int, mask: torch.Tensor, workspace) -> None:
+    """Print one table row for the Triton kernel and, when installed, one for flashinfer."""
     args = inputs(batch, prefix, q, mask)
     call = lambda: paged_attention_triton(**args)  # noqa: E731
+    report(name, "triton", batch, prefix, q, mask, args, call)
+    fi = flashinfer_call(args, workspace)
+    if fi is not None:
+        ours = call().reshape(batch * q, HEADS, HEAD_DIM).float()
+        error = (fi().reshape_as(ours).float() - ours).norm() / ours.norm()
+        report(name, f"flashinfer ({error:.0e})", batch, prefix, q, mask, args, fi)
+
+
+def report(name, kernel, batch, prefix, q, mask, args, call) -> None:
+    """Time ``call`` eagerly and as graph replays; print the row."""
     eager = triton.testing.do_bench(call, return_mode="median")
     ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
     # Each request reads its whole prefix plus the tail columns (all seen by some query here).
@@ -59,22 +113,23 @@ def measure(name: str, batch: int, prefix: int, q: int, mask: torch.Tensor) -> N
     flops = 4 * HEADS * HEAD_DIM * (batch * q * prefix + int(mask.sum()))
     seconds = ms * 1e-3
     print(
-        f"{name:<12}{batch:>6}{prefix:>8}{q:>5}{eager * 1e3:>10.1f}{ms * 1e3:>10.1f}"
+        f"{name:<12}{kernel:<20}{batch:>6}{prefix:>8}{q:>5}{eager * 1e3:>10.1f}{ms * 1e3:>10.1f}"
         f"{(kv_bytes + io_bytes) / seconds / 1e12:>9.2f}{flops / seconds / 1e12:>9.1f}"
     )
 
 
 def main() -> None:
     """Decode at batch 1/8/32/64 x prefix 512/4096, then tree verify and a prefill chunk."""
-    head = f"{'shape':<12}{'batch':>6}{'prefix':>8}{'q':>5}{'eager us':>10}{'graph us':>10}"
-    print(f"{head}{'TB/s':>9}{'TFLOP/s':>9}")
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    head = f"{'shape':<12}{'kernel':<20}{'batch':>6}{'prefix':>8}{'q':>5}"
+    print(f"{head}{'eager us':>10}{'graph us':>10}{'TB/s':>9}{'TFLOP/s':>9}")
     for prefix in (512, 4096):
         for batch in (1, 8, 32, 64):
-            measure("decode", batch, prefix, 1, causal_mask(batch, 1))
+            measure("decode", batch, prefix, 1, causal_mask(batch, 1), workspace)
     for batch in (1, 8, 32):
         tree = torch.rand(batch, 64, 64) < 0.2  # density of a 64-token EAGLE tree's ancestry
-        measure("tree verify", batch, 2048, 64, tree | torch.eye(64, dtype=torch.bool))
-    measure("prefill", 1, 0, 2048, causal_mask(1, 2048))
+        measure("tree verify", batch, 2048, 64, tree | torch.eye(64, dtype=torch.bool), workspace)
+    measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ its acceptance length in tokens where plain decoding emits one).
   model floor is the target's tree forward with its logits plus the draft's forwards with
   theirs; host work is the full round's call from Python (padding, replay, output gather, one
   device-to-host copy) minus its replay.
-- peer: transformers' ``generate`` on the same weights with a static cache, greedy.
+- peer: transformers' ``generate`` on the same weights with a static cache, greedy, eager.
+
+- profile (``--profile``): the device kernels of one eager plain step and one eager chain-3 round
+  at batch 1, by total time, to show what the time over the floor is spent on.
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
 a CPU smoke run of the script itself, whose numbers mean nothing).
@@ -326,30 +329,37 @@ def draft_floor_ms(res, state, config, device: str, repeat: int) -> float:
     return steps + stage_ms(extend, (ext_tokens, ext_hidden), device, repeat)
 
 
-def peer_row(target, batch: int, args, device: str) -> dict[str, Any]:
-    """transformers' greedy ``generate`` with a static cache on the same weights."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+def hf_copy(target):
+    """transformers' ``LlamaForCausalLM`` holding ``target``'s weights (loaded strictly)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        c = target.config
-        hf_config = LlamaConfig(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=False,
-        )
-        with building_on(device, target.lm_head.weight.dtype):
-            hf = LlamaForCausalLM(hf_config)
-        hf.load_state_dict(target.state_dict(), strict=True)
-        hf.eval()
-        ids = torch.randint(0, c.vocab_size, (batch, args.prompt), device=device)
+    c = target.config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    device = target.lm_head.weight.device
+    with building_on(device.type, target.lm_head.weight.dtype):
+        hf = LlamaForCausalLM(hf_config)
+    hf.load_state_dict(target.state_dict(), strict=True)
+    return hf.eval()
+
+
+def peer_row(hf, batch: int, args, device: str) -> dict[str, Any]:
+    """transformers' greedy ``generate`` with a static cache, eager (its automatic
+    torch.compile of static-cache decoding is switched off: it recompiles for every cache
+    length, which a fixed-budget run cannot amortise), decode tokens/s."""
+    try:
+        ids = torch.randint(0, hf.config.vocab_size, (batch, args.prompt), device=device)
 
         def run(new_tokens: int) -> float:
             sync(device)
@@ -361,6 +371,7 @@ def peer_row(target, batch: int, args, device: str) -> dict[str, Any]:
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 cache_implementation="static",
+                disable_compile=True,
                 pad_token_id=0,
             )
             sync(device)
@@ -372,6 +383,32 @@ def peer_row(target, batch: int, args, device: str) -> dict[str, Any]:
         return {"batch": batch, "tok/s": batch * (args.new_tokens - 1) / seconds}
     except Exception as error:  # the peer's failure must not lose the rest of the run
         return {"batch": batch, "tok/s": float("nan"), "error": f"{type(error).__name__}: {error}"}
+
+
+def profile(target, head, args, device: str) -> str:
+    """Kernel-time tables (torch.profiler) of eager plain steps and eager chain-3 rounds at
+    batch 1; eager so that every kernel is attributed, the launch gaps aside."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    sections = []
+    for label, rounds in (("plain step", None), ("eagle3 chain-3 round", ROUNDS[0][1:])):
+        engine = make_engine(target, head, 1, args.prompt + args.new_tokens + 64, rounds)
+        state = running(engine, 1, args.prompt, args.new_tokens).batch
+        decode = engine.pipeline.decode
+        decode = getattr(decode, "decode", decode)  # the eager round under the graph wrapper
+        for _ in range(3):
+            state, _ = decode(engine.resources, state)
+        sync(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profiler(activities=activities) as prof:
+            for _ in range(5):
+                state, out = decode(engine.resources, state)
+                out.tokens.tolist()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        top = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
+        sections.append(f"### {label} x5\n\n```\n{top}\n```")
+    return "\n\n".join(sections)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -395,6 +432,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--profile", action="store_true", help="print kernel profiles last")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     config = TINY if args.tiny else LLAMA_8B
@@ -405,6 +443,7 @@ def main() -> None:
     print(f"device: {name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     batches = [int(b) for b in args.batches.split(",")]
     plain, rounds, peers = [], [], []
+    begin = time.perf_counter()
     for batch in batches:
         row = plain_row(target, head, batch, args, bandwidth, device)
         plain.append(row)
@@ -413,15 +452,23 @@ def main() -> None:
             r = round_row(target, head, batch, label, tuple(shape), args, row["ms/step"], device)
             rounds.append(r)
             print(table([r]), flush=True)
-        if not args.no_peer:
-            peer = peer_row(target, batch, args, device)
+        print(f"batch {batch} done at {time.perf_counter() - begin:.0f} s", flush=True)
+    if not args.no_peer:
+        hf = hf_copy(target)
+        for row in plain:
+            peer = peer_row(hf, row["batch"], args, device)
             peer["ours/peer"] = row["tok/s"] / peer["tok/s"]
             peers.append(peer)
             print(table([peer]), flush=True)
+        del hf
     print("\n## plain decoding\n\n" + table(plain))
     print("\n## speculative round (EAGLE-3 head), ms\n\n" + table(rounds))
     if peers:
-        print("\n## transformers generate (static cache), decode tokens/s\n\n" + table(peers))
+        print(
+            "\n## transformers generate (static cache, eager), decode tokens/s\n\n" + table(peers)
+        )
+    if args.profile:
+        print("\n## profile, batch 1\n\n" + profile(target, head, args, device))
 
 
 if __name__ == "__main__":
