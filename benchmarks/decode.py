@@ -175,9 +175,15 @@ def step_bytes(target: DecoderModel, batch: int, context: float) -> float:
 
 
 def make_engine(
-    target, head, batch: int, context: int, rounds: tuple[int, int, int] | None
+    target,
+    head,
+    batch: int,
+    context: int,
+    rounds: tuple[int, int, int] | None,
+    fuse: bool = True,
 ) -> Engine:
-    """A plain engine (``rounds`` None) or an EAGLE-3 engine with that (steps, topk, tokens)."""
+    """A plain engine (``rounds`` None) or an EAGLE-3 engine with that (steps, topk, tokens);
+    ``fuse`` fuses the models' projections (in place, for every later engine too)."""
     spec = (
         None
         if rounds is None
@@ -192,6 +198,7 @@ def make_engine(
         max_context=context,
         prefill_budget=2048,
         graph_buckets=(batch,),
+        fuse_projections=fuse,
     )
 
 
@@ -210,9 +217,12 @@ def running(engine: Engine, batch: int, prompt: int, new_tokens: int) -> Any:
     return state
 
 
-def plain_row(target, head, batch: int, args, bandwidth: float, device: str) -> dict[str, Any]:
+def plain_row(
+    target, head, batch: int, args, bandwidth: float, device: str, fuse: bool = True
+) -> dict[str, Any]:
     """Plain decoding's tokens/s over ``args.new_tokens`` steps, and its roofline ratio."""
-    engine = make_engine(target, head, batch, args.prompt + args.new_tokens + 64, None)
+    context = args.prompt + args.new_tokens + 64
+    engine = make_engine(target, head, batch, context, None, fuse)
     state = running(engine, batch, args.prompt, args.new_tokens + 8).batch
     decode = engine.pipeline.decode
     state, _ = decode(engine.resources, state)  # capture outside the timed loop
@@ -227,6 +237,7 @@ def plain_row(target, head, batch: int, args, bandwidth: float, device: str) -> 
     roofline_ms = step_bytes(target, batch, context) / bandwidth * 1e3
     return {
         "batch": batch,
+        "projections": "fused" if fuse else "separate",
         "tok/s": batch * args.new_tokens / seconds,
         "ms/step": step_ms,
         "roofline ms": roofline_ms,
@@ -433,6 +444,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles last")
+    parser.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="first a plain row with separate q/k/v and gate/up projections, at the first batch",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     config = TINY if args.tiny else LLAMA_8B
@@ -444,6 +460,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     plain, rounds, peers = [], [], []
     begin = time.perf_counter()
+    if args.compare_unfused:  # before any engine fuses the shared models in place
+        row = plain_row(target, head, batches[0], args, bandwidth, device, fuse=False)
+        plain.append(row)
+        print(table([row]), flush=True)
     for batch in batches:
         row = plain_row(target, head, batch, args, bandwidth, device)
         plain.append(row)
@@ -455,7 +475,7 @@ def main() -> None:
         print(f"batch {batch} done at {time.perf_counter() - begin:.0f} s", flush=True)
     if not args.no_peer:
         hf = hf_copy(target)
-        for row in plain:
+        for row in (r for r in plain if r["projections"] == "fused"):
             peer = peer_row(hf, row["batch"], args, device)
             peer["ours/peer"] = row["tok/s"] / peer["tok/s"]
             peers.append(peer)

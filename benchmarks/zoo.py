@@ -65,8 +65,9 @@ from speculum.training.target import train_target  # noqa: E402
 
 #: Drafts trained, in the order they are trained and reported.
 DRAFTS = ("eagle", "eagle3", "mtp", "multi_layer_eagle", "standalone")
-#: Steps of the calibration run that times a training step before the budgeted run.
-CALIBRATION_STEPS = 20
+#: Steps of the two calibration runs that time a training step before the budgeted run.
+CALIBRATION_STEPS = (10, 30)
+
 #: What ``--tiny`` replaces: a CPU run of the whole script in a few minutes.
 TINY = {
     "size": "test",
@@ -88,10 +89,14 @@ TINY = {
 
 def budgeted_steps(train: Callable[[int], float], seconds: float) -> int:
     """Steps that fit ``seconds``: ``train(steps)`` runs a calibration training and returns its
-    training time, whose per-step rate (evaluations and warm-up included, so the estimate errs
-    short) is scaled to the budget."""
-    per_step = train(CALIBRATION_STEPS) / CALIBRATION_STEPS
-    return max(CALIBRATION_STEPS, int(seconds / per_step))
+    wall time. Two runs of different lengths separate the per-step time from the fixed costs
+    (start-up, the evaluations at the first and last step, saving), which a single short run
+    would charge to its few steps (on the H200 that made a 150 s budget train for 27 s)."""
+    short, long = CALIBRATION_STEPS
+    first, second = train(short), train(long)
+    per_step = max((second - first) / (long - short), 1e-6)
+    fixed = max(first - short * per_step, 0.0)
+    return max(long, int((seconds - fixed) / per_step))
 
 
 def train_zoo_target(args, work: Path, device: str) -> dict[str, Any]:

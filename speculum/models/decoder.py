@@ -9,6 +9,7 @@ are a separate call so that pipelines compute them only where they are needed.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ __all__ = [
     "apply_rope",
     "dense_attention",
     "dense_batch",
+    "FusedLinear",
+    "fuse_projections_",
+    "fused_linear",
     "rope_inv_freq",
 ]
 
@@ -79,6 +83,60 @@ def apply_rope(
     return kernels.model_ops.rope(x, positions, inv_freq.to(x.device))
 
 
+class FusedLinear(NamedTuple):
+    """Several projections of one input stored as one weight (and bias): the projections'
+    parameters are views of these rows, in order."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+
+def fused_linear(*linears: nn.Linear) -> FusedLinear:
+    """Concatenate ``linears``' weights (and biases) into one tensor and make each linear's
+    parameters views of its rows, in place: memory is not duplicated, and state dicts,
+    loading and saving still see the separate parameters."""
+    fused = []
+    for name in ("weight", "bias"):
+        params = [getattr(linear, name) for linear in linears]
+        if params[0] is None:
+            fused.append(None)
+            continue
+        joined = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = joined[start : start + p.shape[0]]
+            start += p.shape[0]
+        fused.append(joined)
+    return FusedLinear(*fused)
+
+
+def fused_weights(fused: FusedLinear | None, first: nn.Linear) -> FusedLinear | None:
+    """``fused`` when it may stand in for its projections: it still holds their storage (a
+    later ``.to()`` gives each parameter a copy of its own) and no gradient is wanted (the fused
+    tensor is not a parameter). ``None`` sends the caller down the separate projections."""
+    if fused is None or (torch.is_grad_enabled() and first.weight.requires_grad):
+        return None
+    if fused.weight.untyped_storage().data_ptr() != first.weight.untyped_storage().data_ptr():
+        return None
+    return fused
+
+
+def fuse_projections_(module: nn.Module) -> nn.Module:
+    """Fuse the projections of every attention block (q, k, v) and MLP (gate, up) inside
+    ``module`` into one matmul each, in place; returns ``module``.
+
+    A decode step at batch 1 is a chain of GEMVs: Llama-8B's k and v projections read 8 MB
+    each, too little to reach memory bandwidth on their own, and every separate projection is
+    another launch. Values are unchanged: a fused output row is each projection's, concatenated
+    (bit for bit up to the matmul library's choice of kernel). Fuse after the model is on its
+    device and in its dtype; a later ``.to()`` quietly falls back to the separate projections.
+    """
+    for sub in module.modules():
+        if isinstance(sub, (Attention, MLP)):
+            sub.fuse_()
+    return module
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged cache.
 
@@ -102,13 +160,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.qkv: FusedLinear | None = None
+
+    def fuse_(self) -> None:
+        """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
+        a no-op for attention without its own K/V projections."""
+        if all(hasattr(self, name) for name in ("q_proj", "k_proj", "v_proj")):
+            self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
 
     def queries(
         self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
     ) -> Float[Tensor, "batch q head head_dim"]:
         """The rotated (and, for qk-norm kinds, normed) queries of ``x``."""
-        b, q, _ = x.shape
-        qs = self.q_proj(x).view(b, q, self.num_heads, self.head_dim)
+        return self.rotate_queries(self.q_proj(x), batch, inv_freq)
+
+    def rotate_queries(
+        self, projected: Float[Tensor, "batch q q_out"], batch: ForwardBatch, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q head head_dim"]:
+        """Projected queries split into heads, normed (qk-norm kinds) and rotated."""
+        b, q, _ = projected.shape
+        qs = projected.view(b, q, self.num_heads, self.head_dim)
         if self.qk_norm:
             qs = self.q_norm(qs)
         return apply_rope(qs, batch.positions, inv_freq)
@@ -136,12 +207,36 @@ class Attention(nn.Module):
         Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
     ]:
         """The rotated keys and the values of ``x``."""
-        b, q, _ = x.shape
-        ks = self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
-        vs = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim)
+        return self.rotate_keys(self.k_proj(x), self.v_proj(x), batch, inv_freq)
+
+    def rotate_keys(
+        self,
+        keys: Float[Tensor, "batch q kv_out"],
+        values: Float[Tensor, "batch q kv_out"],
+        batch: ForwardBatch,
+        inv_freq: Tensor,
+    ) -> tuple[
+        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
+    ]:
+        """Projected keys and values split into heads, the keys normed (qk-norm kinds) and
+        rotated."""
+        b, q, _ = keys.shape
+        ks = keys.view(b, q, self.num_kv_heads, self.head_dim)
+        vs = values.view(b, q, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             ks = self.k_norm(ks)
         return apply_rope(ks, batch.positions, inv_freq), vs
+
+    def project(
+        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries, rotated keys and values of ``x``: one matmul when fused."""
+        weights = fused_weights(self.qkv, self.q_proj)
+        if weights is None:
+            return (self.queries(x, batch, inv_freq), *self.keys_values(x, batch, inv_freq))
+        kv_out = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, *weights).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
+        return (self.rotate_queries(q, batch, inv_freq), *self.rotate_keys(k, v, batch, inv_freq))
 
     def forward(
         self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
@@ -151,8 +246,7 @@ class Attention(nn.Module):
         With ``pool=None`` (training) nothing is cached: the queries attend to each other's
         keys alone under ``batch.new_mask``, differentiably (:func:`dense_attention`).
         """
-        ks, vs = self.keys_values(x, batch, inv_freq)
-        qs = self.queries(x, batch, inv_freq)
+        qs, ks, vs = self.project(x, batch, inv_freq)
         if pool is None:
             return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
         kernels.write_kv(pool.k[self.layer], batch.slots, ks)
@@ -213,10 +307,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse_(self) -> None:
+        """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`)."""
+        self.gate_up = fused_linear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``down(silu(gate(x)) * up(x))``."""
-        return self.down_proj(kernels.model_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        """``down(silu(gate(x)) * up(x))``: gate and up in one matmul when fused."""
+        weights = fused_weights(self.gate_up, self.gate_proj)
+        if weights is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, *weights).chunk(2, dim=-1)
+        return self.down_proj(kernels.model_ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -233,10 +337,24 @@ class DecoderLayer(nn.Module):
         self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
     ) -> Tensor:
         """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
-        attended = self.self_attn(self.input_layernorm(x), batch, pool, inv_freq)
+        out, x = self.blocks(self.input_layernorm(x), x, batch, pool, inv_freq)
+        return x + out
+
+    def blocks(
+        self,
+        normed: Tensor,
+        x: Tensor,
+        batch: ForwardBatch,
+        pool: KVPool | None,
+        inv_freq: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The layer short of its last residual add: from the input stream ``x`` and its
+        input-normed ``normed``, returns ``(mlp_out, stream)`` whose sum is the stream leaving
+        the layer, so a caller can fuse that add into the next norm."""
+        attended = self.self_attn(normed, batch, pool, inv_freq)
         norm = self.post_attention_layernorm
         normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.weight, norm.eps)
-        return x + self.mlp(normed)
+        return self.mlp(normed), x
 
 
 class Backbone(nn.Module):
@@ -293,12 +411,18 @@ class DecoderModel(nn.Module):
         transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
         """
         x = self.model.embed_tokens(batch.input_ids)
+        layers = self.model.layers
         captured: dict[int, Tensor] = {}
-        for n, layer in enumerate(self.model.layers):
-            x = layer(x, batch, pool, self.inv_freq)
+        # Each layer's last residual add is fused into the next norm (the next layer's input
+        # norm, or the final norm): one kernel fewer per layer, the same rounding.
+        normed = layers[0].input_layernorm(x) if len(layers) else self.model.norm(x)
+        for n, layer in enumerate(layers):
+            out, x = layer.blocks(normed, x, batch, pool, self.inv_freq)
+            norm = layers[n + 1].input_layernorm if n + 1 < len(layers) else self.model.norm
+            normed, x = kernels.model_ops.add_rms_norm(out, x, norm.weight, norm.eps)
             if n in capture_layers:
                 captured[n] = x
-        return self.model.norm(x), tuple(captured[n] for n in capture_layers)
+        return normed, tuple(captured[n] for n in capture_layers)
 
     def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
         """Float32 next-token logits of final-normed hidden states."""

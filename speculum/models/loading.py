@@ -149,7 +149,9 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
     :func:`load_model`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
+    # Cloned: parameters may be views of one tensor (fused projections), which safetensors
+    # refuses to write as separate tensors.
+    weights = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return folder

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel
+from speculum.models.decoder import DecoderModel, fuse_projections_
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
@@ -37,8 +37,10 @@ __all__ = [
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
-    """Scheduler limits (KV pages, batch size, context length, prefill chunking) and, on CUDA,
-    whether decoding rounds run as CUDA graphs and for which batch-size buckets."""
+    """Scheduler limits (KV pages, batch size, context length, prefill chunking), whether the
+    models' projections are fused (q/k/v and gate/up as one matmul each, see
+    ``models.decoder.fuse_projections_``) and, on CUDA, whether decoding rounds run as CUDA
+    graphs and for which batch-size buckets."""
 
     page_size: int = 16
     num_pages: int = 0
@@ -47,6 +49,7 @@ class EngineConfig:
     prefill_budget: int = 512
     cuda_graphs: bool = True
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    fuse_projections: bool = True
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -223,6 +226,7 @@ def engine_from_model(
     ngram: NgramOptions | None = None,
     cuda_graphs: bool = True,
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    fuse_projections: bool = True,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -231,6 +235,8 @@ def engine_from_model(
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
     exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram).
+    ``fuse_projections`` fuses the target's and the draft's projections in place (values
+    unchanged; see ``models.decoder.fuse_projections_``).
     """
     pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions(), ngram)
     context = max_context or min(target.config.max_position_embeddings, 4096)
@@ -243,7 +249,12 @@ def engine_from_model(
         prefill_budget=prefill_budget,
         cuda_graphs=cuda_graphs,
         graph_buckets=tuple(graph_buckets),
+        fuse_projections=fuse_projections,
     )
+    if fuse_projections:
+        for model in (target, draft):
+            if isinstance(model, torch.nn.Module):
+                fuse_projections_(model)
     per_request = config.max_pages_per_request(pipeline.kv_lookahead)
     config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
     fix = "lower max_batch, max_context or num_pages"

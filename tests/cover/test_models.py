@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel
-from speculum.models.loading import CheckpointError, load_model
+from speculum.models.decoder import DecoderModel, dense_batch, fuse_projections_
+from speculum.models.loading import CheckpointError, load_model, save_model
 from speculum.models.tokenizer import (
     BOS,
     EOS,
@@ -219,6 +219,8 @@ def test_logits_and_captures_match_transformers(spec: Spec, data: st.DataObject)
     with tempfile.TemporaryDirectory() as folder:
         model = load_model(saved(hf, Path(folder)))
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == spec.tied
+    if data.draw(st.booleans(), label="fused projections"):
+        fuse_projections_(model)
 
     token = st.integers(0, VOCAB - 1)
     prompt = st.lists(token, min_size=1, max_size=MAX_PROMPT)
@@ -240,6 +242,43 @@ def test_logits_and_captures_match_transformers(spec: Spec, data: st.DataObject)
         for stream, ref_stream in zip(ours, ref_streams):
             assert relative_error(stream, ref_stream) < RELATIVE_TOLERANCE
         torch.testing.assert_close(ours, whole)
+
+
+@pytest.mark.parametrize("case", ["llama-bias", "qwen3"])
+def test_fused_projections_change_no_weight_and_no_output(case: str, tmp_path: Path) -> None:
+    """Fusing keeps every parameter (name, shape, value), computes what the separate
+    projections compute, saves and loads back as the same checkpoint, and leaves training
+    (gradients reach each projection) and a later ``.to()`` (separate projections again)
+    correct."""
+    hf = hf_model(Spec(case=case, hidden=32, kv_heads=2, tied=False, seed=3))
+    model = load_model(saved(hf, tmp_path / "hf"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = list(range(1, VOCAB, 7))
+    table = page_table([len(prompt)], 4, list(range(1, 10)), extra=0)
+    (separate,) = run_in_steps(model, [prompt], [[3, len(prompt) - 3]], table, 4, (0,))
+    fuse_projections_(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv.weight.data_ptr()
+    (fused,) = run_in_steps(model, [prompt], [[3, len(prompt) - 3]], table, 4, (0,))
+    torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+
+    reloaded = load_model(save_model(model, tmp_path / "ours"))
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in before.items())
+
+    tokens = torch.tensor([prompt])
+    model.requires_grad_(True)
+    hidden, _ = model(dense_batch(tokens), None)
+    model.logits(hidden).logsumexp(-1).sum().backward()
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, model.model.layers[1].mlp.up_proj):
+        assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
+    model.requires_grad_(False)
+
+    wide = model.to(torch.float64)
+    (moved,) = run_in_steps(wide, [prompt], [[len(prompt)]], table, 4, (0,))
+    torch.testing.assert_close(moved.float(), separate, rtol=1e-4, atol=1e-5)
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
