@@ -30,6 +30,7 @@ __all__ = [
     "apply_rope",
     "dense_attention",
     "dense_batch",
+    "float32_logits",
     "FusedLinear",
     "fuse_projections_",
     "fused_linear",
@@ -367,6 +368,26 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def float32_logits(
+    hidden: Float[Tensor, "*rows hidden"], weight: Float[Tensor, "vocab hidden"]
+) -> Float[Tensor, "*rows vocab"]:
+    """``hidden @ weight.T`` accumulated in float32 and never rounded to the weights' dtype.
+
+    A bfloat16 logit has an ulp of 0.03 to 0.125 at common magnitudes, so rounding logits to
+    bfloat16 turns near-ties into exact ties that two forwards of the same tokens (a decode
+    step and a verify over several tokens run different matmul kernels) break differently.
+    On CUDA the matmul writes float32 directly (same bytes read); elsewhere the operands are
+    widened. Training (gradients wanted) keeps the differentiable ``linear``.
+    """
+    if weight.dtype == torch.float32 or (torch.is_grad_enabled() and weight.requires_grad):
+        return F.linear(hidden, weight).float()
+    if hidden.is_cuda:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        out = torch.mm(rows, weight.t(), out_dtype=torch.float32)
+        return out.view(*hidden.shape[:-1], weight.shape[0])
+    return F.linear(hidden.float(), weight.float())
+
+
 class DecoderModel(nn.Module):
     """A Llama-family causal LM over the paged KV cache.
 
@@ -425,5 +446,6 @@ class DecoderModel(nn.Module):
         return normed, tuple(captured[n] for n in capture_layers)
 
     def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
-        """Float32 next-token logits of final-normed hidden states."""
-        return self.lm_head(hidden).float()
+        """Float32 next-token logits of final-normed hidden states (see
+        :func:`float32_logits`)."""
+        return float32_logits(hidden, self.lm_head.weight)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel, dense_batch, fuse_projections_
+from speculum.models.decoder import DecoderModel, dense_batch, float32_logits, fuse_projections_
 from speculum.models.loading import CheckpointError, load_model, save_model
 from speculum.models.tokenizer import (
     BOS,
@@ -446,3 +446,18 @@ def test_cast_weights_stores_a_smaller_dtype_that_loads_back_close(tmp_path: Pat
         again = dict(loaded.named_parameters())[name]
         assert again.dtype == torch.float32
         assert torch.equal(again, param.to(torch.bfloat16).float())
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 5), hidden=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_bfloat16_logits_are_the_float32_accumulated_product(rows, hidden, seed) -> None:
+    """A bfloat16 model's logits are the exact product of its bfloat16 values accumulated in
+    float32, not rounded back to bfloat16 (whose ulp would turn near-ties into ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=gen).bfloat16()
+    w = (torch.randn(VOCAB, hidden, generator=gen) * 2).bfloat16()
+    logits = float32_logits(h, w)
+    exact = h.double() @ w.double().T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-6, atol=1e-5)
+    assert logits.unique().numel() > (h.float() @ w.float().T).bfloat16().unique().numel()
