@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import UnsupportedModel
@@ -32,6 +34,7 @@ from speculum.models.draft_loading import (
     save_draft,
 )
 from speculum.models.loading import CheckpointError, load_model, random_model, save_model
+from speculum.spec.draft import top_children
 from speculum.spec.paged import extend_batch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 
@@ -699,3 +702,22 @@ def test_random_draft_runs(target: DecoderModel) -> None:
         with torch.no_grad():
             out = head(batch, head.new_pool(2, 4), torch.randn(1, 2, HIDDEN))
         assert out.shape == (1, 2, HIDDEN) and head.logits(out).isfinite().all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), topk=st.integers(1, 6), rows=st.integers(1, 3))
+def test_reduced_vocabulary_heads_rank_over_their_own_ids(target, seed, topk, rows):
+    """An EAGLE-3 head with a reduced vocabulary ranks its children over its own ids and
+    returns target ids: the same tokens and probabilities as ranking the full-vocabulary
+    distribution it stands for."""
+    gen = torch.Generator().manual_seed(seed)
+    draft_vocab = 24
+    head = random_draft(target, "eagle3", seed=seed, std=0.3, draft_vocab_size=draft_vocab)
+    ids = torch.randperm(target.config.vocab_size, generator=gen)[:draft_vocab].sort().values
+    head.set_target_ids(ids)
+    hidden = torch.randn(rows, 2, head.config.hidden_size, generator=gen)
+    probs, tokens = top_children(head, hidden, topk)
+    full = torch.softmax(head.logits(hidden), dim=-1).topk(topk, dim=-1)
+    assert torch.equal(tokens, full.indices)
+    torch.testing.assert_close(probs, full.values)
+    assert bool(torch.isin(tokens, ids).all())
