@@ -81,6 +81,56 @@ def rope_inputs(
     return x, positions
 
 
+def rope_write_kv_inputs(
+    batch: int,
+    q: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    page_size: int = 4,
+    gen: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Arguments of ``speculum::rope_write_kv``: queries, keys and values as the strided heads
+    of one fused ``[q | k | v]`` projection, positions, rotary frequencies, K/V caches of
+    random contents, and distinct random slots outside the padding page (page 0)."""
+    device = gen.device if gen is not None else device
+    fused = randn(batch, q, heads + 2 * kv_heads, head_dim, dtype=dtype, gen=gen, device=device)
+    queries, keys, values = fused.split([heads, kv_heads, kv_heads], dim=2)
+    _, positions = rope_inputs(batch, q, 1, head_dim, dtype, gen=gen, device=device)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    pages = 1 + -(-batch * q // page_size) + 1
+    shape = (pages, page_size, kv_heads, head_dim)
+    real = torch.randperm((pages - 1) * page_size, generator=gen, device=device) + page_size
+    return {
+        "q": queries,
+        "k": keys,
+        "v": values,
+        "positions": positions,
+        "inv_freq": inv_freq,
+        "k_cache": randn(*shape, dtype=dtype, gen=gen, device=device),
+        "v_cache": randn(*shape, dtype=dtype, gen=gen, device=device),
+        "slots": real[: batch * q].view(batch, q),
+    }
+
+
+def rope_write_kv_both(launch, reference, inputs: dict) -> tuple[tuple, tuple]:
+    """``(out, k_cache, v_cache)`` after ``launch`` and after ``reference``, each on its own
+    copy of the caches."""
+    results = []
+    for fn in (launch, reference):
+        args = {
+            **inputs,
+            "k_cache": inputs["k_cache"].clone(),
+            "v_cache": inputs["v_cache"].clone(),
+        }
+        out = fn(**args)
+        results.append((out, args["k_cache"], args["v_cache"]))
+    return results[0], results[1]
+
+
 # ---------------------------------------------------------------- paged attention
 
 GARBAGE = (float("nan"), float("inf"), float("-inf"), 1e30)

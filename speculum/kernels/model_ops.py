@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from speculum.spec import paged as spec_paged
+
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
@@ -25,6 +27,8 @@ __all__ = [
     "rms_norm_reference",
     "rope",
     "rope_reference",
+    "rope_write_kv",
+    "rope_write_kv_reference",
     "silu_mul",
     "silu_mul_reference",
 ]
@@ -70,6 +74,24 @@ def rope_reference(
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+def rope_write_kv_reference(
+    q: Float[Tensor, "batch q head head_dim"],
+    k: Float[Tensor, "batch q kv_head head_dim"],
+    v: Float[Tensor, "batch q kv_head head_dim"],
+    positions: Int[Tensor, "batch q"],
+    inv_freq: Float[Tensor, " half"],
+    k_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    v_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    slots: Int[Tensor, "batch q"],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """An attention layer's rotary embedding and cache write: the rotated keys and the values
+    written into the caches at ``slots`` (in place: the pool is the owned resource), the
+    rotated queries returned."""
+    spec_paged.write_kv(k_cache, slots, rope_reference(k, positions, inv_freq))
+    spec_paged.write_kv(v_cache, slots, v)
+    return rope_reference(q, positions, inv_freq)
+
+
 def silu_mul_reference(
     gate: Float[Tensor, "*rows inter"], up: Float[Tensor, "*rows inter"]
 ) -> Float[Tensor, "*rows inter"]:
@@ -97,6 +119,24 @@ def rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     return rope_reference(x, positions, inv_freq).contiguous()
 
 
+@torch.library.custom_op("speculum::rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def rope_write_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    inv_freq: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+) -> Tensor:
+    """Rotary embedding of queries and keys with the K/V cache write fused (see
+    :func:`rope_write_kv_reference`): one launch on the GPU where there were four."""
+    return rope_write_kv_reference(
+        q, k, v, positions, inv_freq, k_cache, v_cache, slots
+    ).contiguous()
+
+
 @torch.library.custom_op("speculum::silu_mul", mutates_args=())
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` of equally shaped tensors (see :func:`silu_mul_reference`)."""
@@ -117,6 +157,11 @@ def _(x, residual, weight, eps):
 @rope.register_fake
 def _(x, positions, inv_freq):
     return x.new_empty(x.shape)
+
+
+@rope_write_kv.register_fake
+def _(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
+    return q.new_empty(q.shape)
 
 
 @silu_mul.register_fake

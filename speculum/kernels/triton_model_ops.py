@@ -35,6 +35,7 @@ __all__ = [
     "register",
     "rms_norm_triton",
     "rope_triton",
+    "rope_write_kv_triton",
     "silu_mul_triton",
 ]
 
@@ -127,6 +128,27 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
+def _cos_sin(pos_ptr, inv_ptr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """The rotary cosines and sines of one token's position, rounded to ``dtype`` as the
+    reference rounds them, as ``[1, HALF]`` rows."""
+    d = tl.arange(0, HALF)
+    angles = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + d).to(tl.float32)
+    return _round(tl.cos(angles), dtype)[None, :], _round(tl.sin(angles), dtype)[None, :]
+
+
+@triton.jit
+def _rotated(src, stride_d, mask, cos, sin, HALF: tl.constexpr, dtype: tl.constexpr):
+    """The two rotated halves of the heads at ``src`` (``[heads, HALF]`` pointers to their
+    first halves): ``x * cos + cat([-second, first]) * sin``, each product and the sum rounded
+    as torch's are."""
+    first = tl.load(src, mask=mask).to(tl.float32)
+    second = tl.load(src + HALF * stride_d, mask=mask).to(tl.float32)
+    out_first = _round(first * cos, dtype) + _round(-second * sin, dtype)
+    out_second = _round(second * cos, dtype) + _round(first * sin, dtype)
+    return out_first, out_second
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     pos_ptr,
@@ -148,22 +170,85 @@ def _rope_kernel(
     b = token // q_len
     t = token % q_len
     dtype = x_ptr.dtype.element_ty
-    d = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + b * pos_stride_b + t * pos_stride_q).to(tl.float32)
-    angles = pos * tl.load(inv_ptr + d).to(tl.float32)
-    cos = _round(tl.cos(angles), dtype)[None, :]
-    sin = _round(tl.sin(angles), dtype)[None, :]
+    d = tl.arange(0, HALF)[None, :]
+    cos, sin = _cos_sin(pos_ptr + b * pos_stride_b + t * pos_stride_q, inv_ptr, HALF, dtype)
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = h < heads
-    src = x_ptr + b * x_stride_b + t * x_stride_q + h * x_stride_h + d[None, :] * x_stride_d
-    first = tl.load(src, mask=mask).to(tl.float32)
-    second = tl.load(src + HALF * x_stride_d, mask=mask).to(tl.float32)
-    # x * cos + cat([-second, first]) * sin, each product and the sum rounded as torch's are.
-    out_first = _round(first * cos, dtype) + _round(-second * sin, dtype)
-    out_second = _round(second * cos, dtype) + _round(first * sin, dtype)
-    dst = out_ptr + (token * heads + h) * (2 * HALF) + d[None, :]
+    src = x_ptr + b * x_stride_b + t * x_stride_q + h * x_stride_h + d * x_stride_d
+    out_first, out_second = _rotated(src, x_stride_d, mask, cos, sin, HALF, dtype)
+    dst = out_ptr + (token * heads + h) * (2 * HALF) + d
     tl.store(dst, out_first.to(dtype), mask=mask)
     tl.store(dst + HALF, out_second.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    inv_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    out_ptr,
+    q_len,
+    q_heads,
+    kv_heads,
+    q_stride_b,
+    q_stride_q,
+    q_stride_h,
+    q_stride_d,
+    k_stride_b,
+    k_stride_q,
+    k_stride_h,
+    k_stride_d,
+    v_stride_b,
+    v_stride_q,
+    v_stride_h,
+    v_stride_d,
+    pos_stride_b,
+    pos_stride_q,
+    slot_stride_b,
+    slot_stride_q,
+    HALF: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+):
+    """One program per token: rotate its query heads into ``out`` and its key heads into the
+    key cache at the token's slot, and copy its value heads into the value cache there."""
+    token = tl.program_id(0).to(tl.int64)
+    b = token // q_len
+    t = token % q_len
+    dtype = q_ptr.dtype.element_ty
+    d = tl.arange(0, HALF)[None, :]
+    cos, sin = _cos_sin(pos_ptr + b * pos_stride_b + t * pos_stride_q, inv_ptr, HALF, dtype)
+
+    h = tl.arange(0, BLOCK_Q)[:, None]
+    mask = h < q_heads
+    src = q_ptr + b * q_stride_b + t * q_stride_q + h * q_stride_h + d * q_stride_d
+    out_first, out_second = _rotated(src, q_stride_d, mask, cos, sin, HALF, dtype)
+    dst = out_ptr + (token * q_heads + h) * (2 * HALF) + d
+    tl.store(dst, out_first.to(dtype), mask=mask)
+    tl.store(dst + HALF, out_second.to(dtype), mask=mask)
+
+    # The slot's row of each cache holds kv_heads x head_dim values.
+    slot = tl.load(slot_ptr + b * slot_stride_b + t * slot_stride_q).to(tl.int64)
+    h = tl.arange(0, BLOCK_KV)[:, None]
+    mask = h < kv_heads
+    row = slot * kv_heads * (2 * HALF) + h * (2 * HALF) + d
+    src = k_ptr + b * k_stride_b + t * k_stride_q + h * k_stride_h + d * k_stride_d
+    k_first, k_second = _rotated(src, k_stride_d, mask, cos, sin, HALF, k_ptr.dtype.element_ty)
+    # Rounded to the key's dtype (the reference's rotary output), then to the cache's.
+    cache_dtype = kc_ptr.dtype.element_ty
+    tl.store(kc_ptr + row, k_first.to(k_ptr.dtype.element_ty).to(cache_dtype), mask=mask)
+    tl.store(kc_ptr + row + HALF, k_second.to(k_ptr.dtype.element_ty).to(cache_dtype), mask=mask)
+    src = v_ptr + b * v_stride_b + t * v_stride_q + h * v_stride_h + d * v_stride_d
+    v_dtype = vc_ptr.dtype.element_ty
+    tl.store(vc_ptr + row, tl.load(src, mask=mask).to(v_dtype), mask=mask)
+    tl.store(
+        vc_ptr + row + HALF, tl.load(src + HALF * v_stride_d, mask=mask).to(v_dtype), mask=mask
+    )
 
 
 @triton.jit
@@ -304,6 +389,58 @@ def rope_triton(
     return out
 
 
+def rope_write_kv_triton(
+    q: Float[Tensor, "batch q head head_dim"],
+    k: Float[Tensor, "batch q kv_head head_dim"],
+    v: Float[Tensor, "batch q kv_head head_dim"],
+    positions: Int[Tensor, "batch q"],
+    inv_freq: Float[Tensor, " half"],
+    k_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    v_cache: Float[Tensor, "page page_size kv_head head_dim"],
+    slots: Int[Tensor, "batch q"],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Fused :func:`~speculum.kernels.model_ops.rope_write_kv`: one program per token, all of
+    its query, key and value heads (rotary twice and two K/V writes in one launch)."""
+    _check_floats(q=q, k=k, v=v, inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache)
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} is not a power of two")
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the K/V caches must be contiguous (a layer of a KV pool is)")
+    out = q.new_empty(q.shape)
+    if out.numel() == 0:
+        return out
+    block_q, block_kv = triton.next_power_of_2(heads), triton.next_power_of_2(kv_heads)
+    _rope_write_kv_kernel[(batch * q_len,)](
+        q,
+        k,
+        v,
+        positions,
+        inv_freq.contiguous(),
+        k_cache,
+        v_cache,
+        slots,
+        out,
+        q_len,
+        heads,
+        kv_heads,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *positions.stride(),
+        *slots.stride(),
+        HALF=head_dim // 2,
+        BLOCK_Q=block_q,
+        BLOCK_KV=block_kv,
+        num_warps=_row_warps(block_q * head_dim),
+        enable_fp_fusion=False,
+    )
+    return out
+
+
 def silu_mul_triton(
     gate: Float[Tensor, "*rows inter"], up: Float[Tensor, "*rows inter"]
 ) -> Float[Tensor, "*rows inter"]:
@@ -339,4 +476,5 @@ def register() -> None:
     model_ops.rms_norm.register_kernel("cuda")(rms_norm_triton)
     model_ops.add_rms_norm.register_kernel("cuda")(add_rms_norm_triton)
     model_ops.rope.register_kernel("cuda")(rope_triton)
+    model_ops.rope_write_kv.register_kernel("cuda")(rope_write_kv_triton)
     model_ops.silu_mul.register_kernel("cuda")(silu_mul_triton)

@@ -173,17 +173,44 @@ class Attention(nn.Module):
         self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
     ) -> Float[Tensor, "batch q head head_dim"]:
         """The rotated (and, for qk-norm kinds, normed) queries of ``x``."""
-        return self.rotate_queries(self.q_proj(x), batch, inv_freq)
+        return apply_rope(self._query_heads(self.q_proj(x)), batch.positions, inv_freq)
 
-    def rotate_queries(
-        self, projected: Float[Tensor, "batch q q_out"], batch: ForwardBatch, inv_freq: Tensor
-    ) -> Float[Tensor, "batch q head head_dim"]:
-        """Projected queries split into heads, normed (qk-norm kinds) and rotated."""
+    def keys_values(
+        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
+    ) -> tuple[
+        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
+    ]:
+        """The rotated keys and the values of ``x``."""
+        ks, vs = self._key_value_heads(self.k_proj(x), self.v_proj(x))
+        return apply_rope(ks, batch.positions, inv_freq), vs
+
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of ``x`` split into heads, q/k normed for qk-norm kinds,
+        not yet rotated: one matmul when the projections are fused."""
+        weights = fused_weights(self.qkv, self.q_proj)
+        if weights is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv_out = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *weights).split(
+                [self.num_heads * self.head_dim, kv_out, kv_out], -1
+            )
+        return (self._query_heads(q), *self._key_value_heads(k, v))
+
+    def _query_heads(self, projected: Tensor) -> Float[Tensor, "batch q head head_dim"]:
         b, q, _ = projected.shape
         qs = projected.view(b, q, self.num_heads, self.head_dim)
-        if self.qk_norm:
-            qs = self.q_norm(qs)
-        return apply_rope(qs, batch.positions, inv_freq)
+        return self.q_norm(qs) if self.qk_norm else qs
+
+    def _key_value_heads(
+        self, keys: Tensor, values: Tensor
+    ) -> tuple[
+        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
+    ]:
+        b, q, _ = keys.shape
+        ks = keys.view(b, q, self.num_kv_heads, self.head_dim)
+        vs = values.view(b, q, self.num_kv_heads, self.head_dim)
+        return (self.k_norm(ks) if self.qk_norm else ks), vs
 
     def attend(
         self, qs: Float[Tensor, "batch q head head_dim"], batch: ForwardBatch, pool: KVPool
@@ -202,43 +229,6 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.flatten(2))
 
-    def keys_values(
-        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
-    ) -> tuple[
-        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
-    ]:
-        """The rotated keys and the values of ``x``."""
-        return self.rotate_keys(self.k_proj(x), self.v_proj(x), batch, inv_freq)
-
-    def rotate_keys(
-        self,
-        keys: Float[Tensor, "batch q kv_out"],
-        values: Float[Tensor, "batch q kv_out"],
-        batch: ForwardBatch,
-        inv_freq: Tensor,
-    ) -> tuple[
-        Float[Tensor, "batch q kv_head head_dim"], Float[Tensor, "batch q kv_head head_dim"]
-    ]:
-        """Projected keys and values split into heads, the keys normed (qk-norm kinds) and
-        rotated."""
-        b, q, _ = keys.shape
-        ks = keys.view(b, q, self.num_kv_heads, self.head_dim)
-        vs = values.view(b, q, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            ks = self.k_norm(ks)
-        return apply_rope(ks, batch.positions, inv_freq), vs
-
-    def project(
-        self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Rotated queries, rotated keys and values of ``x``: one matmul when fused."""
-        weights = fused_weights(self.qkv, self.q_proj)
-        if weights is None:
-            return (self.queries(x, batch, inv_freq), *self.keys_values(x, batch, inv_freq))
-        kv_out = self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, *weights).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
-        return (self.rotate_queries(q, batch, inv_freq), *self.rotate_keys(k, v, batch, inv_freq))
-
     def forward(
         self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
     ) -> Float[Tensor, "batch q hidden"]:
@@ -247,11 +237,20 @@ class Attention(nn.Module):
         With ``pool=None`` (training) nothing is cached: the queries attend to each other's
         keys alone under ``batch.new_mask``, differentiably (:func:`dense_attention`).
         """
-        qs, ks, vs = self.project(x, batch, inv_freq)
+        qs, ks, vs = self.heads(x)
         if pool is None:
+            qs, ks = (apply_rope(t, batch.positions, inv_freq) for t in (qs, ks))
             return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
-        kernels.write_kv(pool.k[self.layer], batch.slots, ks)
-        kernels.write_kv(pool.v[self.layer], batch.slots, vs)
+        qs = kernels.model_ops.rope_write_kv(
+            qs,
+            ks,
+            vs,
+            batch.positions,
+            inv_freq.to(qs.device),
+            pool.k[self.layer],
+            pool.v[self.layer],
+            batch.slots,
+        )
         return self.attend(qs, batch, pool)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculum.kernels import model_ops
+from speculum.kernels import model_ops, write_kv
 from speculum.models.decoder import MLP, RMSNorm, apply_rope
 from speculum.runtime.default_model import TINY_CONFIG
 
@@ -174,6 +174,42 @@ def test_rope_kernel_matches_the_reference(batch, q, heads, head_dim, dtype, str
     assert_near(out, want, scale=float(x.abs().max()))
 
 
+@settings(max_examples=20)
+@given(*rope_shapes, st.integers(1, 3), dtypes, seeds)
+def test_fused_rope_and_kv_write_equal_the_separate_ops(
+    batch, q, heads, head_dim, kv_heads, dtype, seed
+):
+    """``rope_write_kv`` is rotary on queries and keys plus two ``write_kv`` calls, bit for
+    bit: what the decoder ran before the four were fused."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = kc.rope_write_kv_inputs(batch, q, heads, kv_heads, head_dim, dtype, gen=gen)
+
+    def separate(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
+        write_kv(k_cache, slots, apply_rope(k, positions, inv_freq))
+        write_kv(v_cache, slots, v)
+        return apply_rope(q, positions, inv_freq)
+
+    fused, want = kc.rope_write_kv_both(model_ops.rope_write_kv, separate, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(fused, want))
+
+
+@interpreted
+@settings(max_examples=30)
+@given(*rope_shapes, st.integers(1, 3), dtypes, seeds)
+def test_rope_write_kv_kernel_matches_the_reference(
+    batch, q, heads, head_dim, kv_heads, dtype, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = kc.rope_write_kv_inputs(batch, q, heads, kv_heads, head_dim, dtype, gen=gen)
+    (out, k_cache, v_cache), (want, want_k, want_v) = kc.rope_write_kv_both(
+        tk.rope_write_kv_triton, model_ops.rope_write_kv_reference, inputs
+    )
+    scale = float(inputs["q"].abs().max())
+    assert_near(out, want, scale=scale)
+    assert_near(k_cache, want_k, scale=scale)
+    assert torch.equal(v_cache, want_v)
+
+
 @interpreted
 @settings(max_examples=40)
 @given(leading, st.integers(1, 2100), dtypes, st.booleans(), seeds)
@@ -219,3 +255,5 @@ def test_ops_pass_torch_library_opcheck(dtype):
     q, positions = torch.randn(2, 3, 4, 8).to(dtype), torch.randint(0, 99, (2, 3))
     torch.library.opcheck(model_ops.rope, (q, positions, torch.rand(4)))
     torch.library.opcheck(model_ops.silu_mul, (x, residual))
+    inputs = kc.rope_write_kv_inputs(2, 3, 4, 2, 8, dtype)
+    torch.library.opcheck(model_ops.rope_write_kv, tuple(inputs.values()))

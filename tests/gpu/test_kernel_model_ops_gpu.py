@@ -134,6 +134,21 @@ def test_rope(batch, q, heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "q"), [(1, 1), (64, 1), (8, 16), (1, 512)])
+def test_rope_write_kv(batch, q, dtype):
+    torch.manual_seed(batch * q)
+    inputs = kc.rope_write_kv_inputs(batch, q, HEADS, KV_HEADS, HEAD_DIM, dtype, device="cuda")
+    inputs["inv_freq"] = llama31_inv_freq()
+    (out, k_cache, v_cache), (want, want_k, want_v) = kc.rope_write_kv_both(
+        model_ops.rope_write_kv, model_ops.rope_write_kv_reference, inputs
+    )
+    name = f"rope_write_kv batch={batch} q={q}"
+    check(name, "rope", dtype, out, want)
+    check(name + " keys", "rope", dtype, k_cache, want_k)
+    assert torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fused", [False, True])
 def test_silu_mul(rows, fused, dtype):
