@@ -1,8 +1,10 @@
-"""Triton twins of the ops ``speculum::filtered_probs`` and ``speculum::sample_from_probs``.
+"""Triton twins of the ops ``speculum::filtered_probs``, ``speculum::sample_from_probs`` and
+``speculum::counter_uniforms``.
 
-Both compute exactly the function of their ``speculum.spec.sampling`` reference, one program per
-row (``batch * prod(rows)`` rows), each looping over the vocabulary in ``BLOCK`` chunks; only the
-order of float sums differs. :func:`register` installs them as the ops' CUDA kernels.
+The filter and the draw compute exactly the function of their ``speculum.spec.sampling``
+reference, one program per row (``batch * prod(rows)`` rows), each looping over the vocabulary
+in ``BLOCK`` chunks; only the order of float sums differs. The uniforms are the reference's bits
+(integer hashing, exact), in one launch where the reference's int64 tensor ops make ~170. :func:`register` installs them as the ops' CUDA kernels.
 
 **filtered_probs without a sort.** Every filter keeps a prefix of the spec's rank order
 (descending scaled logit, then ascending index): top-k the first ``k``, top-p the ranks whose
@@ -43,7 +45,12 @@ from torch import Tensor
 
 import speculum.spec.sampling  # noqa: F401  (defines the ops this module registers kernels for)
 
-__all__ = ["filtered_probs_triton", "sample_from_probs_triton", "register"]
+__all__ = [
+    "counter_uniforms_triton",
+    "filtered_probs_triton",
+    "sample_from_probs_triton",
+    "register",
+]
 
 #: Vocabulary chunk each loop iteration of a row's program handles (tests pass tiny blocks so
 #: that small vocabularies cross several chunks). Measured on an H200 at vocabulary 128256:
@@ -432,7 +439,79 @@ def sample_from_probs_triton(
     return out
 
 
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    """``x * c mod 2**32`` in int64 without overflow (the reference's 16-bit split)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _rotl32(x, r: tl.constexpr):
+    return ((x << r) & 0xFFFFFFFF) | (x >> (32 - r))
+
+
+@triton.jit
+def _murmur_word(h, word):
+    """One 32-bit word of MurmurHash3_x86_32's body."""
+    k = _mul32(word, 0xCC9E2D51)
+    k = _rotl32(k, 15)
+    k = _mul32(k, 0x1B873593)
+    h = _rotl32(h ^ k, 13)
+    return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _uniforms_kernel(
+    seed_ptr, counter_ptr, out_ptr, rows, width, stream, BLOCK: tl.constexpr, BITS: tl.constexpr
+):
+    """Program ``(row, block)``: the uniforms of columns ``block * BLOCK ..`` of one
+    ``(batch, row)`` counter, hashed as ``speculum.spec.sampling.uniforms`` hashes them."""
+    row = tl.program_id(0).to(tl.int64)
+    column = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = column < width
+    seed = tl.load(seed_ptr + row // rows)
+    count = tl.load(counter_ptr + row)
+    h = tl.zeros([BLOCK], dtype=tl.int64)
+    h = _murmur_word(h, seed & 0xFFFFFFFF)
+    h = _murmur_word(h, (seed >> 32) & 0xFFFFFFFF)
+    h = _murmur_word(h, stream.to(tl.int64))
+    h = _murmur_word(h, count & 0xFFFFFFFF)
+    h = _murmur_word(h, (count >> 32) & 0xFFFFFFFF)
+    h = _murmur_word(h, column)
+    h = h ^ 24  # the length in bytes of six words
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    h = h ^ (h >> 16)
+    u = ((h >> (32 - BITS)).to(tl.float32) + 0.5) * (1.0 / (1 << BITS))
+    tl.store(out_ptr + row * width + column, u, mask=mask)
+
+
+def counter_uniforms_triton(
+    seed: Int[Tensor, " batch"], counter: Int[Tensor, "batch rows"], stream: int, width: int
+) -> Float[Tensor, "batch rows width"]:
+    """Fused ``speculum::counter_uniforms``: one launch, the reference's bits."""
+    batch, rows = counter.shape
+    out = torch.empty(batch, rows, width, dtype=torch.float32, device=counter.device)
+    if out.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(width))
+    _uniforms_kernel[(batch * rows, triton.cdiv(width, block))](
+        seed.contiguous(),
+        counter.contiguous(),
+        out,
+        rows,
+        width,
+        stream,
+        BLOCK=block,
+        BITS=speculum.spec.sampling._UNIFORM_BITS,
+    )
+    return out
+
+
 def register() -> None:
-    """Install the Triton kernels as the CUDA kernels of both ops (idempotent)."""
+    """Install the Triton kernels as the CUDA kernels of the sampling ops (idempotent)."""
+    torch.library.register_kernel("speculum::counter_uniforms", "cuda", counter_uniforms_triton)
     torch.library.register_kernel("speculum::filtered_probs", "cuda", filtered_probs_triton)
     torch.library.register_kernel("speculum::sample_from_probs", "cuda", sample_from_probs_triton)

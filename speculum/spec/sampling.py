@@ -24,7 +24,14 @@ from torch import Tensor
 from speculum.spec.checks import checking, raise_for_rows
 from speculum.state.sampling import SamplingParams
 
-__all__ = ["Stream", "uniforms", "filtered_probs", "sample", "sample_from_probs"]
+__all__ = [
+    "Stream",
+    "counter_uniforms",
+    "uniforms",
+    "filtered_probs",
+    "sample",
+    "sample_from_probs",
+]
 
 _MASK32 = 0xFFFFFFFF
 # Uniforms keep 23 hash bits so that (m + 0.5) / 2**23 is exact in float32: with 24 bits the
@@ -111,19 +118,38 @@ def uniforms(
         )
     if not 0 <= int(stream) <= _MASK32:
         raise ValueError(f"uniforms: stream must fit in 32 bits, got {stream}")
-    seed = seed.reshape(seed.shape + (1,) * counter.ndim)  # [batch, 1 (rows), 1 (width)]
+    rows = counter.reshape(counter.shape[0], -1)
+    return counter_uniforms(seed, rows, int(stream), width).view(*counter.shape, width)
+
+
+@torch.library.custom_op("speculum::counter_uniforms", mutates_args=())
+def counter_uniforms(seed: Tensor, counter: Tensor, stream: int, width: int) -> Tensor:
+    """The ``speculum::counter_uniforms`` op: :func:`uniforms` over int64 ``seed [batch]`` and
+    ``counter [batch, rows]``, unvalidated, as float32 ``[batch, rows, width]``.
+
+    This default kernel is the hash in int64 tensor ops (~170 elementwise ops: as many kernel
+    launches on a GPU); ``speculum.kernels.triton_sampling`` registers a one-launch CUDA twin
+    with the same bits.
+    """
+    seed = seed[:, None, None]  # [batch, 1 (rows), 1 (width)]
     count = counter[..., None]
     column = torch.arange(width, dtype=torch.int64, device=counter.device)
     words = [
         seed & _MASK32,
         (seed >> 32) & _MASK32,
-        int(stream),
+        stream,
         count & _MASK32,
         (count >> 32) & _MASK32,
         column,
     ]
     h = _murmur3_32(words)
-    return ((h >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS
+    out = ((h >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS
+    return out.expand(*counter.shape, width).contiguous()
+
+
+@counter_uniforms.register_fake
+def _(seed, counter, stream, width):
+    return counter.new_empty((*counter.shape, width), dtype=torch.float32)
 
 
 def _check_logits(logits: Float[Tensor, "batch *rows vocab"], params: SamplingParams) -> None:

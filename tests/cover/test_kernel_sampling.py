@@ -29,6 +29,7 @@ from speculum.kernels.triton_sampling import filtered_probs_triton, sample_from_
 from speculum.spec.sampling import (
     _filtered_probs_reference,
     _sample_from_probs_reference,
+    counter_uniforms,
     filtered_probs,
     sample_from_probs,
 )
@@ -256,3 +257,23 @@ def test_zero_rows_draw_token_zero_and_zeros_are_never_drawn():
     probs = torch.tensor([[[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], [[0.0, 0.0, 0.0], [0.0, 0.0, 2.0]]])
     u = torch.tensor([[0.9, 0.75], [0.5, 2**-24]])
     assert sample_from_probs_triton(probs, u, block=16).tolist() == [[1, 2], [0, 2]]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seeds=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=3),
+    rows=st.integers(1, 4),
+    width=st.integers(1, 70),
+    stream=st.sampled_from([0, 1, 2, 3, 2**32 - 1]),
+    data=st.data(),
+)
+def test_uniforms_kernel_has_the_reference_bits(seeds, rows, width, stream, data):
+    """The one-launch uniforms kernel hashes exactly as the reference: every bit equal, for
+    any seed, counter (positions up to 2**40), stream and width."""
+    seed = torch.tensor(seeds, dtype=torch.int64)
+    counters = data.draw(
+        st.lists(st.integers(0, 2**40), min_size=len(seeds) * rows, max_size=len(seeds) * rows)
+    )
+    counter = torch.tensor(counters, dtype=torch.int64).view(len(seeds), rows)
+    want = counter_uniforms(seed, counter, stream, width)
+    assert torch.equal(triton_sampling.counter_uniforms_triton(seed, counter, stream, width), want)
