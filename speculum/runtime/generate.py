@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 
+from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.runtime import scheduler
 from speculum.runtime.default_model import (
     DEFAULT_ALGORITHM,
@@ -58,6 +59,8 @@ def generate(
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
     chain_hidden: bool = True,
+    adaptive_steps: Sequence[int] = (),
+    adaptive_margin: float = 0.05,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -80,7 +83,10 @@ def generate(
     prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
     shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
-    chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
+    chains multi-layer EAGLE's MTP layers. ``adaptive_steps`` (e.g. ``(0, 1, 3, 5)``) replaces
+    ``num_steps`` with several chain depths, 0 meaning no speculation, and each round runs the
+    one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
+    best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False.
     """
@@ -99,6 +105,8 @@ def generate(
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
                 chain_hidden=chain_hidden,
+                adaptive_steps=tuple(adaptive_steps),
+                adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
             ),
             device=device,
             dtype=dtype,

@@ -6,7 +6,9 @@ untouched, and snapshots restore the measurements."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
+import re
 
 import attrs
 import pytest
@@ -20,12 +22,13 @@ from strategies import max_new_tokens, page_sizes, prefill_budgets, prompt_batch
 from test_eagle import TARGET, VOCAB, plain_greedy
 
 from speculum.models.draft import random_draft
-from speculum.models.loading import random_model
+from speculum.models.draft_loading import save_draft
+from speculum.models.loading import random_model, save_model
 from speculum.models.standalone import StandaloneHead
 from speculum.pipelines import adaptive
 from speculum.pipelines.adaptive import AdaptivePolicy, choose, observe, rates
 from speculum.pipelines.base import Resources
-from speculum.runtime import graphs, scheduler
+from speculum.runtime import cli, graphs, scheduler
 from speculum.runtime.engine import EngineConfig, SpecOptions, _graphed, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.state.record import snapshot
@@ -347,3 +350,41 @@ def test_an_adaptive_round_without_its_measurements_is_refused():
     with pytest.raises(ValueError, match="Resources.goodput"):
         engine.pipeline.decode(bare, state.batch)
     assert engine.resources.goodput.value is measured
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive-cli")
+    return {
+        "target": save_model(TARGET, root / "target"),
+        "eagle": save_draft(HEADS["eagle"], root / "eagle", "sglang-eagle"),
+    }
+
+
+def test_the_command_line_decodes_adaptively_with_plain_tokens(capsys, folders):
+    args = ["--model", str(folders["target"]), "--algorithm", "eagle", "--draft"]
+    args += [str(folders["eagle"]), "--adaptive-steps", "0,1,3", "--prompt-ids", "1,2,3"]
+    status = cli.main(["generate", *args, "--max-new-tokens", "24", "--json", "--compare-plain"])
+    payload = json.loads(capsys.readouterr().out)
+    assert status == 0 and payload["compare_plain"]["same_tokens"]
+    assert len(payload["token_ids"]) == 24 and payload["stats"]["accept_length_mean"] > 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--algorithm", "ngram", "--adaptive-steps", "0,2"], "not 'ngram'"),
+        (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "2,2"], "more than"),
+        (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "1,a"], "0,1,3,5"),
+    ],
+)
+def test_bad_adaptive_flags_exit_2_with_one_line(capsys, folders, flags, match):
+    args = [f.format(**{k: str(v) for k, v in folders.items()}) for f in flags]
+    try:
+        status = cli.main(
+            ["generate", "--model", str(folders["target"]), "--prompt-ids", "1"] + args
+        )
+    except SystemExit as exit:  # argparse refuses the flag itself
+        status = exit.code
+    err = capsys.readouterr().err
+    assert status == 2 and re.search(match, err), err
