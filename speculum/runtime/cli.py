@@ -138,6 +138,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="on CUDA, run decoding rounds eagerly instead of as captured CUDA graphs",
     )
+    gen.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap scheduling: prepare each step on the host while the device runs the "
+        "previous one (same tokens)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_target(commands)
     _add_train_draft(commands)
@@ -311,6 +317,7 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
+        overlap=args.overlap,
     )
     return result
 

@@ -33,13 +33,16 @@ __all__ = [
     "NgramOptions",
     "build_engine",
     "engine_from_model",
+    "reserved_lookahead",
 ]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
-    """Scheduler limits (KV pages, batch size, context length, prefill chunking) and, on CUDA,
-    whether decoding rounds run as CUDA graphs and for which batch-size buckets."""
+    """Scheduler limits (KV pages, batch size, context length, prefill chunking), on CUDA
+    whether decoding rounds run as CUDA graphs and for which batch-size buckets, and whether
+    the scheduler overlaps the host's work for the next step with the device's current one
+    (``overlap``, ``docs/overlap.md``)."""
 
     page_size: int = 16
     num_pages: int = 0
@@ -48,6 +51,7 @@ class EngineConfig:
     prefill_budget: int = 512
     cuda_graphs: bool = True
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    overlap: bool = False
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -68,6 +72,18 @@ class Engine:
     def device(self) -> torch.device:
         """The device the target model runs on."""
         return self.resources.target_pool.k.device
+
+    @property
+    def kv_lookahead(self) -> int:
+        """Cache slots reserved per request past its token budget (:func:`reserved_lookahead`)."""
+        return reserved_lookahead(self.pipeline, self.config.overlap)
+
+
+def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
+    """The pipeline's lookahead and, when overlapped, one round more: a request that has
+    finished runs one extra round, whose output is discarded, before its finish is known, and
+    that round may start up to ``max_tokens_per_step`` tokens past the request's budget."""
+    return pipeline.kv_lookahead + (pipeline.max_tokens_per_step if overlap else 0)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -254,6 +270,7 @@ def engine_from_model(
     ngram: NgramOptions | None = None,
     cuda_graphs: bool = True,
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    overlap: bool = False,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -262,7 +279,8 @@ def engine_from_model(
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
     exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
-    with ``spec.adaptive_steps``, each variant's rounds are captured separately.
+    with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
+    makes the scheduler prepare each step while the device runs the previous one.
     """
     spec = spec or SpecOptions()
     variants = _adaptive_variants(algorithm, draft, spec)
@@ -282,8 +300,9 @@ def engine_from_model(
         prefill_budget=prefill_budget,
         cuda_graphs=cuda_graphs,
         graph_buckets=tuple(graph_buckets),
+        overlap=overlap,
     )
-    per_request = config.max_pages_per_request(pipeline.kv_lookahead)
+    per_request = config.max_pages_per_request(reserved_lookahead(pipeline, overlap))
     config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
     fix = "lower max_batch, max_context or num_pages"
     resources = Resources(

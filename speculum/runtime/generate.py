@@ -27,7 +27,9 @@ class Generation:
     ``stats`` holds ``num_forward_steps`` (target forwards that involved the request: prefill
     chunks plus decoding rounds), ``num_rounds`` (decoding rounds), ``accept_length_mean``
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
-    ``tokens_per_second`` and ``finish_reason``.
+    ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
+    and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
+    ``finish_reason``.
     """
 
     token_ids: tuple[int, ...]
@@ -74,6 +76,7 @@ def generate(
     device: str = "cpu",
     dtype: str | None = None,
     cuda_graphs: bool = True,
+    overlap: bool = False,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
@@ -88,7 +91,8 @@ def generate(
     one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
     best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
-    unless ``cuda_graphs`` is False.
+    unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
+    the device runs the previous one (same tokens; see ``docs/overlap.md``).
     """
     if engine is None:
         if model is None:
@@ -112,6 +116,7 @@ def generate(
             dtype=dtype,
             ngram=ngram,
             cuda_graphs=cuda_graphs,
+            overlap=overlap,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_prompt_ids(engine, p) for p in batch]
@@ -132,10 +137,11 @@ def generate(
         )
         rids.append(rid)
     start = time.perf_counter()
-    _, finished = run_to_completion(engine, state)
+    final, finished = run_to_completion(engine, state)
     elapsed = time.perf_counter() - start
     total = sum(len(r.output) for r in finished.values())
-    return [_result(engine, finished[rid], total / max(elapsed, 1e-9)) for rid in rids]
+    shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
+    return [_result(engine, finished[rid], shared) for rid in rids]
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
@@ -146,7 +152,7 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float) -> Generation:
+def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
     text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
     return Generation(
         token_ids=request.output,
@@ -154,7 +160,7 @@ def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float
         finish_reason=request.finish_reason or "length",
         stats={
             "num_forward_steps": request.num_forwards,
-            "tokens_per_second": tokens_per_second,
+            **shared,
             "finish_reason": request.finish_reason or "length",
             **acceptance_stats(request.round_lengths),
         },
