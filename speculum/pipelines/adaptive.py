@@ -73,6 +73,7 @@ __all__ = [
     "decode",
     "eagle_variants",
     "pipeline",
+    "variants_of",
 ]
 
 #: Upper bounds of the batch-size ranges measured apart: the CUDA-graph buckets, since a batch
@@ -376,3 +377,8 @@ def pipeline(variants: Sequence[Pipeline], *, policy: AdaptivePolicy | None = No
         kv_lookahead=max(v.kv_lookahead for v in variants),
         host_work=True,
     )
+
+
+def variants_of(pipeline: Pipeline) -> tuple[Pipeline, ...]:
+    """The variants an adaptive pipeline value (:func:`pipeline`) chooses among, in order."""
+    return pipeline.decode.keywords["variants"]

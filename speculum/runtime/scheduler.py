@@ -371,7 +371,9 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
     return chunk, sizes
 
 
-def _launched(state: SchedulerState, rids: tuple[int, ...], output: StepOutput, decode: bool):
+def _launched(
+    state: SchedulerState, rids: tuple[int, ...], output: StepOutput, decode: bool
+) -> Launched:
     """A launch's record: its rows' emitted tokens queued to the host in one packed copy."""
     packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1)
     return Launched(
