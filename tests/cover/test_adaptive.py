@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import attrs
 import pytest
@@ -388,3 +389,11 @@ def test_bad_adaptive_flags_exit_2_with_one_line(capsys, folders, flags, match):
         status = exit.code
     err = capsys.readouterr().err
     assert status == 2 and re.search(match, err), err
+
+
+def test_the_adaptive_page_example_runs(capsys):
+    """docs/adaptive.md's Python example runs as written (its greedy-equality assert included)."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "adaptive.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    exec(compile(block, str(page), "exec"), {"__name__": "__example__"})
+    assert capsys.readouterr().out.count("\n") == 1
