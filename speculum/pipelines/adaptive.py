@@ -212,7 +212,7 @@ def observe(
     policy: AdaptivePolicy,
     range_index: int,
     variant: int,
-    tokens: int,
+    tokens: float,
     seconds: float,
 ) -> Goodput:
     """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: it emitted
