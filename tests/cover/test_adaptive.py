@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import tiny_config
+from graph_checks import changed, graph_buffers
 from heads import agreeing_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -260,24 +261,6 @@ def fake_capture(fn, args, *, pool=None, warmup=2):
     outputs = snapshot(fn(*pytree.tree_unflatten(list(inputs), spec)))
     graph = FakeGraph(fn, inputs, spec, outputs)
     return graphs.Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
-
-
-def graph_buffers(decode):
-    """Every captured graph of a graphed variant with clones of its static buffers."""
-    return [
-        (captured, [x.clone() for x in (*captured.inputs, *pytree.tree_leaves(captured.outputs))])
-        for _, _, captured in decode.graphs
-    ]
-
-
-def changed(decode, before) -> bool:
-    """Whether a variant captured a graph or wrote a static buffer since ``before``."""
-    now = graph_buffers(decode)
-    if [c for c, _ in now] != [c for c, _ in before]:
-        return True
-    return any(
-        not torch.equal(a, b) for (_, new), (_, old) in zip(now, before) for a, b in zip(new, old)
-    )
 
 
 def test_switching_leaves_every_other_variants_graphs_and_buffers_untouched(monkeypatch):

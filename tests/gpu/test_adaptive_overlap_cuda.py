@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from conftest import tiny_config
+from graph_checks import changed, graph_buffers
 from test_graphs_cuda import LABELS, PROMPTS, _drafts, _target, _tokens
 
 from speculum.models.loading import random_model
@@ -26,20 +26,6 @@ pytestmark = pytest.mark.gpu
 
 #: Each round runs the variant idle longest: every variant runs, switching every round.
 ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0)
-
-
-def _buffers(decode: GraphedDecode):
-    return [
-        (c, [x.clone() for x in (*c.inputs, *pytree.tree_leaves(c.outputs))])
-        for _, _, c in decode.graphs
-    ]
-
-
-def _changed(decode: GraphedDecode, before) -> bool:
-    now = _buffers(decode)
-    if [c for c, _ in now] != [c for c, _ in before]:
-        return True
-    return any(not torch.equal(a, b) for (_, n), (_, o) in zip(now, before) for a, b in zip(n, o))
 
 
 def test_adaptive_variants_keep_their_own_graphs_untouched_by_switching():
@@ -56,12 +42,12 @@ def test_adaptive_variants_keep_their_own_graphs_untouched_by_switching():
         state, _ = scheduler.add_request(engine, state, prompt, max_new_tokens=24)
     tokens: dict[int, list[int]] = {}
     while not scheduler.is_idle(state):
-        before = [_buffers(d) for d in decodes]
+        before = [graph_buffers(d) for d in decodes]
         state, outputs = scheduler.step(engine, state)
         torch.cuda.synchronize()
         for out in outputs:
             tokens.setdefault(out.rid, []).extend(out.new_token_ids)
-        touched = [v for v, (d, old) in enumerate(zip(decodes, before)) if _changed(d, old)]
+        touched = [v for v, (d, old) in enumerate(zip(decodes, before)) if changed(d, old)]
         assert len(touched) <= 1, f"one step changed the graphs of variants {touched}"
     assert all(d.graphs for d in decodes)
     assert len({id(d.pool) for d in decodes}) == 3
