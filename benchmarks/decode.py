@@ -21,6 +21,21 @@ its acceptance length in tokens where plain decoding emits one).
 - profile (``--profile``): the device kernels of one eager plain step and one eager chain-3 round
   at batch 1, by total time, to show what the time over the floor is spent on.
 
+- adaptive (``--adaptive``): decode tokens/s of the scheduler's loop for plain decoding, fixed
+  chains of 1, 3 and 5 draft tokens and adaptive speculation over depths 0, 1, 3, 5, at batch
+  sizes 1, 4, 16, 32, 64 (``--adaptive-batches``), with two drafts: the random EAGLE-3 head
+  (greedy; it accepts nothing) and a draft of controlled acceptance (``markov_models``: a
+  target whose next token follows a fixed permutation of the last one with probability about
+  ``--acceptance`` at temperature 1, and an EAGLE-1 head that drafts that permutation;
+  sampled at temperature 1). Each configuration runs its workload twice on one engine, the
+  first pass as warm-up (graph capture, and adaptive's measurements), and reports the second.
+- overlap (``--overlap``): the same loop, synchronous against overlapped
+  (``EngineConfig.overlap``), for plain decoding and a chain-3 round of the controlled draft
+  at batch 1 and 32 (``--overlap-batches``), with the scheduler's host time per step and the
+  part of it the overlapped loop hides.
+
+``--adaptive`` and ``--overlap`` run only their own tables.
+
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
 a CPU smoke run of the script itself, whose numbers mean nothing).
 """
@@ -30,6 +45,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -48,10 +65,12 @@ from speculum.models.config import DecoderConfig  # noqa: E402
 from speculum.models.decoder import DecoderModel  # noqa: E402
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
 from speculum.models.loading import randomize_  # noqa: E402
-from speculum.pipelines import eagle  # noqa: E402
+from speculum.pipelines import adaptive, eagle  # noqa: E402
+from speculum.pipelines.adaptive import AdaptivePolicy  # noqa: E402
 from speculum.runtime import scheduler  # noqa: E402
 from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
+from speculum.runtime.generate import acceptance_stats, run_to_completion  # noqa: E402
 from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
@@ -449,10 +468,20 @@ def main() -> None:
         action="store_true",
         help="first a plain row with separate q/k/v and gate/up projections, at the first batch",
     )
+    parser.add_argument("--adaptive", action="store_true", help="adaptive vs fixed steps only")
+    parser.add_argument("--overlap", action="store_true", help="sync vs overlap only")
+    parser.add_argument("--adaptive-batches", default="1,4,16,32,64")
+    parser.add_argument("--overlap-batches", default="1,32")
+    parser.add_argument(
+        "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     config = TINY if args.tiny else LLAMA_8B
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.adaptive or args.overlap:
+        scheduling_tables(config, device, dtype, args)
+        return
     target, head = build_models(config, device, dtype)
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -489,6 +518,223 @@ def main() -> None:
         )
     if args.profile:
         print("\n## profile, batch 1\n\n" + profile(target, head, args, device))
+
+
+#: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught
+#: up); the fixed chains it is compared with are the others.
+ADAPTIVE_STEPS = (0, 1, 3, 5)
+
+
+def markov_models(
+    config: DecoderConfig, device: str, dtype: torch.dtype, acceptance: float
+) -> tuple[Any, Any]:
+    """A target and an EAGLE-1 head whose drafts are accepted with probability ``acceptance``
+    per token at temperature 1 (shapes, hence costs, as :func:`build_models`' pair).
+
+    The target's ``lm_head`` reads its unit-variance embedding back through a permutation,
+    scaled by ``s``, and its layers' output projections are damped, so its next token is
+    ``perm^-1(last)`` with probability about ``sigmoid(s w - ln V - s^2 w / 2)`` (``w`` the
+    width, ``V`` the vocabulary: the vote's logit is ``s |e|^2``, the others' are normal with
+    variance ``s^2 w``); ``s`` solves that for ``acceptance``. The head passes the token's
+    embedding through and reads the same ``lm_head``, so its argmax drafts are that vote and
+    each is accepted with the vote's probability.
+    """
+    with building_on(device, dtype):
+        target = DecoderModel(config)
+        head = build_draft(draft_config(config, "eagle"), target)
+    randomize_(target, seed=0, std=0.02)
+    randomize_(head, seed=1, std=0.02)
+    target.reset_rope()
+    head.reset_buffers()
+    w, vocab = config.hidden_size, config.vocab_size
+    logit = math.log(vocab) + math.log(acceptance / (1 - acceptance))
+    scale = (
+        w - math.sqrt(w * w - 2 * w * logit)
+    ) / w  # the smaller root of w s^2 / 2 - w s + logit
+    generator = torch.Generator(device).manual_seed(2)
+    with torch.no_grad():
+        embed = target.model.embed_tokens.weight
+        embed.normal_(0.0, 1.0, generator=generator)
+        perm = torch.randperm(vocab, device=device, generator=generator)
+        target.lm_head.weight.copy_(scale * embed[perm])
+        for name, param in target.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(0.02)
+        head.fc.weight[:, :w] = torch.eye(w, dtype=dtype, device=device)
+        head.fc.weight[:, w:] *= 0.1
+        for name, param in head.named_parameters():
+            if name.endswith("o_proj.weight"):
+                param.mul_(0.1)
+            elif name.endswith("down_proj.weight"):
+                param.zero_()
+    return target.eval().requires_grad_(False), head.eval().requires_grad_(False)
+
+
+def scheduled_engine(
+    target, head, algorithm: str, spec: SpecOptions | None, batch: int, args, overlap: bool
+) -> Engine:
+    """An engine for the scheduler's loop at ``batch`` (one CUDA-graph bucket)."""
+    return engine_from_model(
+        target,
+        algorithm=algorithm,
+        draft=head if algorithm != "plain" else None,
+        spec=spec,
+        max_batch=batch,
+        max_context=args.prompt + args.new_tokens + 64,
+        prefill_budget=2048,
+        graph_buckets=(batch,),
+        overlap=overlap,
+    )
+
+
+def decode_pass(engine: Engine, batch: int, args, temperature: float, device: str):
+    """One pass of the workload: ``batch`` random prompts prefilled, then the scheduler's loop
+    until each has ``args.new_tokens`` tokens. Returns the seconds of the loop, the tokens
+    emitted during it (the device state at its start counts what came before, whether or not
+    the host has collected it yet), and the states at its start and end."""
+    generator = torch.Generator().manual_seed(batch)
+    vocab = engine.resources.target.config.vocab_size
+    sampling = scheduler.Sampling(temperature=temperature, seed=batch)
+    state = scheduler.new_state(engine)
+    for _ in range(batch):
+        ids = torch.randint(0, vocab, (args.prompt,), generator=generator).tolist()
+        state, _ = scheduler.add_request(
+            engine, state, ids, sampling=sampling, max_new_tokens=args.new_tokens, ignore_eos=True
+        )
+    while state.waiting or state.prefilling:
+        state, _ = scheduler.step(engine, state)
+    sync(device)
+    # Every row's root (or next token) is emitted and not yet in the cache.
+    emitted = int((state.batch.kv.seq_lens + 1).sum()) - batch * args.prompt
+    begin = time.perf_counter()
+    final, finished = run_to_completion(engine, state)
+    sync(device)
+    seconds = time.perf_counter() - begin
+    return seconds, sum(len(r.output) for r in finished.values()) - emitted, state, final, finished
+
+
+def round_counts(engine: Engine, batch: int) -> list[int] | None:
+    """Rounds adaptive speculation has run per depth at ``batch`` (None: not adaptive)."""
+    if engine.resources.goodput is None:
+        return None
+    goodput = engine.resources.goodput.value.goodput
+    return [m.rounds for m in goodput.table[adaptive.range_of(AdaptivePolicy(), batch)]]
+
+
+def loop_row(engine: Engine, batch: int, args, temperature: float, device: str) -> dict[str, Any]:
+    """Tokens/s, acceptance length and host time per step of the second of two passes (the
+    first warms up: graph capture, and adaptive speculation's first measurements), and for
+    adaptive speculation the share of its rounds that ran each depth."""
+    decode_pass(engine, batch, args, temperature, device)
+    counts = round_counts(engine, batch)
+    seconds, tokens, start, final, finished = decode_pass(engine, batch, args, temperature, device)
+    histogram: list[int] = []
+    for request in finished.values():
+        lengths = request.round_lengths
+        histogram = [a + b for a, b in itertools.zip_longest(histogram, lengths, fillvalue=0)]
+    steps = final.num_steps - start.num_steps
+    row = {
+        "tok/s": tokens / seconds,
+        "AL": acceptance_stats(histogram)["accept_length_mean"],
+        "ms/step": seconds / steps * 1e3,
+        "host ms/step": (final.host_seconds - start.host_seconds) / steps * 1e3,
+        "hidden ms/step": (final.hidden_seconds - start.hidden_seconds) / steps * 1e3,
+    }
+    if counts is not None:
+        ran = [b - a for a, b in zip(counts, round_counts(engine, batch))]
+        row["depths run"] = " ".join(
+            f"{s}:{n / max(sum(ran), 1):.2f}" for s, n in zip(ADAPTIVE_STEPS, ran) if n
+        )
+    return row
+
+
+def adaptive_row(target, head, algorithm, label, batch, args, temperature, device):
+    """Plain, each fixed chain and adaptive speculation at ``batch``: tokens/s and acceptance."""
+    row: dict[str, Any] = {"draft": label, "batch": batch}
+    plain = loop_row(
+        scheduled_engine(target, head, "plain", None, batch, args, False),
+        batch,
+        args,
+        temperature,
+        device,
+    )
+    row["plain tok/s"] = plain["tok/s"]
+    fixed = {"plain": plain["tok/s"]}
+    for steps in ADAPTIVE_STEPS[1:]:
+        spec = SpecOptions(num_steps=steps)
+        engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
+        result = loop_row(engine, batch, args, temperature, device)
+        row[f"chain {steps} tok/s"] = result["tok/s"]
+        row[f"chain {steps} AL"] = result["AL"]
+        fixed[f"chain {steps}"] = result["tok/s"]
+    spec = SpecOptions(adaptive_steps=ADAPTIVE_STEPS)
+    engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
+    result = loop_row(engine, batch, args, temperature, device)
+    best = max(fixed, key=fixed.__getitem__)
+    row.update(
+        {
+            "adaptive tok/s": result["tok/s"],
+            "adaptive AL": result["AL"],
+            "/plain": result["tok/s"] / plain["tok/s"],
+            "best fixed": best,
+            "/best fixed": result["tok/s"] / fixed[best],
+            "depths run": result["depths run"],
+        }
+    )
+    return row
+
+
+def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any]:
+    """The same workload scheduled synchronously and overlapped."""
+    algorithm = "plain" if spec is None else "eagle"
+    runs = {}
+    for overlap in (False, True):
+        engine = scheduled_engine(target, head, algorithm, spec, batch, args, overlap)
+        runs[overlap] = loop_row(engine, batch, args, 1.0, device)
+    sync_run, overlapped = runs[False], runs[True]
+    return {
+        "round": label,
+        "batch": batch,
+        "sync tok/s": sync_run["tok/s"],
+        "overlap tok/s": overlapped["tok/s"],
+        "speedup": overlapped["tok/s"] / sync_run["tok/s"],
+        "AL": overlapped["AL"],
+        "sync host ms/step": sync_run["host ms/step"],
+        "overlap host ms/step": overlapped["host ms/step"],
+        "hidden ms/step": overlapped["hidden ms/step"],
+        "hidden share": overlapped["hidden ms/step"] / max(overlapped["host ms/step"], 1e-9),
+        # The same from wall times: what overlapping took off a step, over the host's share.
+        "hidden share (times)": (sync_run["ms/step"] - overlapped["ms/step"])
+        / max(sync_run["host ms/step"], 1e-9),
+    }
+
+
+def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, args) -> None:
+    """The ``--adaptive`` and ``--overlap`` tables."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; acceptance {args.acceptance}", flush=True)
+    begin, rows, overlaps = time.perf_counter(), [], []
+    markov = markov_models(config, device, dtype, args.acceptance)
+    if args.adaptive:
+        batches = [int(b) for b in args.adaptive_batches.split(",")]
+        for batch in batches:
+            rows.append(adaptive_row(*markov, "eagle", "markov", batch, args, 1.0, device))
+            print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    if args.overlap:
+        for batch in [int(b) for b in args.overlap_batches.split(",")]:
+            for label, spec in (("plain", None), ("chain 3", SpecOptions(num_steps=3))):
+                overlaps.append(overlap_row(*markov, label, spec, batch, args, device))
+                print(table(overlaps[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    del markov
+    if args.adaptive:
+        random_pair = build_models(config, device, dtype)
+        for batch in batches:
+            rows.append(adaptive_row(*random_pair, "eagle3", "random", batch, args, 0.0, device))
+            print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+        print("\n## adaptive speculation vs plain and fixed chains, decode tokens/s\n")
+        print(table(rows))
+    if overlaps:
+        print("\n## synchronous vs overlapped scheduling, decode tokens/s\n\n" + table(overlaps))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 The filter and the draw compute exactly the function of their ``speculum.spec.sampling``
 reference, one program per row (``batch * prod(rows)`` rows), each looping over the vocabulary
 in ``BLOCK`` chunks; only the order of float sums differs. The uniforms are the reference's bits
-(integer hashing, exact), in one launch where the reference's int64 tensor ops make ~170. :func:`register` installs them as the ops' CUDA kernels.
+(integer hashing, exact), in one launch where the reference's int64 tensor ops make ~170.
+:func:`register` installs them as the ops' CUDA kernels.
 
 **filtered_probs without a sort.** Every filter keeps a prefix of the spec's rank order
 (descending scaled logit, then ascending index): top-k the first ``k``, top-p the ranks whose

@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, frozen_kv_mtp, multi_layer_eagle, ngram, plain, standalone
+from speculum.pipelines import (
+    adaptive,
+    eagle,
+    frozen_kv_mtp,
+    multi_layer_eagle,
+    ngram,
+    plain,
+    standalone,
+)
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
 __all__ = [
     "ALGORITHMS",
+    "ADAPTIVE",
     "SPECULATIVE",
     "Pipeline",
     "PrefillChunk",
     "Resources",
     "StepOutput",
+    "adaptive",
     "get_pipeline",
     "prefill",
     "step",
@@ -24,6 +34,8 @@ __all__ = [
 #: composition; the draft head (EAGLE-1, EAGLE-3 or MTP layers, or a whole small LM) is what
 #: differs, and the engine loads it by this name. FROZEN_KV_MTP runs EAGLE's drafting stages
 #: with a head that reads the target's cache and records only a seed between rounds.
+#: ``adaptive`` is not an algorithm of its own: it composes pipeline values of one algorithm
+#: (``adaptive.pipeline``, ``adaptive.eagle_variants``), so it has no entry here.
 ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "plain": plain.pipeline,
     "eagle": eagle.pipeline,
@@ -37,6 +49,9 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
 }
 #: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}
+#: Algorithms whose draft depths adaptive speculation switches between: the EAGLE family and
+#: STANDALONE share one batch state at every depth (``adaptive.eagle_variants``).
+ADAPTIVE = frozenset({"eagle", "eagle3", "mtp", "nextn", "standalone"})
 
 
 def get_pipeline(algorithm: str, **options: object) -> Pipeline:

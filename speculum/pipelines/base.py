@@ -47,7 +47,8 @@ class Resources:
     """The owned, in-place-written things a pipeline runs on: models and their KV pools.
 
     Weights never change during decoding; pools are written at the slots the records name.
-    ``ngram_store`` is the n-gram store shared by all requests (``pipelines.ngram``), in a
+    ``ngram_store`` is the n-gram store shared by all requests (``pipelines.ngram``) and
+    ``goodput`` the adaptive pipeline's measurements (``pipelines.adaptive``), each in a
     :class:`Cell` whose value each round replaces.
     """
 
@@ -56,11 +57,12 @@ class Resources:
     draft: Any = None
     draft_pool: KVPool | None = None
     ngram_store: Cell | None = None
+    goodput: Cell | None = None
 
     @property
     def cells(self) -> tuple[Cell, ...]:
         """Every shared cell, in a fixed order (snapshots keep their values)."""
-        return () if self.ngram_store is None else (self.ngram_store,)
+        return tuple(c for c in (self.ngram_store, self.goodput) if c is not None)
 
     @property
     def pools(self) -> tuple[KVPool, ...]:

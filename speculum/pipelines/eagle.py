@@ -16,6 +16,10 @@ One round, SGLang's sequence as pure stages over records:
 7. ``draft_extend``: the draft runs over the accepted tokens, paired with the target's hidden
    states, so its cache and its next prediction are ready for the next round.
 
+``plain_round`` is the family's round without draft tokens (``num_steps = 0``): the target
+decodes the root alone, then draft-extend runs as in step 7. Adaptive speculation
+(``pipelines.adaptive``) switches between it and chains of several depths on one state.
+
 The draft heads differ only in how they turn target features into their input hidden state and
 how they embed and predict (``speculum.models.draft``, ``speculum.models.standalone``). The
 stages are shared: the draft stages live in ``speculum.spec.draft``; tree building, acceptance,
@@ -25,6 +29,7 @@ verify and commit in ``speculum.spec``; this module composes them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +45,9 @@ from speculum.pipelines.base import (
     first_token_output,
 )
 from speculum.spec.draft import draft_extend, extend_draft, propose
+from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
+from speculum.spec.sampling import sample
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -56,8 +63,11 @@ __all__ = [
     "verify",
     "commit",
     "decode",
+    "finish_round",
+    "plain_round",
     "round_config",
     "pipeline",
+    "plain_pipeline",
 ]
 
 
@@ -137,12 +147,43 @@ def decode(
     candidates, draft_probs = propose(resources, state, config)
     tree = build_tree(candidates, state.root_tokens, config.num_draft_tokens)
     verified = verify(resources, state, tree, config, draft_probs)
+    return finish_round(resources, state, verified, config)
+
+
+def finish_round(
+    resources: Resources, state: EagleState, verified: Verified, config: EagleConfig
+) -> tuple[EagleState, StepOutput]:
+    """The end of every round: draft-extend over the accepted tokens, commit them, and emit
+    them with the bonus token, which becomes the next root."""
     acc = verified.accepted
     prediction = draft_extend(resources, state, verified, config)
     kv = commit(resources, state, acc)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     new_state = replace(state, kv=kv, root_tokens=bonus, prediction=prediction)
     return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+
+
+def plain_round(
+    resources: Resources, state: EagleState, *, config: EagleConfig
+) -> tuple[EagleState, StepOutput]:
+    """A round with no draft tokens (``num_steps = 0``) over an EAGLE state.
+
+    The target decodes the root alone and samples the token after it exactly as plain
+    decoding does (same stream, same counter, so the same token); the root is the whole
+    accepted path and that token its bonus. Draft-extend still runs over the emitted token,
+    so the draft's cache and carried prediction stay caught up and a later round may draft
+    again: adaptive speculation switches between this round and speculative ones on one
+    state.
+    """
+    ones = torch.ones_like(state.kv.seq_lens)
+    batch = extend_batch(state.kv, state.root_tokens[:, None], ones)
+    capture = resources.draft.capture_layers
+    hidden, captured = resources.target(batch, resources.target_pool, capture)
+    token = sample(resources.target.logits(hidden[:, 0]), state.sampling, state.kv.seq_lens + 1)
+    root = torch.zeros_like(ones)
+    accepted = make(AcceptResult, path=root[:, None], emitted=token[:, None], num_accepted=root)
+    verified = make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
+    return finish_round(resources, state, verified, config)
 
 
 def round_config(
@@ -182,7 +223,20 @@ def round_config(
 def pipeline(**options: Any) -> Pipeline:
     """The pipeline value for a draft head of any kind (EAGLE, EAGLE-3, MTP, STANDALONE);
     ``options`` are :func:`round_config`'s."""
-    config = round_config(**options)
+    return _pipeline(round_config(**options), decode)
+
+
+def plain_pipeline(*, topk: int = 1) -> Pipeline:
+    """The ``num_steps = 0`` member of the family: :func:`plain_round` over an EAGLE state
+    whose carried prediction keeps ``topk`` candidates (adaptive speculation's variant
+    without speculation)."""
+    return _pipeline(EagleConfig(num_steps=0, topk=topk, num_draft_tokens=1), plain_round)
+
+
+def _pipeline(
+    config: EagleConfig,
+    decode_round: Callable[..., tuple[EagleState, StepOutput]],
+) -> Pipeline:
     num_steps, topk = config.num_steps, config.topk
     # Verify writes the tree after the committed tokens; drafting writes its tail there, one
     # entry further for heads that run ahead; draft-extend writes the accepted tokens.
@@ -190,7 +244,7 @@ def pipeline(**options: Any) -> Pipeline:
     return Pipeline(
         name="eagle",
         prefill=functools.partial(prefill, config=config),
-        decode=functools.partial(decode, config=config),
+        decode=functools.partial(decode_round, config=config),
         max_tokens_per_step=num_steps + 1,
         kv_lookahead=lookahead,
     )

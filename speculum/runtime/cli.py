@@ -18,13 +18,18 @@ from speculum.runtime.generate import generate
 __all__ = ["main", "parser"]
 
 
-def _prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"--prompt-ids takes comma-separated integers, e.g. 1,2,3 ({err})"
-        ) from err
+def _int_list(flag: str, example: str):
+    """An argparse type: comma-separated integers, named ``flag`` in its error."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split(",") if t.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated integers, e.g. {example} ({err})"
+            ) from err
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +44,9 @@ def parser() -> argparse.ArgumentParser:
     )
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
-    prompt.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument(
+        "--prompt-ids", type=_int_list("--prompt-ids", "1,2,3"), help="prompt token ids, e.g. 1,2,3"
+    )
     gen.add_argument(
         "--algorithm",
         help=f"one of {', '.join(sorted(ALGORITHMS))} (default: eagle3 on the bundled model, "
@@ -65,6 +72,22 @@ def parser() -> argparse.ArgumentParser:
         "--sample-drafts",
         action="store_true",
         help="draw draft tokens from the draft's distribution (topk independent chains)",
+    )
+    gen.add_argument(
+        "--adaptive-steps",
+        type=_int_list("--adaptive-steps", "0,1,3,5"),
+        default=(),
+        metavar="N,N,...",
+        help="adaptive speculation (EAGLE family and standalone, chains): draft depths to "
+        "choose from each round by measured goodput at the batch's size, 0 = no speculation; "
+        "replaces --num-steps",
+    )
+    gen.add_argument(
+        "--adaptive-margin",
+        type=float,
+        default=0.05,
+        help="exploration margin of --adaptive-steps: depths within this fraction of the best "
+        "goodput keep being sampled (%(default)s)",
     )
     gen.add_argument(
         "--no-chain-hidden",
@@ -114,6 +137,12 @@ def parser() -> argparse.ArgumentParser:
         dest="cuda_graphs",
         action="store_false",
         help="on CUDA, run decoding rounds eagerly instead of as captured CUDA graphs",
+    )
+    gen.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap scheduling: prepare each step on the host while the device runs the "
+        "previous one (same tokens)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_train_target(commands)
@@ -276,6 +305,8 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         num_draft_tokens=args.num_draft_tokens,
         sample_drafts=args.sample_drafts,
         chain_hidden=args.chain_hidden,
+        adaptive_steps=() if algorithm == "plain" else args.adaptive_steps,
+        adaptive_margin=args.adaptive_margin,
         ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -286,6 +317,7 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
+        overlap=args.overlap,
     )
     return result
 

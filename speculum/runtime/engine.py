@@ -18,7 +18,8 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import SPECULATIVE, get_pipeline
+from speculum.pipelines import ADAPTIVE, SPECULATIVE, adaptive, get_pipeline
+from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
@@ -32,6 +33,7 @@ __all__ = [
     "NgramOptions",
     "build_engine",
     "engine_from_model",
+    "reserved_lookahead",
 ]
 
 
@@ -39,8 +41,9 @@ __all__ = [
 class EngineConfig:
     """Scheduler limits (KV pages, batch size, context length, prefill chunking), whether the
     models' projections are fused (q/k/v and gate/up as one matmul each, see
-    ``models.decoder.fuse_projections_``) and, on CUDA, whether decoding rounds run as CUDA
-    graphs and for which batch-size buckets."""
+    ``models.decoder.fuse_projections_``), on CUDA whether decoding rounds run as CUDA graphs
+    and for which batch-size buckets, and whether the scheduler overlaps the host's work for
+    the next step with the device's current one (``overlap``, ``docs/overlap.md``)."""
 
     page_size: int = 16
     num_pages: int = 0
@@ -50,6 +53,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     fuse_projections: bool = True
+    overlap: bool = False
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -71,6 +75,18 @@ class Engine:
         """The device the target model runs on."""
         return self.resources.target_pool.k.device
 
+    @property
+    def kv_lookahead(self) -> int:
+        """Cache slots reserved per request past its token budget (:func:`reserved_lookahead`)."""
+        return reserved_lookahead(self.pipeline, self.config.overlap)
+
+
+def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
+    """The pipeline's lookahead and, when overlapped, one round more: a request that has
+    finished runs one extra round, whose output is discarded, before its finish is known, and
+    that round may start up to ``max_tokens_per_step`` tokens past the request's budget."""
+    return pipeline.kv_lookahead + (pipeline.max_tokens_per_step if overlap else 0)
+
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class SpecOptions:
@@ -80,6 +96,11 @@ class SpecOptions:
     ``sample_drafts`` draws drafts from the draft's filtered distribution (``topk``
     independent chains) instead of taking its top-k. ``chain_hidden`` (multi-layer EAGLE only)
     feeds each MTP layer's output hidden state into the next layer.
+
+    ``adaptive_steps`` (EAGLE family and STANDALONE, chains only) replaces ``num_steps`` with
+    several draft depths, 0 meaning no speculation; each round runs the one with the best
+    measured goodput at the batch's size, chosen by ``adaptive_policy``
+    (``speculum.pipelines.adaptive``, ``docs/adaptive.md``).
     """
 
     num_steps: int = 3
@@ -87,6 +108,8 @@ class SpecOptions:
     num_draft_tokens: int | None = None
     sample_drafts: bool = False
     chain_hidden: bool = True
+    adaptive_steps: tuple[int, ...] = ()
+    adaptive_policy: AdaptivePolicy = attrs.field(factory=AdaptivePolicy)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -185,6 +208,29 @@ def _pipeline(
     )
 
 
+def _adaptive_variants(algorithm: str, draft: Any, spec: SpecOptions) -> tuple[Pipeline, ...]:
+    """The pipeline values adaptive speculation chooses among (none without adaptive_steps)."""
+    if not spec.adaptive_steps:
+        return ()
+    if algorithm not in ADAPTIVE:
+        raise ValueError(
+            f"adaptive speculation switches between draft depths over one EAGLE-family state; "
+            f"it supports {', '.join(sorted(ADAPTIVE))}, not {algorithm!r}: drop adaptive_steps "
+            "or choose one of those algorithms"
+        )
+    if spec.topk != 1 or spec.num_draft_tokens is not None:
+        raise ValueError(
+            f"adaptive speculation varies the length of a chain: use topk=1 (got {spec.topk}) "
+            f"and leave num_draft_tokens unset (got {spec.num_draft_tokens}); a chain of n "
+            "draft tokens verifies n + 1"
+        )
+    if draft is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    return adaptive.eagle_variants(
+        spec.adaptive_steps, sample_drafts=spec.sample_drafts, vocab_size=draft.draft_vocab_size
+    )
+
+
 def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> Pipeline:
     """``pipeline`` with its decoding round captured per batch bucket, where that applies: on
     CUDA, with graphs switched on, for rounds without host work between stages."""
@@ -227,6 +273,7 @@ def engine_from_model(
     cuda_graphs: bool = True,
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     fuse_projections: bool = True,
+    overlap: bool = False,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -234,11 +281,20 @@ def engine_from_model(
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
-    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram).
+    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
+    with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
+    makes the scheduler prepare each step while the device runs the previous one.
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
     """
-    pipeline = _pipeline(algorithm, target, draft, spec or SpecOptions(), ngram)
+    spec = spec or SpecOptions()
+    variants = _adaptive_variants(algorithm, draft, spec)
+    policy = spec.adaptive_policy
+    pipeline = (
+        adaptive.pipeline(variants, policy=policy)
+        if variants
+        else _pipeline(algorithm, target, draft, spec, ngram)
+    )
     context = max_context or min(target.config.max_position_embeddings, 4096)
     _check_limits(target, page_size, max_batch, context, prefill_budget)
     config = EngineConfig(
@@ -250,12 +306,13 @@ def engine_from_model(
         cuda_graphs=cuda_graphs,
         graph_buckets=tuple(graph_buckets),
         fuse_projections=fuse_projections,
+        overlap=overlap,
     )
     if fuse_projections:
         for model in (target, draft):
             if isinstance(model, torch.nn.Module):
                 fuse_projections_(model)
-    per_request = config.max_pages_per_request(pipeline.kv_lookahead)
+    per_request = config.max_pages_per_request(reserved_lookahead(pipeline, overlap))
     config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
     fix = "lower max_batch, max_context or num_pages"
     resources = Resources(
@@ -274,10 +331,15 @@ def engine_from_model(
             lambda: draft.new_pool(config.num_pages, page_size),
         ),
         ngram_store=_ngram_store(algorithm, ngram),
+        goodput=Cell(adaptive.new_measurements(policy, len(variants))) if variants else None,
     )
     device = resources.target_pool.k.device
+    # Each variant is captured on its own: its graphs and buffers are its own, never shared.
+    graphed = [_graphed(v, config, device) for v in variants]
     return Engine(
-        pipeline=_graphed(pipeline, config, device),
+        pipeline=adaptive.pipeline(graphed, policy=policy)
+        if variants
+        else _graphed(pipeline, config, device),
         resources=resources,
         config=config,
         tokenizer=tokenizer,

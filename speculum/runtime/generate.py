@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 
+from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.runtime import scheduler
 from speculum.runtime.default_model import (
     DEFAULT_ALGORITHM,
@@ -26,7 +27,9 @@ class Generation:
     ``stats`` holds ``num_forward_steps`` (target forwards that involved the request: prefill
     chunks plus decoding rounds), ``num_rounds`` (decoding rounds), ``accept_length_mean``
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
-    ``tokens_per_second`` and ``finish_reason``.
+    ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
+    and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
+    ``finish_reason``.
     """
 
     token_ids: tuple[int, ...]
@@ -58,6 +61,8 @@ def generate(
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
     chain_hidden: bool = True,
+    adaptive_steps: Sequence[int] = (),
+    adaptive_margin: float = 0.05,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -71,6 +76,7 @@ def generate(
     device: str = "cpu",
     dtype: str | None = None,
     cuda_graphs: bool = True,
+    overlap: bool = False,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
@@ -80,9 +86,13 @@ def generate(
     prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
     shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
-    chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
+    chains multi-layer EAGLE's MTP layers. ``adaptive_steps`` (e.g. ``(0, 1, 3, 5)``) replaces
+    ``num_steps`` with several chain depths, 0 meaning no speculation, and each round runs the
+    one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
+    best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
-    unless ``cuda_graphs`` is False.
+    unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
+    the device runs the previous one (same tokens; see ``docs/overlap.md``).
     """
     if engine is None:
         if model is None:
@@ -99,11 +109,14 @@ def generate(
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
                 chain_hidden=chain_hidden,
+                adaptive_steps=tuple(adaptive_steps),
+                adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
             ),
             device=device,
             dtype=dtype,
             ngram=ngram,
             cuda_graphs=cuda_graphs,
+            overlap=overlap,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_prompt_ids(engine, p) for p in batch]
@@ -124,10 +137,11 @@ def generate(
         )
         rids.append(rid)
     start = time.perf_counter()
-    _, finished = run_to_completion(engine, state)
+    final, finished = run_to_completion(engine, state)
     elapsed = time.perf_counter() - start
     total = sum(len(r.output) for r in finished.values())
-    return [_result(engine, finished[rid], total / max(elapsed, 1e-9)) for rid in rids]
+    shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
+    return [_result(engine, finished[rid], shared) for rid in rids]
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
@@ -138,7 +152,7 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float) -> Generation:
+def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
     text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
     return Generation(
         token_ids=request.output,
@@ -146,7 +160,7 @@ def _result(engine: Engine, request: scheduler.Request, tokens_per_second: float
         finish_reason=request.finish_reason or "length",
         stats={
             "num_forward_steps": request.num_forwards,
-            "tokens_per_second": tokens_per_second,
+            **shared,
             "finish_reason": request.finish_reason or "length",
             **acceptance_stats(request.round_lengths),
         },

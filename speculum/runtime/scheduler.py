@@ -6,11 +6,22 @@ pages it points at, since the pool is the one owned resource). Requests wait unt
 whole budget (prompt + max_new_tokens + the pipeline's lookahead) are free, are prefilled in
 chunks within a token budget per step, decode together, and leave on a stop token, a stop string,
 ``max_new_tokens`` or the context limit, freeing their pages.
+
+A step launches device work (a decoding round, a prefill chunk) and collects what it emitted:
+the host reads the tokens, checks stop conditions and retires finished requests. Synchronously,
+each launch is collected at once. Overlapped (``EngineConfig.overlap``), a step collects the
+previous step's launches after launching its own round, so the host's work for step ``t + 1``
+(collecting step ``t``, admission, the next prefill chunk) runs while the device computes round
+``t + 1``'s predecessor. The next round needs no token the host has not read yet: its inputs are
+the batch state's device tensors, the placeholders of tokens still being computed. A request
+that finished is therefore retired one step late, and the round it ran meanwhile is dropped.
+Both paths run the same functions; only the moment of collection differs.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import attrs
@@ -19,6 +30,7 @@ import torch
 from speculum.pipelines.base import PrefillChunk, StepOutput
 from speculum.runtime.engine import Engine
 from speculum.state.batch import concat_rows, take_rows
+from speculum.state.host import HostCopy, to_device, to_host
 from speculum.state.kv import (
     PADDING_PAGE,
     KVPoolExhausted,
@@ -28,7 +40,7 @@ from speculum.state.kv import (
     free,
     new_allocator,
 )
-from speculum.state.record import record, snapshot
+from speculum.state.record import record, snapshot, tree_map_tensors
 from speculum.state.sampling import SamplingParams
 
 __all__ = [
@@ -37,6 +49,7 @@ __all__ = [
     "RequestOutput",
     "SchedulerState",
     "Snapshot",
+    "Launched",
     "new_state",
     "add_request",
     "cancel",
@@ -45,6 +58,7 @@ __all__ = [
     "restore",
     "is_idle",
     "pages_needed",
+    "host_stats",
 ]
 
 
@@ -97,12 +111,35 @@ class RequestOutput:
     request: Request
 
 
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class Launched:
+    """Device work launched and not collected yet: the ids of the requests of its rows, in row
+    order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
+    decoding round (a prefill chunk emits each row's first token). ``launched_at`` and
+    ``blocked_before`` (the state's ``blocked_seconds`` then) date the launch on the host
+    clock, for the hidden-host-time statistic."""
+
+    rids: tuple[int, ...]
+    tokens: HostCopy
+    decode: bool
+    launched_at: float
+    blocked_before: float
+
+
 @record
 class SchedulerState:
     """Everything the scheduler knows, as one value.
 
     ``batch`` is the pipeline's batch state with one row per entry of ``running``, in order
-    (``None`` while nothing runs).
+    (``None`` while nothing runs). Overlapped, ``in_flight`` is the previous step's device work,
+    collected by the next step; ``running`` then includes requests whose last tokens are still
+    in flight, and ``batch`` is one round ahead of what the requests record.
+
+    Host timing, summed over steps: ``host_seconds`` of work on the host (blocking waits for
+    the device excluded), ``blocked_seconds`` of waiting for device results, and
+    ``hidden_seconds``, the host work done while the device was still computing the round the
+    host then waited for (a lower bound: work is counted as hidden only when the round it
+    overlapped was found unfinished).
     """
 
     waiting: tuple[Request, ...]
@@ -112,6 +149,10 @@ class SchedulerState:
     allocator: PageAllocator
     next_rid: int
     num_steps: int
+    in_flight: tuple[Launched, ...] = ()
+    host_seconds: float = 0.0
+    blocked_seconds: float = 0.0
+    hidden_seconds: float = 0.0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
@@ -139,9 +180,10 @@ def new_state(engine: Engine) -> SchedulerState:
 
 
 def pages_needed(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
-    """Pages reserved for a request: its whole token budget plus the pipeline's lookahead."""
+    """Pages reserved for a request: its whole token budget plus the engine's lookahead (the
+    pipeline's, and one more round when overlapped)."""
     tokens = min(prompt_len + max_new_tokens, engine.config.max_context)
-    return math.ceil((tokens + engine.pipeline.kv_lookahead) / engine.config.page_size)
+    return math.ceil((tokens + engine.kv_lookahead) / engine.config.page_size)
 
 
 def _validate(engine: Engine, prompt: tuple[int, ...], sampling: Sampling, max_new: int) -> None:
@@ -233,7 +275,8 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
             state, **{group: requests[:index] + requests[index + 1 :]}, allocator=allocator
         )
         if group == "running":
-            state = attrs.evolve(state, batch=_drop_rows(state.batch, len(requests), [index]))
+            batch = _drop_rows(engine, state.batch, len(requests), [index])
+            state = attrs.evolve(state, batch=batch)
         return state
     raise KeyError(f"no live request with id {rid}")
 
@@ -244,10 +287,17 @@ def _free_pages(allocator: PageAllocator, requests: list[Request]) -> PageAlloca
     return free(allocator, torch.tensor(pages, dtype=torch.int64))
 
 
-def _drop_rows(batch: Any, size: int, drop: list[int]) -> Any:
+def _rows(engine: Engine, rows: list[int]) -> torch.Tensor:
+    """Row indices on the engine's device (copied without waiting for the device)."""
+    return to_device(torch.tensor(rows, dtype=torch.int64), engine.device)
+
+
+def _drop_rows(engine: Engine, batch: Any, size: int, drop: list[int]) -> Any:
+    if not drop:
+        return batch
     dropped = set(drop)
     keep = [i for i in range(size) if i not in dropped]
-    return take_rows(batch, torch.tensor(keep, dtype=torch.int64)) if keep else None
+    return take_rows(batch, _rows(engine, keep)) if keep else None
 
 
 def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
@@ -269,7 +319,7 @@ def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
 
 
 def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
-    width = engine.config.max_pages_per_request(engine.pipeline.kv_lookahead)
+    width = engine.config.max_pages_per_request(engine.kv_lookahead)
     table = torch.full((len(requests), width), PADDING_PAGE, dtype=torch.int64)
     for row, request in enumerate(requests):
         table[row, : len(request.pages)] = torch.tensor(request.pages, dtype=torch.int64)
@@ -299,10 +349,9 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
     tokens = torch.zeros(len(chosen), max(sizes), dtype=torch.int64)
     for row, (request, size) in enumerate(zip(chosen, sizes)):
         tokens[row, :size] = torch.tensor(request.prompt[request.prefilled :][:size])
-    device = engine.device
     kv = PagedKV(
-        page_table=_page_table(engine, chosen).to(device),
-        seq_lens=torch.tensor([r.prefilled for r in chosen], dtype=torch.int64, device=device),
+        page_table=_page_table(engine, chosen),
+        seq_lens=torch.tensor([r.prefilled for r in chosen], dtype=torch.int64),
         page_size=engine.config.page_size,
     )
     after = [r.prefilled + n for r, n in zip(chosen, sizes)]
@@ -310,27 +359,52 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
     prefix = torch.full((len(chosen), max(r.prefilled for r in chosen)), -1, dtype=torch.int64)
     for row, request in enumerate(chosen):
         prefix[row, : request.prefilled] = torch.tensor(request.prompt[: request.prefilled])
+    device = engine.device
     chunk = PrefillChunk(
-        kv=kv,
-        tokens=tokens.to(device),
-        q_lens=torch.tensor(sizes, dtype=torch.int64, device=device),
-        next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=device),
-        sampling=_to_device(_sampling_params(chosen), device),
+        kv=tree_map_tensors(lambda x: to_device(x, device), kv),
+        tokens=to_device(tokens, device),
+        q_lens=to_device(torch.tensor(sizes, dtype=torch.int64), device),
+        next_tokens=to_device(torch.tensor(next_tokens, dtype=torch.int64), device),
+        sampling=tree_map_tensors(lambda x: to_device(x, device), _sampling_params(chosen)),
         prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
     )
     return chunk, sizes
 
 
-def _to_device(tree: Any, device: torch.device) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree
+def _launched(
+    state: SchedulerState, rids: tuple[int, ...], output: StepOutput, decode: bool
+) -> Launched:
+    """A launch's record: its rows' emitted tokens queued to the host in one packed copy."""
+    packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1)
+    return Launched(
+        rids=rids,
+        tokens=to_host(packed),
+        decode=decode,
+        launched_at=time.perf_counter(),
+        blocked_before=state.blocked_seconds,
     )
 
 
-def _emitted(output: StepOutput) -> list[list[int]]:
-    """Each row's emitted tokens, through one device-to-host copy."""
-    packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1).tolist()
-    return [row[1 : 1 + row[0]] for row in packed]
+def _emitted(
+    state: SchedulerState, launched: Launched, first: bool
+) -> tuple[SchedulerState, list[list[int]]]:
+    """Each row's emitted tokens, waiting for them if they are still on their way. The first
+    launch a step collects dates the host work it overlapped: everything since it launched
+    (waits excluded) ran while the device computed it, if it is found unfinished."""
+    ready = launched.tokens.ready()
+    begin = time.perf_counter()
+    packed = launched.tokens.get().tolist()
+    waited = time.perf_counter() - begin
+    hidden = 0.0
+    if first and not ready:
+        blocked = state.blocked_seconds - launched.blocked_before
+        hidden = max(0.0, begin - launched.launched_at - blocked)
+    state = attrs.evolve(
+        state,
+        blocked_seconds=state.blocked_seconds + waited,
+        hidden_seconds=state.hidden_seconds + hidden,
+    )
+    return state, [row[1 : 1 + row[0]] for row in packed]
 
 
 def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Request, tuple[int, ...]]:
@@ -361,25 +435,83 @@ def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str |
     return None
 
 
-def _decode(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[RequestOutput]]:
+def _launch_decode(
+    engine: Engine, state: SchedulerState
+) -> tuple[SchedulerState, tuple[Launched, ...]]:
+    """Launch a decoding round for every running request; the batch moves one round on."""
     if not state.running:
-        return state, []
+        return state, ()
     batch, output = engine.pipeline.decode(engine.resources, state.batch)
-    outputs, running, finished = [], [], []
-    for row, (request, tokens) in enumerate(zip(state.running, _emitted(output))):
-        request = attrs.evolve(
-            request,
-            num_forwards=request.num_forwards + 1,
-            round_lengths=_count(request.round_lengths, len(tokens)),
+    launched = _launched(state, tuple(r.rid for r in state.running), output, decode=True)
+    return attrs.evolve(state, batch=batch), (launched,)
+
+
+def _launch_prefill(
+    engine: Engine, state: SchedulerState
+) -> tuple[SchedulerState, tuple[Launched, ...]]:
+    """Launch one prefill chunk. Requests whose prompt it completes join ``running`` at once
+    (their rows are appended to the batch); their first tokens are collected like a round's."""
+    if not state.prefilling:
+        return state, ()
+    chunk, sizes = _prefill_chunk(engine, state.prefilling)
+    rows, first = engine.pipeline.prefill(engine.resources, chunk)
+    prefilling, joined, joined_rows = [], [], []
+    for index, request in enumerate(state.prefilling):
+        if index < len(sizes):
+            request = attrs.evolve(
+                request,
+                prefilled=request.prefilled + sizes[index],
+                num_forwards=request.num_forwards + 1,
+            )
+        if request.prefilled < len(request.prompt):
+            prefilling.append(request)
+        else:
+            joined.append(request)
+            joined_rows.append(index)
+    state = attrs.evolve(state, prefilling=tuple(prefilling))
+    if not joined:
+        return state, ()
+    index = _rows(engine, joined_rows)
+    new_rows = take_rows(rows, index)
+    batch = new_rows if state.batch is None else concat_rows([state.batch, new_rows])
+    rids = tuple(r.rid for r in joined)
+    launched = _launched(state, rids, take_rows(first, index), decode=False)
+    return attrs.evolve(state, running=(*state.running, *joined), batch=batch), (launched,)
+
+
+def _collect(
+    engine: Engine, state: SchedulerState, launches: tuple[Launched, ...]
+) -> tuple[SchedulerState, list[RequestOutput]]:
+    """Hand each launch's tokens to its requests, token by token until a stop condition
+    fires, and retire the requests that finished: their pages are freed and their rows
+    dropped. Rows of requests no longer running (finished or cancelled since the launch) are
+    ignored: that is the round an overlapped finished request runs in vain."""
+    outputs = []
+    for number, launched in enumerate(launches):
+        state, emitted = _emitted(state, launched, first=number == 0)
+        at = {r.rid: i for i, r in enumerate(state.running)}
+        running, finished = list(state.running), []
+        for rid, tokens in zip(launched.rids, emitted):
+            if rid not in at:
+                continue
+            request = running[at[rid]]
+            if launched.decode:
+                request = attrs.evolve(
+                    request,
+                    num_forwards=request.num_forwards + 1,
+                    round_lengths=_count(request.round_lengths, len(tokens)),
+                )
+            request, kept = _extend(engine, request, tokens)
+            outputs.append(_output(request, kept))
+            running[at[rid]] = request
+            if request.finish_reason:
+                finished.append(at[rid])
+        state = attrs.evolve(
+            state,
+            running=tuple(r for i, r in enumerate(running) if i not in finished),
+            batch=_drop_rows(engine, state.batch, len(running), finished),
+            allocator=_free_pages(state.allocator, [running[i] for i in finished]),
         )
-        request, kept = _extend(engine, request, tokens)
-        outputs.append(_output(request, kept))
-        (finished if request.finish_reason else running).append((row, request))
-    allocator = _free_pages(state.allocator, [r for _, r in finished])
-    batch = _drop_rows(batch, len(state.running), [row for row, _ in finished])
-    state = attrs.evolve(
-        state, running=tuple(r for _, r in running), batch=batch, allocator=allocator
-    )
     return state, outputs
 
 
@@ -398,42 +530,47 @@ def _output(request: Request, kept: tuple[int, ...]) -> RequestOutput:
     )
 
 
-def _prefill(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[RequestOutput]]:
-    if not state.prefilling:
-        return state, []
-    chunk, sizes = _prefill_chunk(engine, state.prefilling)
-    rows, first = engine.pipeline.prefill(engine.resources, chunk)
-    first_tokens = _emitted(first)
-    prefilling, joined, done, outputs = [], [], [], []
-    for index, request in enumerate(state.prefilling):
-        if index >= len(sizes):
-            prefilling.append(request)
-            continue
-        request = attrs.evolve(
-            request,
-            prefilled=request.prefilled + sizes[index],
-            num_forwards=request.num_forwards + 1,
-        )
-        if request.prefilled < len(request.prompt):
-            prefilling.append(request)
-            continue
-        request, kept = _extend(engine, request, first_tokens[index])
-        outputs.append(_output(request, kept))
-        (done if request.finish_reason else joined).append((index, request))
-    allocator = _free_pages(state.allocator, [r for _, r in done])
-    if joined:
-        new_rows = take_rows(rows, torch.tensor([i for i, _ in joined], dtype=torch.int64))
-        batch = new_rows if state.batch is None else concat_rows([state.batch, new_rows])
-        state = attrs.evolve(state, running=(*state.running, *(r for _, r in joined)), batch=batch)
-    return attrs.evolve(state, prefilling=tuple(prefilling), allocator=allocator), outputs
-
-
 def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[RequestOutput]]:
     """One scheduler step: a decoding round for running requests, then admission and a prefill
-    chunk for waiting ones. Returns the new state and what each touched request produced."""
-    state, decoded = _decode(engine, state)
-    state, prefilled = _prefill(engine, _admit(engine, state))
-    return attrs.evolve(state, num_steps=state.num_steps + 1), decoded + prefilled
+    chunk for waiting ones. Returns the new state and what each touched request produced.
+
+    Synchronously, each launch is collected at once. Overlapped (``engine.config.overlap``),
+    the previous step's launches are collected after this step's round is launched, and this
+    step's launches are left in flight: the outputs returned are the previous step's.
+    """
+    begin, blocked = time.perf_counter(), state.blocked_seconds
+    earlier = state.in_flight
+    state, launched = _launch_decode(engine, attrs.evolve(state, in_flight=()))
+    if not engine.config.overlap:
+        earlier, launched = launched, ()
+    state, decoded = _collect(engine, state, earlier)
+    state, chunk = _launch_prefill(engine, _admit(engine, state))
+    prefilled = []
+    if engine.config.overlap:
+        launched += chunk
+    else:
+        state, prefilled = _collect(engine, state, chunk)
+    host = time.perf_counter() - begin - (state.blocked_seconds - blocked)
+    state = attrs.evolve(
+        state,
+        in_flight=launched,
+        num_steps=state.num_steps + 1,
+        host_seconds=state.host_seconds + host,
+    )
+    return state, decoded + prefilled
+
+
+def host_stats(state: SchedulerState) -> dict[str, float]:
+    """Host time per step so far, in milliseconds: ``host_ms_per_step`` (host work, waits for
+    the device excluded), ``hidden_host_ms_per_step`` (the part done while the device was busy
+    with the round the host then waited for: all of it when overlapping hides it, about none
+    synchronously) and ``blocked_ms_per_step`` (waiting for device results)."""
+    steps = max(state.num_steps, 1)
+    return {
+        "host_ms_per_step": 1e3 * state.host_seconds / steps,
+        "hidden_host_ms_per_step": 1e3 * state.hidden_seconds / steps,
+        "blocked_ms_per_step": 1e3 * state.blocked_seconds / steps,
+    }
 
 
 def is_idle(state: SchedulerState) -> bool:

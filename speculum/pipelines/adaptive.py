@@ -1,0 +1,384 @@
+"""Adaptive speculation: a pipeline that holds several pipeline values and runs, each round,
+the one with the best measured goodput at the batch's size.
+
+Speculation pays at small batches and can cost at large ones: a round of ``num_steps`` draft
+tokens costs more than a plain step, and once the target's forward is compute-bound the extra
+tree tokens are no longer free. What decides is goodput, tokens emitted per second, not the
+acceptance length alone. It is kept as a pure value:
+
+- :class:`Goodput`, the measurement record: per batch-size range (``AdaptivePolicy.ranges``)
+  and per variant, decayed sums of the tokens its rounds emitted and of their durations.
+  :func:`observe` folds one round in; :func:`rates` reads each variant's goodput.
+- :func:`choose`, a pure function of that record: a variant not measured yet in the batch's
+  range first (in variant order), otherwise the best, except that a variant within the
+  exploration ``margin`` of the best that has not run for ``refresh`` rounds runs once, to keep
+  its measurement fresh. It never picks a measured variant whose goodput is lower than
+  another's by more than the margin.
+- :func:`pipeline` composes the variants into one pipeline value. Its decode chooses, runs the
+  chosen variant's own decode on the shared batch state and times it. Switching is choosing
+  another value: nothing is backed up or restored, and every variant keeps its own CUDA graphs
+  and buffers (an engine wraps each variant's decode, never the adaptive one).
+
+The variants must share one batch state record. :func:`eagle_variants` builds chains of several
+depths over one ``EagleState``, depth 0 being plain decoding that keeps the draft caught up
+(``eagle.plain_round``), so a later round can speculate again.
+
+Where measurements live. The record is shared by all requests and changes every round, so it is
+not batch state: it lives in ``Resources.goodput``, a :class:`~speculum.pipelines.base.Cell`
+holding a :class:`Measurements` value (the record, plus rounds whose timing is on its way) that
+each round replaces. A scheduler snapshot keeps the value; restoring puts it back.
+
+Timing. On the CPU a round is timed with ``AdaptivePolicy.clock`` around the call (the work is
+done when it returns). On CUDA the call only queues work, so a round is timed with CUDA events
+and its token count copied to the host without waiting (``speculum.state.host.to_host``); a
+later round folds the measurement in once the events have fired, so no host sync is added.
+
+Randomness. Greedy output is plain decoding's whatever the choices. Sampled output is exactly
+target-distributed: every variant is lossless and each choice depends only on earlier rounds.
+Which tokens a seed yields depends on which variants ran, hence on measured times, so sampled
+adaptive decoding is not reproducible from run to run (a deterministic ``clock`` makes it so on
+the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from speculum.pipelines import eagle
+from speculum.pipelines.base import Pipeline, Resources, StepOutput
+from speculum.state.batch import batch_size
+from speculum.state.host import HostCopy, to_host
+
+__all__ = [
+    "DEFAULT_RANGES",
+    "AdaptivePolicy",
+    "Measured",
+    "Goodput",
+    "Lap",
+    "Measurements",
+    "validate_policy",
+    "new_goodput",
+    "new_measurements",
+    "range_of",
+    "observe",
+    "rates",
+    "choose",
+    "settle",
+    "decode",
+    "eagle_variants",
+    "pipeline",
+    "variants_of",
+]
+
+#: Upper bounds of the batch-size ranges measured apart: the CUDA-graph buckets, since a batch
+#: runs padded to its bucket and costs what the bucket costs.
+DEFAULT_RANGES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class AdaptivePolicy:
+    """How the adaptive pipeline measures and chooses.
+
+    ``ranges``: increasing upper bounds of the batch-size ranges measured apart (a batch of
+    ``b`` requests falls in the first range ``>= b``; larger batches in the last).
+    ``margin``: the exploration margin, relative to the best goodput (0.05: within 5%). A
+    variant inside it still runs now and then; one below it is never chosen while measured.
+    ``warmup``: rounds per range and variant that run but are not measured (the first one
+    captures the variant's CUDA graph for that bucket).
+    ``decay``: the weight earlier rounds keep each time a variant's new round is folded in.
+    ``refresh``: a variant inside the margin that has not run for this many rounds of its range
+    runs once. ``expire``: a measurement this many rounds of its range old counts as none, so
+    the variant is measured again (a variant once below the margin gets another chance).
+    ``clock``: seconds, for timing rounds on the CPU (CUDA rounds are timed with events).
+    """
+
+    ranges: tuple[int, ...] = DEFAULT_RANGES
+    margin: float = 0.05
+    warmup: int = 2
+    decay: float = 0.9
+    refresh: int = 32
+    expire: int = 1024
+    clock: Callable[[], float] = time.perf_counter
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class Measured:
+    """One variant in one batch-size range.
+
+    ``rounds`` counts its rounds folded in, warm-up included; ``tokens`` and ``seconds`` are
+    decayed sums over its measured rounds; ``last`` is the range's round count when it last ran.
+    """
+
+    rounds: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    last: int = 0
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class Goodput:
+    """The measurement record: ``table[r][v]`` is variant ``v`` in range ``r``, ``rounds[r]``
+    the rounds folded in for range ``r``."""
+
+    table: tuple[tuple[Measured, ...], ...]
+    rounds: tuple[int, ...]
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class Lap:
+    """One round's measurement on its way: the range and variant it ran in, its emitted-token
+    count (on its way to the host) and its duration, host-timed (``seconds``) or between two
+    CUDA events (``events``)."""
+
+    range_index: int
+    variant: int
+    tokens: HostCopy
+    seconds: float = 0.0
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def ready(self) -> bool:
+        """Whether the round has finished and its count has arrived (never blocks)."""
+        return self.tokens.ready() and (self.events is None or self.events[1].query())
+
+    def duration(self) -> float:
+        """The round's seconds (call once :meth:`ready`)."""
+        if self.events is None:
+            return self.seconds
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class Measurements:
+    """The value in ``Resources.goodput``: the record and the laps not yet folded into it."""
+
+    goodput: Goodput
+    laps: tuple[Lap, ...] = ()
+
+
+def validate_policy(policy: AdaptivePolicy) -> None:
+    """Raise ``ValueError`` naming every setting of ``policy`` that cannot work."""
+    ranges = policy.ranges
+    problems = []
+    if not ranges or any(not isinstance(r, int) or r < 1 for r in ranges):
+        problems.append(f"ranges={ranges!r} must be batch sizes >= 1, at least one")
+    elif list(ranges) != sorted(set(ranges)):
+        problems.append(f"ranges={ranges!r} must increase strictly, e.g. (1, 2, 4, 8)")
+    if not 0 <= policy.margin <= 1:
+        problems.append(f"margin={policy.margin!r} must lie in [0, 1] (a fraction of the best)")
+    if not 0 <= policy.decay <= 1:
+        problems.append(f"decay={policy.decay!r} must lie in [0, 1]")
+    for name in ("warmup", "refresh", "expire"):
+        value = getattr(policy, name)
+        if not isinstance(value, int) or value < (1 if name == "expire" else 0):
+            problems.append(f"{name}={value!r} must be an int >= {1 if name == 'expire' else 0}")
+    if problems:
+        raise ValueError("invalid adaptive policy: " + "; ".join(problems))
+
+
+def new_goodput(policy: AdaptivePolicy, num_variants: int) -> Goodput:
+    """A record with nothing measured."""
+    row = (Measured(),) * num_variants
+    return Goodput(table=(row,) * len(policy.ranges), rounds=(0,) * len(policy.ranges))
+
+
+def new_measurements(policy: AdaptivePolicy, num_variants: int) -> Measurements:
+    """The initial value of ``Resources.goodput`` for an adaptive pipeline of that many variants."""
+    return Measurements(goodput=new_goodput(policy, num_variants))
+
+
+def range_of(policy: AdaptivePolicy, batch: int) -> int:
+    """Index of the batch-size range a batch of ``batch`` requests falls in."""
+    return next(
+        (i for i, bound in enumerate(policy.ranges) if bound >= batch), len(policy.ranges) - 1
+    )
+
+
+def _put(items: tuple[Any, ...], index: int, value: Any) -> tuple[Any, ...]:
+    return items[:index] + (value,) + items[index + 1 :]
+
+
+def _stale(goodput: Goodput, policy: AdaptivePolicy, range_index: int, m: Measured) -> bool:
+    return goodput.rounds[range_index] - m.last > policy.expire
+
+
+def observe(
+    goodput: Goodput,
+    policy: AdaptivePolicy,
+    range_index: int,
+    variant: int,
+    tokens: float,
+    seconds: float,
+) -> Goodput:
+    """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: it emitted
+    ``tokens`` tokens in ``seconds``. Warm-up rounds count but are not measured; a stale
+    measurement is replaced rather than decayed."""
+    m = goodput.table[range_index][variant]
+    now = goodput.rounds[range_index] + 1
+    if m.rounds < policy.warmup:
+        new = attrs.evolve(m, rounds=m.rounds + 1, last=now)
+    else:
+        fresh = m.rounds > policy.warmup and not _stale(goodput, policy, range_index, m)
+        keep = policy.decay if fresh else 0.0
+        # A round too fast for the clock still took some time: keep goodput finite.
+        new = Measured(
+            rounds=m.rounds + 1,
+            tokens=keep * m.tokens + tokens,
+            seconds=keep * m.seconds + max(seconds, 1e-9),
+            last=now,
+        )
+    row = _put(goodput.table[range_index], variant, new)
+    return Goodput(
+        table=_put(goodput.table, range_index, row),
+        rounds=_put(goodput.rounds, range_index, now),
+    )
+
+
+def rates(goodput: Goodput, policy: AdaptivePolicy, range_index: int) -> tuple[float | None, ...]:
+    """Each variant's measured goodput (tokens per second) in a range; ``None`` for a variant
+    not measured yet (still warming up) or whose measurement is stale."""
+    return tuple(
+        None
+        if m.rounds <= policy.warmup or _stale(goodput, policy, range_index, m)
+        else m.tokens / m.seconds
+        for m in goodput.table[range_index]
+    )
+
+
+def choose(goodput: Goodput, policy: AdaptivePolicy, batch: int) -> int:
+    """The variant to run for a batch of ``batch`` requests: a pure function of the record.
+
+    The first variant not measured in the batch's range; otherwise the best (the lower index
+    on ties), unless a variant within ``margin`` of the best has not run for more than
+    ``refresh`` rounds, in which case the longest-idle such variant.
+    """
+    index = range_of(policy, batch)
+    measured = rates(goodput, policy, index)
+    unmeasured = [v for v, rate in enumerate(measured) if rate is None]
+    if unmeasured:
+        return unmeasured[0]
+    best = max(range(len(measured)), key=lambda v: (measured[v], -v))
+    floor = (1.0 - policy.margin) * measured[best]
+    row, now = goodput.table[index], goodput.rounds[index]
+    close = [v for v, rate in enumerate(measured) if rate >= floor]
+    idle = min(close, key=lambda v: (row[v].last, v))
+    return idle if now - row[idle].last > policy.refresh else best
+
+
+def settle(measurements: Measurements, policy: AdaptivePolicy) -> Measurements:
+    """Fold the laps that have arrived, in the order they ran, into the record."""
+    goodput, laps = measurements.goodput, measurements.laps
+    while laps and laps[0].ready():
+        lap, laps = laps[0], laps[1:]
+        count = int(lap.tokens.get())
+        goodput = observe(goodput, policy, lap.range_index, lap.variant, count, lap.duration())
+    return Measurements(goodput=goodput, laps=laps)
+
+
+def _timed(
+    run: Callable[[Resources, Any], tuple[Any, StepOutput]],
+    resources: Resources,
+    state: Any,
+    clock: Callable[[], float],
+    range_index: int,
+    variant: int,
+) -> tuple[Any, StepOutput, Lap]:
+    """``run(resources, state)`` and its lap; host-timed on the CPU, by events on CUDA."""
+    if state.kv.seq_lens.device.type != "cuda":
+        begin = clock()
+        state, output = run(resources, state)
+        seconds = clock() - begin
+        tokens = to_host(output.num_tokens.sum())
+        return (
+            state,
+            output,
+            Lap(range_index=range_index, variant=variant, tokens=tokens, seconds=seconds),
+        )
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    state, output = run(resources, state)
+    tokens = to_host(output.num_tokens.sum())
+    end.record()
+    lap = Lap(range_index=range_index, variant=variant, tokens=tokens, events=(start, end))
+    return state, output, lap
+
+
+def decode(
+    resources: Resources,
+    state: Any,
+    *,
+    variants: tuple[Pipeline, ...],
+    policy: AdaptivePolicy,
+) -> tuple[Any, StepOutput]:
+    """One round of the variant :func:`choose` picks from the measurements in
+    ``resources.goodput``, which gain the round's lap."""
+    cell = resources.goodput
+    if cell is None or not isinstance(cell.value, Measurements):
+        raise ValueError(
+            "the adaptive pipeline keeps its measurements in Resources.goodput; build the "
+            "resources with goodput=Cell(adaptive.new_measurements(policy, len(variants)))"
+        )
+    measurements = settle(cell.value, policy)
+    batch = batch_size(state)
+    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch)
+    state, output, lap = _timed(
+        variants[variant].decode, resources, state, policy.clock, index, variant
+    )
+    cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy)
+    return state, output
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def eagle_variants(
+    steps: Sequence[int], *, sample_drafts: bool = False, vocab_size: int
+) -> tuple[Pipeline, ...]:
+    """EAGLE-family chains of each draft depth in ``steps``, in increasing order, over one
+    ``EagleState`` (their carried prediction keeps one candidate); depth 0 is
+    ``eagle.plain_pipeline``. ``sample_drafts`` and ``vocab_size`` are ``eagle.round_config``'s.
+    """
+    steps = tuple(steps)
+    if not steps:
+        raise ValueError("adaptive speculation needs at least one draft depth, e.g. (0, 1, 3, 5)")
+    bad = [s for s in steps if not _is_int(s) or s < 0]
+    if bad:
+        raise ValueError(f"adaptive draft depths must be ints >= 0 (0: no drafts), got {bad}")
+    twice = sorted({s for s in steps if steps.count(s) > 1})
+    if twice:
+        raise ValueError(f"adaptive draft depths {twice} are listed more than once; list each once")
+    return tuple(
+        eagle.plain_pipeline()
+        if s == 0
+        else eagle.pipeline(num_steps=s, sample_drafts=sample_drafts, vocab_size=vocab_size)
+        for s in sorted(steps)
+    )
+
+
+def pipeline(variants: Sequence[Pipeline], *, policy: AdaptivePolicy | None = None) -> Pipeline:
+    """The adaptive pipeline value over ``variants``, which must share one batch state record
+    (prefill is the first variant's). It may emit and write as much as its largest variant; its
+    decode runs host code (the choice), so it is never captured whole."""
+    variants, policy = tuple(variants), policy or AdaptivePolicy()
+    if not variants:
+        raise ValueError("an adaptive pipeline needs at least one variant")
+    validate_policy(policy)
+    return Pipeline(
+        name="adaptive",
+        prefill=variants[0].prefill,
+        decode=functools.partial(decode, variants=variants, policy=policy),
+        max_tokens_per_step=max(v.max_tokens_per_step for v in variants),
+        kv_lookahead=max(v.kv_lookahead for v in variants),
+        host_work=True,
+    )
+
+
+def variants_of(pipeline: Pipeline) -> tuple[Pipeline, ...]:
+    """The variants an adaptive pipeline value (:func:`pipeline`) chooses among, in order."""
+    return pipeline.decode.keywords["variants"]

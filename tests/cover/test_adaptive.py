@@ -1,0 +1,382 @@
+"""Adaptive speculation: the choice is a pure function of its measurement record that respects
+the exploration margin, it follows goodput across batch sizes, greedy output is plain
+decoding's whatever is chosen, switching leaves every other variant's graphs and buffers
+untouched, and snapshots restore the measurements."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import tiny_config
+from graph_checks import changed, graph_buffers
+from heads import agreeing_head
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import max_new_tokens, page_sizes, prefill_budgets, prompt_batches, stop_token_sets
+from test_eagle import TARGET, VOCAB, plain_greedy
+
+from speculum.models.draft import random_draft
+from speculum.models.draft_loading import save_draft
+from speculum.models.loading import random_model, save_model
+from speculum.models.standalone import StandaloneHead
+from speculum.pipelines import adaptive
+from speculum.pipelines.adaptive import AdaptivePolicy, choose, observe, rates
+from speculum.pipelines.base import Resources
+from speculum.runtime import cli, graphs, scheduler
+from speculum.runtime.engine import EngineConfig, SpecOptions, _graphed, engine_from_model
+from speculum.runtime.generate import generate, run_to_completion
+from speculum.state.record import snapshot
+
+HEADS = {
+    "eagle": agreeing_head(TARGET, "eagle"),
+    "mtp": agreeing_head(TARGET, "mtp"),
+    "eagle3": random_draft(TARGET, "eagle3", seed=11, std=0.3),
+    "standalone": StandaloneHead(
+        random_model(tiny_config(vocab_size=VOCAB, num_layers=1, hidden_size=16), seed=8, std=0.3),
+        VOCAB,
+    ),
+}
+#: Every variant runs in turn: each round the one idle longest (the strongest switching test).
+ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0)
+
+
+class Ticks:
+    """A deterministic clock: every reading is one second after the previous one."""
+
+    def __init__(self) -> None:
+        self.now = itertools.count()
+
+    def __call__(self) -> float:
+        return float(next(self.now))
+
+
+def adaptive_engine(algorithm, steps, policy=ROUND_ROBIN, sample_drafts=False, **limits):
+    spec = SpecOptions(adaptive_steps=steps, adaptive_policy=policy, sample_drafts=sample_drafts)
+    return engine_from_model(
+        TARGET,
+        algorithm=algorithm,
+        draft=HEADS[algorithm],
+        spec=spec,
+        **({"page_size": 4, "max_context": 48} | limits),
+    )
+
+
+policies = st.builds(
+    AdaptivePolicy,
+    ranges=st.just((1, 4, 16)),
+    margin=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+    warmup=st.integers(0, 2),
+    decay=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    refresh=st.integers(0, 6),
+    expire=st.integers(1, 12),
+)
+rounds = st.tuples(
+    st.integers(0, 2),  # range
+    st.integers(0, 3),  # variant
+    st.integers(0, 64),  # tokens
+    st.floats(0.0, 2.0),  # seconds
+)
+
+
+@given(policy=policies, history=st.lists(rounds, max_size=40), batch=st.integers(1, 40))
+def test_choice_is_a_pure_function_that_respects_the_margin(policy, history, batch):
+    """Whatever was observed: choosing twice gives the same variant and changes nothing; an
+    unmeasured variant goes first; a measured choice is within the margin of every other
+    measured variant (never lower than another's by more than the margin)."""
+    goodput = adaptive.new_goodput(policy, 4)
+    for index, variant, tokens, seconds in history:
+        goodput = observe(goodput, policy, index, variant, tokens, seconds)
+    chosen = choose(goodput, policy, batch)
+    assert choose(attrs.evolve(goodput), policy, batch) == chosen
+    measured = rates(goodput, policy, adaptive.range_of(policy, batch))
+    if None in measured:
+        assert chosen == measured.index(None)
+        return
+    assert all(measured[chosen] >= (1 - policy.margin) * rate for rate in measured)
+
+
+def test_observe_folds_decayed_rounds_after_the_warmup():
+    policy = AdaptivePolicy(ranges=(1, 8), warmup=1, decay=0.5, expire=100)
+    goodput = adaptive.new_goodput(policy, 2)
+    for tokens, seconds in ((10, 9.0), (8, 2.0), (6, 1.0)):  # the first is the warm-up round
+        goodput = observe(goodput, policy, 1, 0, tokens, seconds)
+    assert rates(goodput, policy, 1) == ((0.5 * 8 + 6) / (0.5 * 2.0 + 1.0), None)
+    assert rates(goodput, policy, 0) == (None, None)
+    assert goodput.rounds == (0, 3) and goodput.table[1][0].rounds == 3
+
+
+def test_a_stale_measurement_is_measured_again():
+    policy = AdaptivePolicy(ranges=(1,), warmup=0, margin=0.0, expire=3)
+    goodput = adaptive.new_goodput(policy, 2)
+    goodput = observe(goodput, policy, 0, 0, 1, 1.0)  # variant 0: 1 token/s
+    goodput = observe(goodput, policy, 0, 1, 5, 1.0)  # variant 1: 5 tokens/s, the best
+    for _ in range(3):
+        assert choose(goodput, policy, 1) == 1
+        goodput = observe(goodput, policy, 0, 1, 5, 1.0)
+    assert rates(goodput, policy, 0)[0] is None and choose(goodput, policy, 1) == 0
+
+
+#: Draft depths of the simulated variants.
+SIMULATED_STEPS = (0, 1, 3, 5)
+
+
+def simulated_round(batch: int, steps: int) -> tuple[float, float]:
+    """Tokens and seconds of one round: chains of acceptance 0.8 per token; a round's cost
+    grows with its tree tokens once the batch is large (the target turns compute-bound)."""
+    tokens = batch * sum(0.8**k for k in range(steps + 1))
+    return tokens, (1 + 0.15 * steps) * (1 + batch * (steps + 1) / 32)
+
+
+@pytest.mark.parametrize(("batch", "best_depth"), [(1, 3), (4, 3), (16, 1), (32, 1), (64, 0)])
+def test_the_choice_follows_goodput_across_batch_sizes(batch, best_depth):
+    """Speculation deep at small batches, none at batch 64: over 1000 simulated rounds
+    (exploration included) the adaptive choice keeps at least 97% of the best fixed variant's
+    goodput at every size, and runs the best in at least 90% of the last 100 rounds."""
+    policy = AdaptivePolicy(warmup=0)  # nothing to capture in a simulation
+    noise = random.Random(batch)
+    expected = [
+        tokens / seconds for tokens, seconds in (simulated_round(batch, s) for s in SIMULATED_STEPS)
+    ]
+    goodput, tokens, seconds = adaptive.new_goodput(policy, len(SIMULATED_STEPS)), 0.0, 0.0
+    chosen = []
+    for _ in range(1000):
+        variant = choose(goodput, policy, batch)
+        t, s = simulated_round(batch, SIMULATED_STEPS[variant])
+        s *= noise.lognormvariate(0, 0.02)  # 2% timing noise
+        goodput = observe(goodput, policy, adaptive.range_of(policy, batch), variant, t, s)
+        tokens, seconds, chosen = tokens + t, seconds + s, [*chosen, variant]
+    best = max(range(len(expected)), key=expected.__getitem__)
+    assert tokens / seconds >= 0.97 * expected[best]
+    assert chosen[-100:].count(best) >= 90
+    assert SIMULATED_STEPS[best] == best_depth
+
+
+@settings(max_examples=30)
+@given(
+    algorithm=st.sampled_from(sorted(HEADS)),
+    steps=st.sets(st.integers(0, 5), min_size=1, max_size=4),
+    policy=st.sampled_from(["round robin", "measured"]),
+    sample_drafts=st.booleans(),
+    prompts=prompt_batches(VOCAB, max_batch=6),
+    max_new_tokens=max_new_tokens,
+    stop_token_ids=stop_token_sets(VOCAB),
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
+)
+def test_greedy_adaptive_decoding_equals_plain(
+    algorithm,
+    steps,
+    policy,
+    sample_drafts,
+    prompts,
+    max_new_tokens,
+    stop_token_ids,
+    page_size,
+    prefill_budget,
+):
+    """Token for token, for every head kind and set of depths, switching every round or by
+    measurement, over batches, page sizes, chunking, stop tokens and token limits."""
+    chosen = ROUND_ROBIN if policy == "round robin" else AdaptivePolicy(warmup=0, refresh=2)
+    limits = {"page_size": page_size, "max_context": 48, "prefill_budget": prefill_budget}
+    engine = adaptive_engine(algorithm, tuple(steps), chosen, sample_drafts, **limits)
+    results = generate(
+        prompts, engine=engine, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+    )
+    assert [r.token_ids for r in results] == plain_greedy(
+        prompts, max_new_tokens, stop_token_ids, **limits
+    )
+
+
+def test_switching_accepts_draft_tokens_after_plain_rounds():
+    """The depth-0 variant keeps the draft caught up: rounds after it still accept deep."""
+    engine = adaptive_engine("eagle", (0, 4))
+    (result,) = generate([[1, 2, 3]], engine=engine, max_new_tokens=40)
+    histogram = result.stats["accept_length_histogram"]
+    assert histogram[1] >= 3 and sum(histogram[3:]) >= 3, histogram
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "standalone"])
+@pytest.mark.parametrize("steps", [0, 3])
+def test_one_variant_emits_what_its_pipeline_emits_when_sampling(algorithm, steps):
+    """The adaptive layer adds nothing to a round: with one variant, sampled tokens are the
+    fixed pipeline's bit for bit; depth 0 samples exactly as plain decoding does."""
+    prompts = [[1, 2, 3], [7, 7, 2, 9, 4]]
+    options = {"max_new_tokens": 16, "temperature": 1.0, "top_k": 8, "seed": 5}
+    ours = generate(prompts, engine=adaptive_engine(algorithm, (steps,)), **options)
+    fixed = engine_from_model(
+        TARGET,
+        algorithm="plain" if steps == 0 else algorithm,
+        draft=None if steps == 0 else HEADS[algorithm],
+        spec=SpecOptions(num_steps=max(steps, 1)),
+        page_size=4,
+        max_context=48,
+    )
+    theirs = generate(prompts, engine=fixed, **options)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
+
+
+def test_snapshot_restores_the_measurements_and_replays_sampling():
+    """With a deterministic clock, the choices and so the sampled tokens replay exactly."""
+    engine = adaptive_engine("eagle3", (0, 2, 4), AdaptivePolicy(warmup=1, clock=Ticks()))
+    sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=3)
+    state = scheduler.new_state(engine)
+    for prompt in ([4, 2, 8], [1, 1, 5, 3]):
+        state, _ = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=24
+        )
+    for _ in range(4):
+        state, _ = scheduler.step(engine, state)
+    snap = scheduler.take_snapshot(engine, state)
+    measured = engine.resources.goodput.value
+    _, first = run_to_completion(engine, state)
+    assert engine.resources.goodput.value is not measured
+    _, again = run_to_completion(engine, scheduler.restore(engine, snap))
+    assert {r: q.output for r, q in again.items()} == {r: q.output for r, q in first.items()}
+
+
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: replay runs the recorded call on the static inputs
+    and writes its results into the static outputs, in place."""
+
+    def __init__(self, fn, inputs, spec, outputs):
+        self.fn, self.inputs, self.spec, self.outputs = fn, inputs, spec, outputs
+
+    def replay(self):
+        fresh = self.fn(*pytree.tree_unflatten(list(self.inputs), self.spec))
+        for static, value in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
+            static.copy_(value)
+
+
+def fake_capture(fn, args, *, pool=None, warmup=2):
+    leaves, spec = pytree.tree_flatten(args)
+    inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
+    outputs = snapshot(fn(*pytree.tree_unflatten(list(inputs), spec)))
+    graph = FakeGraph(fn, inputs, spec, outputs)
+    return graphs.Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+
+
+def test_switching_leaves_every_other_variants_graphs_and_buffers_untouched(monkeypatch):
+    """Each variant is captured on its own (a graph per batch bucket, its own static buffers
+    and graph memory pool). Round after round, only the variant that ran may capture or
+    write its buffers; every other variant's graphs are the same objects holding the same
+    bits. (speculum has no attention plans: the Triton attention reads the page table.)"""
+    monkeypatch.setattr(graphs, "capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    engine = adaptive_engine("eagle", (0, 1, 3))
+    config = EngineConfig(max_batch=4, graph_buckets=(1, 2, 4))
+    variants = [
+        _graphed(v, config, torch.device("cuda"))
+        for v in adaptive.eagle_variants((0, 1, 3), vocab_size=VOCAB)
+    ]
+    decodes = [v.decode for v in variants]
+    assert len({id(d) for d in decodes}) == 3
+    engine = attrs.evolve(engine, pipeline=adaptive.pipeline(variants, policy=ROUND_ROBIN))
+    state = scheduler.new_state(engine)
+    for prompt in ([1, 2, 3], [9, 9, 9, 1], [4]):
+        state, _ = scheduler.add_request(engine, state, prompt, max_new_tokens=30)
+    tokens: dict[int, list[int]] = {}
+    while not scheduler.is_idle(state):
+        before = [graph_buffers(d) for d in decodes]
+        rounds = engine.resources.goodput.value.goodput.rounds
+        state, outputs = scheduler.step(engine, state)
+        for out in outputs:
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        if engine.resources.goodput.value.goodput.rounds == rounds:
+            continue  # a prefill-only step
+        touched = [v for v, (d, old) in enumerate(zip(decodes, before)) if changed(d, old)]
+        assert len(touched) == 1, f"one round changed the graphs of variants {touched}"
+    assert all(d.graphs for d in decodes), "every variant was captured"
+    assert len({id(d.pool) for d in decodes}) == 3, "each variant owns its graph memory"
+    prompts = [[1, 2, 3], [9, 9, 9, 1], [4]]
+    assert [tuple(tokens[r]) for r in range(3)] == plain_greedy(
+        prompts, 30, page_size=4, max_context=48
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"algorithm": "frozen_kv_mtp"}, "supports eagle, eagle3, mtp, nextn, standalone"),
+        ({"topk": 2, "num_draft_tokens": 4}, "topk=1"),
+        ({"num_draft_tokens": 4}, "num_draft_tokens unset"),
+        ({"adaptive_steps": (1, -2)}, "ints >= 0"),
+        ({"adaptive_steps": (3, 1, 3)}, r"\[3\] are listed more than once"),
+        ({"adaptive_policy": AdaptivePolicy(margin=2.0)}, r"margin=2.0 must lie in \[0, 1\]"),
+        ({"adaptive_policy": AdaptivePolicy(ranges=(4, 2))}, "must increase strictly"),
+    ],
+)
+def test_impossible_adaptive_settings_are_refused(options, match):
+    algorithm = options.pop("algorithm", "eagle")
+    spec = SpecOptions(**({"adaptive_steps": (0, 2)} | options))
+    with pytest.raises(ValueError, match=match):
+        engine_from_model(TARGET, algorithm=algorithm, draft=HEADS["eagle"], spec=spec)
+
+
+def test_an_adaptive_round_without_its_measurements_is_refused():
+    engine = adaptive_engine("eagle", (0, 2))
+    state, _ = scheduler.add_request(engine, scheduler.new_state(engine), [1, 2], max_new_tokens=4)
+    state, _ = scheduler.step(engine, state)
+    bare = Resources(
+        target=TARGET,
+        target_pool=engine.resources.target_pool,
+        draft=engine.resources.draft,
+        draft_pool=engine.resources.draft_pool,
+    )
+    measured = engine.resources.goodput.value
+    with pytest.raises(ValueError, match="Resources.goodput"):
+        engine.pipeline.decode(bare, state.batch)
+    assert engine.resources.goodput.value is measured
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive-cli")
+    return {
+        "target": save_model(TARGET, root / "target"),
+        "eagle": save_draft(HEADS["eagle"], root / "eagle", "sglang-eagle"),
+    }
+
+
+def test_the_command_line_decodes_adaptively_with_plain_tokens(capsys, folders):
+    args = ["--model", str(folders["target"]), "--algorithm", "eagle", "--draft"]
+    args += [str(folders["eagle"]), "--adaptive-steps", "0,1,3", "--prompt-ids", "1,2,3"]
+    status = cli.main(["generate", *args, "--max-new-tokens", "24", "--json", "--compare-plain"])
+    payload = json.loads(capsys.readouterr().out)
+    assert status == 0 and payload["compare_plain"]["same_tokens"]
+    assert len(payload["token_ids"]) == 24 and payload["stats"]["accept_length_mean"] > 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--algorithm", "ngram", "--adaptive-steps", "0,2"], "not 'ngram'"),
+        (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "2,2"], "more than"),
+        (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "1,a"], "0,1,3,5"),
+    ],
+)
+def test_bad_adaptive_flags_exit_2_with_one_line(capsys, folders, flags, match):
+    args = [f.format(**{k: str(v) for k, v in folders.items()}) for f in flags]
+    try:
+        status = cli.main(
+            ["generate", "--model", str(folders["target"]), "--prompt-ids", "1"] + args
+        )
+    except SystemExit as exit:  # argparse refuses the flag itself
+        status = exit.code
+    err = capsys.readouterr().err
+    assert status == 2 and re.search(match, err), err
+
+
+def test_the_adaptive_page_example_runs(capsys):
+    """docs/adaptive.md's Python example runs as written (its greedy-equality assert included)."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "adaptive.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    exec(compile(block, str(page), "exec"), {"__name__": "__example__"})
+    assert capsys.readouterr().out.count("\n") == 1
