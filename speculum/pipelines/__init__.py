@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from speculum.pipelines import eagle, frozen_kv_mtp, multi_layer_eagle, ngram, plain, standalone
+from speculum.pipelines import (
+    dflash,
+    dspark,
+    eagle,
+    frozen_kv_mtp,
+    multi_layer_eagle,
+    ngram,
+    plain,
+    standalone,
+)
 from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput, prefill, step
 from speculum.state.record import replace
 
 __all__ = [
     "ALGORITHMS",
+    "BLOCK",
     "SPECULATIVE",
     "Pipeline",
     "PrefillChunk",
@@ -34,7 +44,11 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "ngram": ngram.pipeline,
     "frozen_kv_mtp": frozen_kv_mtp.pipeline,
     "multi_layer_eagle": multi_layer_eagle.pipeline,
+    "dflash": dflash.pipeline,
+    "dspark": dspark.pipeline,
 }
+#: Block drafters: one draft forward per round gives a whole block of draft tokens.
+BLOCK = frozenset({"dflash", "dspark"})
 #: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}
 

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft_loading import load_draft
@@ -18,7 +19,7 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import SPECULATIVE, get_pipeline
+from speculum.pipelines import BLOCK, SPECULATIVE, get_pipeline
 from speculum.pipelines.base import Cell, Pipeline, Resources
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
@@ -77,6 +78,13 @@ class SpecOptions:
     ``sample_drafts`` draws drafts from the draft's filtered distribution (``topk``
     independent chains) instead of taking its top-k. ``chain_hidden`` (multi-layer EAGLE only)
     feeds each MTP layer's output hidden state into the next layer.
+
+    Block drafters (``dflash``, ``dspark``) ignore ``num_steps``, ``topk`` and
+    ``num_draft_tokens``: ``block_size`` is the block width (default: the draft's own), and
+    ``verify_budget`` (``"all"``, ``"auto"`` or a number of draft tokens per round over the
+    batch), ``cost_table`` (``(tokens, seconds)`` points, for ``"auto"``) and ``min_verify``
+    (draft tokens each request verifies at least) choose how many draft tokens are verified
+    (see ``docs/dspark.md``).
     """
 
     num_steps: int = 3
@@ -84,6 +92,10 @@ class SpecOptions:
     num_draft_tokens: int | None = None
     sample_drafts: bool = False
     chain_hidden: bool = True
+    block_size: int | None = None
+    verify_budget: str | int = "all"
+    cost_table: tuple[tuple[int, float], ...] | None = None
+    min_verify: int = 0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -169,6 +181,15 @@ def _pipeline(
         return get_pipeline(algorithm)
     if draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    if algorithm in BLOCK:
+        return get_pipeline(
+            algorithm,
+            block_size=spec.block_size or draft.config.block_size,
+            sample_drafts=spec.sample_drafts,
+            budget=spec.verify_budget,
+            cost_table=spec.cost_table,
+            min_verify=spec.min_verify,
+        )
     # Multi-layer EAGLE alone has the chain_hidden option.
     extra = {"chain_hidden": spec.chain_hidden} if algorithm == "multi_layer_eagle" else {}
     return get_pipeline(
@@ -312,6 +333,8 @@ def build_engine(
             "standalone": load_standalone,
             "frozen_kv_mtp": load_frozen_kv,
             "multi_layer_eagle": load_multi_layer,
+            "dflash": load_block_draft,
+            "dspark": load_block_draft,
         }
         load = loaders.get(algorithm, load_draft)
         head = _allocate(
