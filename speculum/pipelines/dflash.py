@@ -55,9 +55,8 @@ def _check_head(resources: Resources, config: BlockConfig) -> None:
         )
     sequential = hasattr(head, "step_logits")
     if sequential != (config.first_slot == 0):
-        kind = "DSPARK" if sequential else "DFLASH"
-        other = "dflash" if sequential else "dspark"
-        raise ValueError(f"the draft is a {kind} draft; run it with --algorithm {other}")
+        kind = "dspark" if sequential else "dflash"
+        raise ValueError(f"the draft is a {kind} draft; run it with --algorithm {kind}")
 
 
 def prefill(
