@@ -330,13 +330,17 @@ class DFlashHead(nn.Module):
             kernels.write_kv(pool.k[attention.layer], batch.slots, keys)
             kernels.write_kv(pool.v[attention.layer], batch.slots, values)
 
+    def embed(self, tokens: Int[Tensor, "batch q"]) -> Float[Tensor, "batch q hidden"]:
+        """The target's embedding of ``tokens``, in the head's dtype."""
+        return self._target_embed[0](tokens).to(self.fc.weight.dtype)
+
     def forward(self, batch: ForwardBatch, pool: KVPool) -> Float[Tensor, "batch q hidden"]:
         """The block forward: ``norm`` of the last layer's output at every slot.
 
         ``batch`` holds the block tokens, written at tail slots and seeing the context prefix
         and (by its ``new_mask``) each other.
         """
-        x = self._target_embed[0](batch.input_ids).to(self.fc.weight.dtype)
+        x = self.embed(batch.input_ids)
         for layer in self.layers:
             x = layer(x, batch, pool, self.inv_freq)
         return self.norm(x)
@@ -358,17 +362,17 @@ class DSparkHead(DFlashHead):
             with_markov = rank if config.confidence_with_markov else 0
             self.confidence_head = ConfidenceHead(h, with_markov)
 
-    def initial_state(self, hidden: Float[Tensor, "batch hidden"]) -> Float[Tensor, "batch rank"]:
+    def initial_state(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows rank"]:
         """The Markov head's recurrent state before the first slot (zeros)."""
-        return hidden.new_zeros(hidden.shape[0], self.config.markov_rank)
+        return hidden.new_zeros(*hidden.shape[:-1], self.config.markov_rank)
 
     def step_logits(
         self,
-        base: Float[Tensor, "batch vocab"],
-        previous: Int[Tensor, " batch"],
-        hidden: Float[Tensor, "batch hidden"],
-        state: Float[Tensor, "batch rank"],
-    ) -> tuple[Float[Tensor, "batch vocab"], Float[Tensor, "batch rank"]]:
+        base: Float[Tensor, "*rows vocab"],
+        previous: Int[Tensor, " *rows"],
+        hidden: Float[Tensor, "*rows hidden"],
+        state: Float[Tensor, "*rows rank"],
+    ) -> tuple[Float[Tensor, "*rows vocab"], Float[Tensor, "*rows rank"]]:
         """One slot's float32 logits given the previous token, and the next recurrent state."""
         bias, state = self.markov_head.step(previous, hidden, state)
         return base + bias, state
@@ -378,8 +382,14 @@ class DSparkHead(DFlashHead):
     ) -> Float[Tensor, " *rows"]:
         """The predicted chance that the slot's draft token is accepted, from the slot's
         hidden state and the *previous* token only (known before the slot's token is drawn)."""
+        return torch.sigmoid(self.confidence_logits(hidden, previous))
+
+    def confidence_logits(
+        self, hidden: Float[Tensor, "*rows hidden"], previous: Int[Tensor, "*rows"]
+    ) -> Float[Tensor, " *rows"]:
+        """:meth:`confidence` before the sigmoid (what training's BCE reads)."""
         markov = self.markov_head.embed(previous) if self.config.confidence_with_markov else None
-        return torch.sigmoid(self.confidence_head(hidden, markov))
+        return self.confidence_head(hidden, markov)
 
 
 def build_block_draft(config: BlockDraftConfig, target: DecoderModel) -> DFlashHead:

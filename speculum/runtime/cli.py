@@ -218,6 +218,12 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
         default=argparse.SUPPRESS,
         help="EAGLE-3: ids of the draft's reduced vocabulary",
     )
+    draft.add_argument(
+        "--block-size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="DFLASH / DSPARK: the block width (DFLASH 8: 7 draft tokens; DSPARK 7: 7 tokens)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,6 +379,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             "seed",
             "num_steps",
             "draft_vocab_size",
+            "block_size",
         )
         if hasattr(args, name)
     }

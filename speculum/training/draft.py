@@ -89,6 +89,7 @@ def train_draft(
     distill: bool = True,
     chain_hidden: bool = True,
     save_dtype: str | None = None,
+    block_size: int | None = None,
 ) -> dict[str, float]:
     """Train an ``algorithm`` draft for the target in ``target_dir`` and save it as ``out_dir``.
 
@@ -97,8 +98,9 @@ def train_draft(
     depth (EAGLE-3's training-time-test depth, multi-layer EAGLE's layer count) and the chain
     length acceptance is measured with; ``draft_vocab_size`` is EAGLE-3's reduced vocabulary;
     ``standalone_size``, ``distill`` and ``chain_hidden`` are the
-    :class:`~speculum.training.recipes.DraftOptions` of the same names. ``files`` replaces the
-    corpus (see the module docstring).
+    :class:`~speculum.training.recipes.DraftOptions` of the same names, as is ``block_size``
+    (DFLASH and DSPARK: the block width the draft is trained and measured with). ``files``
+    replaces the corpus (see the module docstring).
 
     Returns the metrics, also written to ``out_dir/training.json``: ``acceptance_length``
     (tokens per verify step, bonus token included, greedy chains of ``num_steps``),
@@ -123,6 +125,7 @@ def train_draft(
         standalone_size=standalone_size,
         distill=distill,
         chain_hidden=chain_hidden,
+        block_size=block_size,
     )
     shape = {
         "num_steps": num_steps,
@@ -130,6 +133,7 @@ def train_draft(
         "standalone_size": None if standalone_size is None else list(standalone_size),
         "distill": distill,
         "chain_hidden": chain_hidden,
+        "block_size": block_size,
         "files": None if files is None else sorted(str(f) for f in files),
         "seed": seed,
     }
