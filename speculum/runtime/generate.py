@@ -58,6 +58,10 @@ def generate(
     num_draft_tokens: int | None = None,
     sample_drafts: bool = False,
     chain_hidden: bool = True,
+    block_size: int | None = None,
+    verify_budget: str | int = "all",
+    cost_table: tuple[tuple[int, float], ...] | None = None,
+    min_verify: int = 0,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -80,7 +84,9 @@ def generate(
     prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
     shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
-    chains multi-layer EAGLE's MTP layers. ``algorithm="ngram"``
+    chains multi-layer EAGLE's MTP layers. Block drafters (``dflash``, ``dspark``) take
+    ``block_size`` (default: the draft's) and the verify budget ``verify_budget``,
+    ``cost_table`` and ``min_verify`` (``SpecOptions``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False.
     """
@@ -99,6 +105,10 @@ def generate(
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
                 chain_hidden=chain_hidden,
+                block_size=block_size,
+                verify_budget=verify_budget,
+                cost_table=cost_table,
+                min_verify=min_verify,
             ),
             device=device,
             dtype=dtype,
