@@ -74,7 +74,7 @@ from speculum import kernels
 from speculum.models.config import DecoderConfig, UnsupportedModel
 from speculum.models.decoder import DecoderLayer, DecoderModel, RMSNorm, rope_inv_freq
 from speculum.models.draft import pool_for
-from speculum.models.draft_loading import DraftTargetMismatch, materialize
+from speculum.models.draft_loading import DraftTargetMismatch, _read_json, materialize
 from speculum.models.loading import DTYPES, CheckpointError, check_keys, load_state_dict, randomize_
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
@@ -592,13 +592,7 @@ def load_block_draft(
     where = str(folder)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json; pass a {algorithm} draft folder")
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read draft config {folder / 'config.json'}: {err}") from err
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{folder / 'config.json'} must hold a JSON object")
-    config = _parse(raw, algorithm, target.config, where)
+    config = _parse(_read_json(folder / "config.json"), algorithm, target.config, where)
     found = load_state_dict(folder)
     # SGLang's loader accepts a "model." prefix on every key; so does this one.
     if found and all(k.startswith("model.") for k in found):

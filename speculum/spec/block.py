@@ -143,13 +143,17 @@ def survival(confidence: Float[Tensor, "batch num_draft"]) -> Float[Tensor, "bat
 
 def round_seconds(total_tokens: Int[Tensor, "*n"], config: BlockConfig) -> Float[Tensor, "*n"]:
     """Seconds of a round that verifies ``total_tokens`` tokens (roots included), from the cost
-    table: linear between its points and continued linearly beyond the first and last two."""
-    xs = torch.tensor(config.cost_tokens, dtype=torch.float64, device=total_tokens.device)
-    ys = torch.tensor(config.cost_seconds, dtype=torch.float64, device=total_tokens.device)
+    table: linear between its points and continued linearly beyond the first and last two.
+
+    The table's points enter as Python scalars (no host-to-device copy, so the stage can be
+    captured in a CUDA graph)."""
+    xs, ys = config.cost_tokens, config.cost_seconds
     n = total_tokens.to(torch.float64)
-    right = torch.searchsorted(xs, n, right=True).clamp(1, len(xs) - 1)
-    x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
-    return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
+    seconds = ys[0] + (n - xs[0]) * ((ys[1] - ys[0]) / (xs[1] - xs[0]))
+    for i in range(1, len(xs) - 1):
+        segment = ys[i] + (n - xs[i]) * ((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]))
+        seconds = torch.where(n >= xs[i], segment, seconds)
+    return seconds
 
 
 def choose_budget(
@@ -163,7 +167,7 @@ def choose_budget(
     best ``t`` wins. It reads nothing of the current round.
     """
     batch, width = previous.shape
-    full = torch.tensor(batch * width, dtype=torch.int64, device=previous.device)
+    full = previous.new_full((), batch * width, dtype=torch.int64)
     if config.budget == "all":
         return full
     if config.budget == "fixed":

@@ -18,7 +18,7 @@ from speculum.models.block_draft import BlockDraftConfig, random_block_draft
 from speculum.pipelines import dflash
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
-from speculum.runtime.generate import generate
+from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec import block as spec_block
 from speculum.spec.paged import extend_batch
 from speculum.state import PagedKV
@@ -366,3 +366,28 @@ def test_the_cost_table_is_linear_between_and_beyond_its_points():
     )  # fmt: skip
     got = spec_block.round_seconds(torch.tensor([0, 2, 3, 4, 6, 8, 12]), config)
     assert got.tolist() == [0.0, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark-agree"])
+def test_snapshot_restore_replays_sampled_block_decoding(name):
+    engine = engine_from_model(
+        TARGET,
+        algorithm=name.split("-")[0],
+        draft=HEADS[name],
+        spec=SpecOptions(sample_drafts=True, verify_budget=5),
+        page_size=4,
+        max_context=48,
+    )
+    sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=77)
+    state = scheduler.new_state(engine)
+    for prompt in ([4, 2, 8], [1, 1]):
+        state, _ = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=20
+        )
+    for _ in range(3):
+        state, _ = scheduler.step(engine, state)
+    snap = scheduler.take_snapshot(engine, state)
+    _, finished = run_to_completion(engine, state)
+    first = {rid: r.output for rid, r in finished.items()}
+    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
+    assert {rid: r.output for rid, r in finished.items()} == first
