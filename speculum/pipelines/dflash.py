@@ -127,9 +127,10 @@ def round_config(
     tokens verified over the whole batch each round. ``first_slot`` is 1 for DFLASH (slot 0
     holds the root) and 0 for DSPARK.
     """
-    num_drafts = block_size - first_slot
+    integral = isinstance(block_size, int) and not isinstance(block_size, bool)
+    num_drafts = block_size - first_slot if integral else 0
     problems = []
-    if not isinstance(block_size, int) or num_drafts < 1:
+    if num_drafts < 1:
         problems.append(
             f"block_size={block_size!r}: the block must hold at least one draft token (DFLASH: "
             "block_size >= 2, DSPARK: block_size >= 1)"
