@@ -11,9 +11,12 @@ import torch
 from test_training_draft import assert_decodes_like_plain, corpus, cycle_target, target_dir, train
 
 from speculum.models.block_draft import random_block_draft
+from speculum.runtime.engine import engine_from_model
+from speculum.runtime.generate import generate
 from speculum.spec.block import block_batch
 from speculum.spec.paged import extend_batch
 from speculum.state import PagedKV
+from speculum.training.draft import target_continuations
 from speculum.training.recipes import run_target
 from speculum.training.recipes.dflash import block_mask, dense_block_forward
 
@@ -71,3 +74,15 @@ def test_training_lowers_the_loss_and_saves_a_loadable_draft(
     if algorithm == "dspark":
         assert 0.0 <= metrics["heldout_tv_0"] <= 1.0 and "heldout_confidence_error_0" in metrics
     assert_decodes_like_plain(out_dir, target_dir, algorithm)
+
+
+def test_on_policy_data_is_the_targets_greedy_continuation_of_corpus_prompts():
+    target = cycle_target()
+    corpus = torch.randint(97, 123, (500,), generator=torch.Generator().manual_seed(4)).numpy()
+    sequences = target_continuations(target, corpus, 3, 16, seed=0).reshape(3, 17)
+    assert (sequences[:, -1] == 257).all()  # EOS after each
+    engine = engine_from_model(target, max_context=32)
+    prompts = [row[:4].tolist() for row in sequences]
+    assert all(" ".join(map(str, p)) in " ".join(map(str, corpus.tolist())) for p in prompts)
+    greedy = generate(prompts, engine=engine, max_new_tokens=12, ignore_eos=True)
+    assert [list(r.token_ids) for r in greedy] == [row[4:16].tolist() for row in sequences]

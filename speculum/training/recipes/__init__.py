@@ -111,6 +111,8 @@ class Recipe:
     with only its own parameters trainable. ``loss(head, target, windows, options)``: the
     scalar loss of int64 windows ``[batch, length]`` and float metrics. ``save(head, folder)``
     and ``load(folder, target)``: the checkpoint layout and the speculum loader that reads it.
+    ``on_policy``: the draft trains on the target's own greedy continuations of corpus prompts
+    rather than on the corpus (``train_draft`` regenerates the data first).
     """
 
     name: str
@@ -120,6 +122,7 @@ class Recipe:
     ]
     save: Callable[[Any, Path], Path]
     load: Callable[[Path, DecoderModel], nn.Module]
+    on_policy: bool = False
 
 
 def recipe(algorithm: str) -> Recipe:

@@ -1,6 +1,13 @@
 """DFLASH's recipe: blocks at random anchors of each window, one dense forward, decayed
 cross-entropy per block position.
 
+**Data.** A block's later slots are scored against the target's predictions *given the tokens
+before them*, which the draft never sees: on corpus text those tokens need not be the ones the
+target would have produced, and slot ``j >= 2`` would learn the corpus instead of the target's
+own continuation. So, as DFlash (and DeepSpec for DSPARK) regenerate their training responses
+with the target, ``train_draft`` trains these recipes on the target's greedy continuations of
+corpus prompts (``Recipe.on_policy``, :func:`~speculum.training.draft.target_continuations`).
+
 At inference (``speculum.pipelines.dflash``) a block rooted at position ``a`` sees the injected
 context of tokens ``0 .. a - 1`` and fills slots ``1 .. B - 1`` with the tokens at ``a + 1 ..
 a + B - 1``. Training does the same at ``anchors`` random positions of every window at once, as
@@ -202,4 +209,4 @@ def load(folder: Path, target: DecoderModel) -> DFlashHead:
     return load_block_draft(folder, target, "dflash")
 
 
-RECIPE = Recipe(name="dflash", build=build, loss=loss, save=save, load=load)
+RECIPE = Recipe(name="dflash", build=build, loss=loss, save=save, load=load, on_policy=True)

@@ -130,4 +130,4 @@ def load(folder: Path, target: DecoderModel) -> DSparkHead:
     return load_block_draft(folder, target, "dspark")
 
 
-RECIPE = Recipe(name="dspark", build=build, loss=loss, save=save, load=load)
+RECIPE = Recipe(name="dspark", build=build, loss=loss, save=save, load=load, on_policy=True)
