@@ -3,13 +3,15 @@
 One run trains, with a fixed seed, a ``small`` target (``train_target``: as many steps of 64
 windows of 512 tokens as fit ``--target-seconds``, measured by a short calibration run, unless
 ``--target-steps`` fixes them) on a sample of the interpreter's installed ``.py`` files, then
-its drafts (``train_draft``: eagle, eagle3, mtp, multi_layer_eagle, standalone; as many steps
-as fit ``--draft-seconds`` each unless ``--draft-steps``). n-gram drafting needs no training.
+its drafts (``train_draft``: eagle, eagle3, mtp, multi_layer_eagle, standalone, dflash, dspark;
+as many steps as fit ``--draft-seconds`` each unless ``--draft-steps``). n-gram drafting needs
+no training.
 
 Then, on 64 held-out prompts (the first 128 tokens of held-out files of the target's own
 corpus split), 256 new tokens each, EOS ignored, greedy and at temperature 0.7, for plain
 decoding, eagle, eagle3 (a chain and a 16-node tree), mtp, multi_layer_eagle, standalone and
-ngram (chains of ``--num-steps`` drafts):
+ngram (chains of ``--num-steps`` drafts), and the block drafters dflash and dspark (blocks of
+their trained size, 7 draft tokens each):
 
 - acceptance length: tokens emitted per verify round, bonus token included, over every round of
   the largest-batch run (all prompts);
@@ -64,7 +66,7 @@ from speculum.training.recipes import recipe  # noqa: E402
 from speculum.training.target import train_target  # noqa: E402
 
 #: Drafts trained, in the order they are trained and reported.
-DRAFTS = ("eagle", "eagle3", "mtp", "multi_layer_eagle", "standalone")
+DRAFTS = ("eagle", "eagle3", "mtp", "multi_layer_eagle", "standalone", "dflash", "dspark")
 #: Steps of the two calibration runs that time a training step before the budgeted run.
 CALIBRATION_STEPS = (10, 30)
 
@@ -195,6 +197,10 @@ def methods(args) -> list[tuple[str, str, SpecOptions | None]]:
         ("multi_layer_eagle", "multi_layer_eagle", chain),
         ("standalone", "standalone", chain),
         ("ngram", "ngram", None),
+        # Block drafters at their trained block size (DFLASH 8: 7 draft tokens; DSPARK 7: 7),
+        # every draft token verified.
+        ("dflash", "dflash", SpecOptions()),
+        ("dspark", "dspark", SpecOptions()),
     ]
 
 

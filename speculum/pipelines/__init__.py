@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from speculum.pipelines import (
     adaptive,
+    dflash,
+    dspark,
     eagle,
     frozen_kv_mtp,
     multi_layer_eagle,
@@ -19,6 +21,7 @@ from speculum.state.record import replace
 __all__ = [
     "ALGORITHMS",
     "ADAPTIVE",
+    "BLOCK",
     "SPECULATIVE",
     "Pipeline",
     "PrefillChunk",
@@ -46,7 +49,11 @@ ALGORITHMS: dict[str, Callable[..., Pipeline]] = {
     "ngram": ngram.pipeline,
     "frozen_kv_mtp": frozen_kv_mtp.pipeline,
     "multi_layer_eagle": multi_layer_eagle.pipeline,
+    "dflash": dflash.pipeline,
+    "dspark": dspark.pipeline,
 }
+#: Block drafters: one draft forward per round gives a whole block of draft tokens.
+BLOCK = frozenset({"dflash", "dspark"})
 #: Algorithms that need a draft model (NGRAM drafts from token matches, without one).
 SPECULATIVE = frozenset(ALGORITHMS) - {"plain", "ngram"}
 #: Algorithms whose draft depths adaptive speculation switches between: the EAGLE family and

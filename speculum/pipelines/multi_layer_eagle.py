@@ -55,12 +55,12 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import gather_nodes, last_valid
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.tree import build_tree
+from speculum.spec.tree import chain_tree
 from speculum.state.draft import EagleConfig
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams
-from speculum.state.tree import DraftCandidates, DraftTree, Verified
+from speculum.state.tree import DraftTree, Verified
 
 __all__ = [
     "MultiLayerState",
@@ -190,16 +190,7 @@ def prefill(
 
 def draft(state: MultiLayerState) -> DraftTree:
     """The carried chain under the root: node ``i`` is ``d_i``, child of node ``i - 1``."""
-    chain = state.carried.chain
-    num_steps = chain.shape[1]
-    steps = torch.arange(num_steps, device=chain.device).expand_as(chain)
-    candidates = make(
-        DraftCandidates,
-        tokens=chain,
-        parents=steps - 1,
-        scores=torch.pow(0.5, steps + 1.0).to(torch.float32),
-    )
-    return build_tree(candidates, state.root_tokens, num_steps + 1)
+    return chain_tree(state.root_tokens, state.carried.chain)
 
 
 def verify(

@@ -32,6 +32,27 @@ def _int_list(flag: str, example: str):
     return parse
 
 
+def _budget(text: str) -> str | int:
+    if text in ("all", "auto"):
+        return text
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"--verify-budget takes all, auto or a number of draft tokens, not {text!r}"
+        ) from err
+
+
+def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
+    try:
+        raw = json.loads(Path(path).read_text())
+        return tuple((int(n), float(s)) for n, s in raw)
+    except (OSError, ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(
+            f"--cost-table {path}: expected a JSON list of [tokens, seconds] pairs ({err})"
+        ) from err
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``speculum`` argument parser."""
     top = argparse.ArgumentParser(prog="speculum", description=__doc__)
@@ -59,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--draft",
-        help="draft model folder (EAGLE / EAGLE-3 heads; MTP defaults to the target's folder)",
+        help="draft model folder (EAGLE / EAGLE-3 heads, DFLASH / DSPARK blocks; MTP defaults "
+        "to the target's folder)",
     )
     gen.add_argument("--num-steps", type=int, default=3, help="draft depth per round")
     gen.add_argument("--topk", type=int, default=1, help="children per node (1 = chain)")
@@ -95,6 +117,31 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="multi_layer_eagle: feed every MTP layer the target's hidden state instead of the "
         "previous layer's output",
+    )
+    block = gen.add_argument_group("block drafting (--algorithm dflash or dspark)")
+    block.add_argument(
+        "--block-size",
+        type=int,
+        help="block width: DFLASH drafts N - 1 tokens, DSPARK N (default: the draft's)",
+    )
+    block.add_argument(
+        "--verify-budget",
+        type=_budget,
+        default="all",
+        help="draft tokens verified per round over the batch: all, auto (from --cost-table) or "
+        "a number (default all)",
+    )
+    block.add_argument(
+        "--cost-table",
+        metavar="FILE",
+        type=_cost_table,
+        help="JSON list of [tokens verified in a round, seconds] pairs for --verify-budget auto",
+    )
+    block.add_argument(
+        "--min-verify",
+        type=int,
+        default=0,
+        help="draft tokens every request verifies at least (default 0)",
     )
     ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
     ngram.add_argument(
@@ -247,6 +294,12 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
         default=argparse.SUPPRESS,
         help="EAGLE-3: ids of the draft's reduced vocabulary",
     )
+    draft.add_argument(
+        "--block-size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="DFLASH / DSPARK: the block width (DFLASH 8: 7 draft tokens; DSPARK 7: 7 tokens)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -307,6 +360,10 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         chain_hidden=args.chain_hidden,
         adaptive_steps=() if algorithm == "plain" else args.adaptive_steps,
         adaptive_margin=args.adaptive_margin,
+        block_size=args.block_size,
+        verify_budget=args.verify_budget,
+        cost_table=args.cost_table,
+        min_verify=args.min_verify,
         ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -405,6 +462,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             "seed",
             "num_steps",
             "draft_vocab_size",
+            "block_size",
         )
         if hasattr(args, name)
     }

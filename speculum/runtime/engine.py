@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel, fuse_projections_
 from speculum.models.draft_loading import load_draft
@@ -18,7 +19,7 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import ADAPTIVE, SPECULATIVE, adaptive, get_pipeline
+from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
@@ -101,6 +102,12 @@ class SpecOptions:
     several draft depths, 0 meaning no speculation; each round runs the one with the best
     measured goodput at the batch's size, chosen by ``adaptive_policy``
     (``speculum.pipelines.adaptive``, ``docs/adaptive.md``).
+    Block drafters (``dflash``, ``dspark``) ignore ``num_steps``, ``topk`` and
+    ``num_draft_tokens``: ``block_size`` is the block width (default: the draft's own), and
+    ``verify_budget`` (``"all"``, ``"auto"`` or a number of draft tokens per round over the
+    batch), ``cost_table`` (``(tokens, seconds)`` points, for ``"auto"``) and ``min_verify``
+    (draft tokens each request verifies at least) choose how many draft tokens are verified
+    (see ``docs/dspark.md``).
     """
 
     num_steps: int = 3
@@ -110,6 +117,10 @@ class SpecOptions:
     chain_hidden: bool = True
     adaptive_steps: tuple[int, ...] = ()
     adaptive_policy: AdaptivePolicy = attrs.field(factory=AdaptivePolicy)
+    block_size: int | None = None
+    verify_budget: str | int = "all"
+    cost_table: tuple[tuple[int, float], ...] | None = None
+    min_verify: int = 0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -195,6 +206,15 @@ def _pipeline(
         return get_pipeline(algorithm)
     if draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
+    if algorithm in BLOCK:
+        return get_pipeline(
+            algorithm,
+            block_size=spec.block_size or draft.config.block_size,
+            sample_drafts=spec.sample_drafts,
+            budget=spec.verify_budget,
+            cost_table=spec.cost_table,
+            min_verify=spec.min_verify,
+        )
     # Multi-layer EAGLE alone has the chain_hidden option.
     extra = {"chain_hidden": spec.chain_hidden} if algorithm == "multi_layer_eagle" else {}
     return get_pipeline(
@@ -385,6 +405,8 @@ def build_engine(
             "standalone": load_standalone,
             "frozen_kv_mtp": load_frozen_kv,
             "multi_layer_eagle": load_multi_layer,
+            "dflash": load_block_draft,
+            "dspark": load_block_draft,
         }
         load = loaders.get(algorithm, load_draft)
         head = _allocate(

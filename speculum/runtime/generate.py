@@ -63,6 +63,10 @@ def generate(
     chain_hidden: bool = True,
     adaptive_steps: Sequence[int] = (),
     adaptive_margin: float = 0.05,
+    block_size: int | None = None,
+    verify_budget: str | int = "all",
+    cost_table: tuple[tuple[int, float], ...] | None = None,
+    min_verify: int = 0,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -90,6 +94,9 @@ def generate(
     ``num_steps`` with several chain depths, 0 meaning no speculation, and each round runs the
     one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
     best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
+    chains multi-layer EAGLE's MTP layers. Block drafters (``dflash``, ``dspark``) take
+    ``block_size`` (default: the draft's) and the verify budget ``verify_budget``,
+    ``cost_table`` and ``min_verify`` (``SpecOptions``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
     the device runs the previous one (same tokens; see ``docs/overlap.md``).
@@ -111,6 +118,10 @@ def generate(
                 chain_hidden=chain_hidden,
                 adaptive_steps=tuple(adaptive_steps),
                 adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
+                block_size=block_size,
+                verify_budget=verify_budget,
+                cost_table=cost_table,
+                min_verify=min_verify,
             ),
             device=device,
             dtype=dtype,

@@ -61,7 +61,7 @@ from torch import Tensor
 from speculum.spec.checks import checking, raise_for_rows
 from speculum.spec.sampling import Stream, sample_from_probs, uniforms
 from speculum.spec.tree import _children_of, sibling_ranks
-from speculum.state.record import make
+from speculum.state.record import make, replace
 from speculum.state.tree import AcceptResult, DraftTree
 
 __all__ = ["accept", "accept_tree"]
@@ -188,6 +188,7 @@ def accept(
     draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
     *,
     max_children: int | None = None,
+    verify_lens: Int[Tensor, " batch"] | None = None,
 ) -> AcceptResult:
     """Walk each request's tree by recursive rejection sampling; emit accepted tokens + a bonus.
 
@@ -209,10 +210,27 @@ def accept(
     the tree and distributions (one host sync) and raise ``ValueError`` naming the batch rows;
     under ``torch.compile`` the check is skipped. See the module docstring for the rule, its
     randomness and why it is lossless.
+
+    ``verify_lens[b]`` (ragged verify), when given, verifies only row ``b``'s nodes of depth
+    ``<= verify_lens[b]``: deeper nodes are dropped from the tree before the walk, so a walk
+    that reaches the limit draws its bonus from the target's distribution there. Losslessness
+    needs the limit to be chosen without looking at the tokens it cuts off (a node's fate may
+    depend only on what was known before its token was drawn): otherwise the tokens that are
+    verified are no longer draws from their ``q``.
     """
     num_nodes = tree.tokens.shape[1]
     max_children = max(num_nodes - 1, 1) if max_children is None else max_children
     _check_accept(tree, target_probs, seed, root_positions, max_depth, draft_probs, max_children)
+    if verify_lens is not None:
+        if tuple(verify_lens.shape) != (tree.tokens.shape[0],) or verify_lens.dtype != torch.int64:
+            raise ValueError(
+                f"accept: verify_lens must be an int64 [batch] = ({tree.tokens.shape[0]},) "
+                f"tensor, got {verify_lens.dtype} {tuple(verify_lens.shape)}"
+            )
+        # A parent of -1 makes a node nobody's child: the walk (and its CUDA twin) never
+        # reaches it.
+        kept = tree.depths <= verify_lens[:, None]
+        tree = replace(tree, parents=torch.where(kept, tree.parents, -1))
     return _accept_core(
         tree, target_probs, seed, root_positions, max_depth, draft_probs, max_children
     )

@@ -30,6 +30,7 @@ from speculum.state.tree import DraftCandidates, DraftTree
 __all__ = [
     "select_frontier",
     "build_tree",
+    "chain_tree",
     "tree_mask",
     "children",
     "sibling_ranks",
@@ -196,6 +197,21 @@ def _children_of(
     table = torch.full((batch, slots + 1), -1, dtype=torch.int64, device=parents.device)
     table = table.scatter(1, index, torch.where(fits, node, -1))
     return table[:, :slots].reshape(batch, n, max_children)
+
+
+def chain_tree(
+    root_tokens: Int[Tensor, " batch"], tokens: Int[Tensor, "batch num_draft"]
+) -> DraftTree:
+    """The chain ``root -> tokens[:, 0] -> tokens[:, 1] -> ...`` as a draft tree (node ``i``
+    at depth ``i``), through :func:`build_tree` with scores that halve along the chain."""
+    steps = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    candidates = make(
+        DraftCandidates,
+        tokens=tokens,
+        parents=steps - 1,
+        scores=torch.pow(0.5, steps + 1.0).to(torch.float32),
+    )
+    return build_tree(candidates, root_tokens, tokens.shape[1] + 1)
 
 
 def _check_candidates(

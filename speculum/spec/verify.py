@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.spec.accept import accept
@@ -36,16 +36,20 @@ def verify_tree(
     max_children: int,
     capture_layers: tuple[int, ...] = (),
     draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
+    verify_lens: Int[Tensor, " batch"] | None = None,
 ) -> Verified:
     """One target forward over the tree, then acceptance.
 
     Node ``i`` is written at cache index ``seq_lens + i`` and sits at rotary position
     ``seq_lens + depth``; it sees the prefix and its ancestors. The target's filtered
     distribution after each node decides acceptance (``spec.accept``); ``draft_probs`` is
-    ``None`` for deterministically chosen drafts.
+    ``None`` for deterministically chosen drafts. ``verify_lens`` (chains only: node ``i`` at
+    depth ``i``) verifies the first ``verify_lens[b]`` draft nodes of row ``b`` in the same
+    forward: the rest are padding rows of the batch (ragged verify).
     """
     positions = kv.seq_lens[:, None] + tree.depths
-    batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree))
+    q_lens = None if verify_lens is None else verify_lens + 1
+    batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree), q_lens=q_lens)
     hidden, captured = target(batch, pool, capture_layers)
     target_probs = filtered_probs(target.logits(hidden), sampling)
     accepted = accept(
@@ -56,6 +60,7 @@ def verify_tree(
         max_depth,
         draft_probs,
         max_children=max_children,
+        verify_lens=verify_lens,
     )
     return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
 

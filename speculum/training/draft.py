@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
@@ -45,6 +47,7 @@ from speculum.training.data import (
     TokenSplit,
     heldout_windows,
     load_split,
+    random_windows,
     special_id,
     tokenize_split,
 )
@@ -89,6 +92,7 @@ def train_draft(
     distill: bool = True,
     chain_hidden: bool = True,
     save_dtype: str | None = None,
+    block_size: int | None = None,
 ) -> dict[str, float]:
     """Train an ``algorithm`` draft for the target in ``target_dir`` and save it as ``out_dir``.
 
@@ -97,8 +101,11 @@ def train_draft(
     depth (EAGLE-3's training-time-test depth, multi-layer EAGLE's layer count) and the chain
     length acceptance is measured with; ``draft_vocab_size`` is EAGLE-3's reduced vocabulary;
     ``standalone_size``, ``distill`` and ``chain_hidden`` are the
-    :class:`~speculum.training.recipes.DraftOptions` of the same names. ``files`` replaces the
-    corpus (see the module docstring).
+    :class:`~speculum.training.recipes.DraftOptions` of the same names, as is ``block_size``
+    (DFLASH and DSPARK: the block width the draft is trained and measured with). ``files``
+    replaces the corpus (see the module docstring). Recipes marked ``on_policy`` (DFLASH,
+    DSPARK) train on the target's greedy continuations of prompts from the corpus instead
+    (:func:`target_split`), held-out side included.
 
     Returns the metrics, also written to ``out_dir/training.json``: ``acceptance_length``
     (tokens per verify step, bonus token included, greedy chains of ``num_steps``),
@@ -123,6 +130,7 @@ def train_draft(
         standalone_size=standalone_size,
         distill=distill,
         chain_hidden=chain_hidden,
+        block_size=block_size,
     )
     shape = {
         "num_steps": num_steps,
@@ -130,6 +138,7 @@ def train_draft(
         "standalone_size": None if standalone_size is None else list(standalone_size),
         "distill": distill,
         "chain_hidden": chain_hidden,
+        "block_size": block_size,
         "files": None if files is None else sorted(str(f) for f in files),
         "seed": seed,
     }
@@ -151,6 +160,8 @@ def train_draft(
             **shape,
         },
     )
+    if chosen.on_policy:
+        split = target_split(target, split, steps * batch_size, length, seed, progress)
     if progress:
         print(
             f"training a {chosen.name} draft for {target_dir} on {split.train.size} tokens "
@@ -225,6 +236,54 @@ def train_draft(
         described = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         print(f"saved {out_dir}: {described}", file=sys.stderr)
     return metrics
+
+
+#: On-policy data: at most this many continuations for training (and an eighth of it, at
+#: least 8, for the held-out side), generated this many at a time.
+MAX_CONTINUATIONS, CONTINUATION_BATCH = 128, 64
+
+
+def target_continuations(
+    target: DecoderModel, tokens: np.ndarray, count: int, length: int, seed: int
+) -> np.ndarray:
+    """``count`` sequences of ``length`` tokens, concatenated with the target's EOS (or the
+    last id) after each: a quarter from a random window of ``tokens``, the rest the target's
+    greedy continuation of it (EOS ignored), generated with speculum's plain decoding."""
+    eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
+    prompt = max(1, length // 4)
+    new_tokens = max(1, length - prompt)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = random_windows(tokens, count, prompt, generator).tolist()
+    engine = engine_from_model(
+        target, max_batch=min(count, CONTINUATION_BATCH), max_context=prompt + new_tokens + 1
+    )
+    results = generate(prompts, engine=engine, max_new_tokens=new_tokens, ignore_eos=True)
+    pieces = [np.array([*p, *r.token_ids, eos], dtype=np.int32) for p, r in zip(prompts, results)]
+    return np.concatenate(pieces)
+
+
+def target_split(
+    target: DecoderModel,
+    split: TokenSplit,
+    windows: int,
+    length: int,
+    seed: int,
+    progress: bool,
+) -> TokenSplit:
+    """The on-policy split of a run that draws ``windows`` windows of ``length`` tokens: the
+    target's continuations of prompts from each side of ``split`` (:func:`target_continuations`;
+    about a quarter of the windows the run draws, at most :data:`MAX_CONTINUATIONS`)."""
+    train = min(MAX_CONTINUATIONS, max(8, windows // 4))
+    heldout = max(8, train // 8)
+    if progress:
+        print(
+            f"generating {train + heldout} greedy continuations of {length} tokens with the target",
+            file=sys.stderr,
+        )
+    return TokenSplit(
+        train=target_continuations(target, split.train, train, length, seed),
+        heldout=target_continuations(target, split.heldout, heldout, length, seed + 1),
+    )
 
 
 def measure_acceptance(

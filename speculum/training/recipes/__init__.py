@@ -54,7 +54,16 @@ __all__ = [
 ]
 
 #: Algorithms a draft can be trained for, as ``--algorithm`` and ``engine_from_model`` name them.
-RECIPES = ("eagle", "eagle3", "mtp", "standalone", "multi_layer_eagle", "frozen_kv_mtp")
+RECIPES = (
+    "eagle",
+    "eagle3",
+    "mtp",
+    "standalone",
+    "multi_layer_eagle",
+    "frozen_kv_mtp",
+    "dflash",
+    "dspark",
+)
 #: Other names of the same drafts: EAGLE-2 runs EAGLE-1 heads, NEXTN is MTP.
 _ALIASES = {"eagle1": "eagle", "eagle2": "eagle", "nextn": "mtp"}
 
@@ -71,7 +80,8 @@ class DraftOptions:
     target's width and depth). ``distill``: a standalone draft learns the target's distribution
     (else the corpus's next tokens). ``chain_hidden``: a multi-layer EAGLE layer reads the
     previous layer's output (else the target's hidden state), as ``SpecOptions.chain_hidden``.
-    ``seed`` seeds the draft's initial weights.
+    ``seed`` seeds the draft's initial weights. ``block_size``: the block width of a DFLASH or
+    DSPARK draft (``None``: the recipe's default).
     """
 
     num_steps: int = 3
@@ -80,6 +90,7 @@ class DraftOptions:
     standalone_size: tuple[int, int] | None = None
     distill: bool = True
     chain_hidden: bool = True
+    block_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.num_steps < 1:
@@ -100,6 +111,8 @@ class Recipe:
     with only its own parameters trainable. ``loss(head, target, windows, options)``: the
     scalar loss of int64 windows ``[batch, length]`` and float metrics. ``save(head, folder)``
     and ``load(folder, target)``: the checkpoint layout and the speculum loader that reads it.
+    ``on_policy``: the draft trains on the target's own greedy continuations of corpus prompts
+    rather than on the corpus (``train_draft`` regenerates the data first).
     """
 
     name: str
@@ -109,6 +122,7 @@ class Recipe:
     ]
     save: Callable[[Any, Path], Path]
     load: Callable[[Path, DecoderModel], nn.Module]
+    on_policy: bool = False
 
 
 def recipe(algorithm: str) -> Recipe:
