@@ -18,6 +18,7 @@ from strategies import max_new_tokens, page_sizes, prefill_budgets, prompt_batch
 from test_eagle import TARGET, VOCAB
 from test_scheduler_machine import LIMITS, MODEL, SchedulerMachine
 
+from speculum.models.block_draft import random_block_draft
 from speculum.models.draft import random_draft
 from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import random_model, save_model
@@ -76,6 +77,20 @@ PIPELINES = {
         {"num_draft_tokens": 6},
         NgramOptions(flush_tokens=2),
         True,
+    ),
+    "dflash": (
+        "dflash",
+        random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=4),
+        {},
+        None,
+        False,
+    ),
+    "dspark ragged": (
+        "dspark",
+        random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4),
+        {"verify_budget": 3},
+        None,
+        False,
     ),
     # Which variant runs depends on measured times, so only greedy tokens are reproducible.
     "adaptive": (
