@@ -17,11 +17,13 @@ their trained size, 7 draft tokens each):
   the largest-batch run (all prompts);
 - tokens/s at batch 1 (the first 8 prompts, one at a time: an engine of ``max_batch`` 1) and at
   batch 16 (all prompts, an engine of ``max_batch`` 16), end to end (prefill included), after a
-  warm-up on random prompts that captures the CUDA graphs; one engine per measurement, so the
-  n-gram store never holds an earlier run's continuations of the same prompts;
+  warm-up on random prompts that captures the CUDA graphs; one engine per method and batch size
+  serves both temperatures, restored to its fresh state before each run, so the n-gram store
+  never holds an earlier run's continuations of the same prompts;
 - speedup: tokens/s over plain decoding's at the same batch and temperature.
 
-Peers, on the same weights, greedy, batch 1, the same first 8 prompts: transformers'
+Peers, measured first, on the same weights, greedy, batch 1, the first ``--peer-prompts`` (4)
+prompts: transformers'
 ``generate`` (``LlamaForCausalLM.from_pretrained`` of the target folder), assisted generation
 with the standalone draft as ``assistant_model``, and prompt lookup decoding
 (``prompt_lookup_num_tokens=10``); tokens/s and speedup over transformers' plain ``generate``
@@ -56,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode.py, which add
 
 from decode import sync, table  # noqa: E402
 
-from speculum.models.decoder import DecoderModel  # noqa: E402
 from speculum.models.loading import load_model  # noqa: E402
+from speculum.runtime import scheduler  # noqa: E402
 from speculum.runtime.engine import SpecOptions, engine_from_model  # noqa: E402
 from speculum.runtime.generate import Generation, acceptance_stats, generate  # noqa: E402
 from speculum.training.data import heldout_windows, load_split  # noqa: E402
@@ -67,8 +69,8 @@ from speculum.training.target import train_target  # noqa: E402
 
 #: Drafts trained, in the order they are trained and reported.
 DRAFTS = ("eagle", "eagle3", "mtp", "multi_layer_eagle", "standalone", "dflash", "dspark")
-#: Steps of the two calibration runs that time a training step before the budgeted run.
-CALIBRATION_STEPS = (10, 30)
+#: Updates of the calibration run that times a training step before the budgeted run.
+CALIBRATION_STEPS = 30
 
 #: What ``--tiny`` replaces: a CPU run of the whole script in a few minutes.
 TINY = {
@@ -86,19 +88,16 @@ TINY = {
     "new_tokens": 16,
     "batches": "1,2",
     "sequential_prompts": 4,
+    "peer_prompts": 2,
 }
 
 
 def budgeted_steps(train: Callable[[int], float], seconds: float) -> int:
-    """Steps that fit ``seconds``: ``train(steps)`` runs a calibration training and returns its
-    wall time. Two runs of different lengths separate the per-step time from the fixed costs
-    (start-up, the evaluations at the first and last step, saving), which a single short run
-    would charge to its few steps (on the H200 that made a 150 s budget train for 27 s)."""
-    short, long = CALIBRATION_STEPS
-    first, second = train(short), train(long)
-    per_step = max((second - first) / (long - short), 1e-6)
-    fixed = max(first - short * per_step, 0.0)
-    return max(long, int((seconds - fixed) / per_step))
+    """Updates that fit ``seconds``: ``train(steps)`` runs a calibration training and returns
+    the time of one update (``TrainResult.step_seconds``: start-up, evaluations and saving
+    left out, which a short run would otherwise charge to its few updates; on the H200 that
+    once made a 150 s budget train for 27 s)."""
+    return max(CALIBRATION_STEPS, int(seconds / train(CALIBRATION_STEPS)))
 
 
 def train_zoo_target(args, work: Path, device: str) -> dict[str, Any]:
@@ -118,9 +117,9 @@ def train_zoo_target(args, work: Path, device: str) -> dict[str, Any]:
 
         def calibrate(steps: int) -> float:
             trial = work / "calibration" / "target"
-            seconds = train_target(trial, steps=steps, progress=False, **options).seconds
+            per_step = train_target(trial, steps=steps, progress=False, **options).step_seconds
             shutil.rmtree(trial)
-            return seconds
+            return per_step
 
         steps = args.target_steps or budgeted_steps(calibrate, args.target_seconds)
         train_target(out, steps=steps, **options)
@@ -153,7 +152,7 @@ def train_zoo_draft(args, work: Path, algorithm: str, device: str) -> dict[str, 
             trial = work / "calibration" / algorithm
             metrics = train_draft(out_dir=trial, steps=steps, progress=False, **options)
             shutil.rmtree(trial)
-            return metrics["train_seconds"]
+            return metrics["step_seconds"]
 
         steps = args.draft_steps or budgeted_steps(calibrate, args.draft_seconds)
         train_draft(out_dir=out, steps=steps, **options)
@@ -204,34 +203,27 @@ def methods(args) -> list[tuple[str, str, SpecOptions | None]]:
     ]
 
 
-def timed_generation(
-    target: DecoderModel,
-    draft: Any,
-    algorithm: str,
-    spec: SpecOptions | None,
-    prompts: list[list[int]],
-    batch: int,
-    temperature: float,
-    args,
-) -> list[Generation]:
-    """``prompts`` continued by a fresh engine of ``max_batch`` ``batch``, after a warm-up on
-    ``batch`` random prompts of the same length (which captures the decoding graphs)."""
+def warmed_engine(target, draft, algorithm, spec, prompt_len: int, batch: int, args):
+    """An engine of ``max_batch`` ``batch`` for ``prompt_len``-token prompts, warmed up on
+    ``batch`` random prompts at every measured temperature (capturing its decoding graphs and
+    compiling the sampling kernels), then put back to its fresh state."""
     engine = engine_from_model(
         target,
         algorithm=algorithm,
         draft=draft,
         spec=spec,
         max_batch=batch,
-        max_context=len(prompts[0]) + args.new_tokens + 1,
+        max_context=prompt_len + args.new_tokens + 1,
         graph_buckets=(batch,),
     )
+    fresh = scheduler.take_snapshot(engine, scheduler.new_state(engine))
     generator = torch.Generator().manual_seed(args.seed)
-    shape = (batch, len(prompts[0]))
-    warm = torch.randint(0, target.config.vocab_size, shape, generator=generator).tolist()
-    sampling = {"temperature": temperature, "seed": args.seed, "ignore_eos": True}
-    generate(warm, engine=engine, max_new_tokens=8, **sampling)
+    warm = torch.randint(0, target.config.vocab_size, (batch, prompt_len), generator=generator)
+    for temperature in args.temperature_list:
+        generate(warm.tolist(), engine=engine, max_new_tokens=8, temperature=temperature)
+    scheduler.restore(engine, fresh)
     sync(engine.device.type)
-    return generate(prompts, engine=engine, max_new_tokens=args.new_tokens, **sampling)
+    return engine, fresh
 
 
 def acceptance_length(results: list[Generation]) -> float:
@@ -241,17 +233,30 @@ def acceptance_length(results: list[Generation]) -> float:
     return float(acceptance_stats(total)["accept_length_mean"])
 
 
-def method_row(target, draft, method, prompts, temperature: float, args) -> dict[str, Any]:
-    """One method at one temperature: acceptance length and tokens/s at every batch size (batch
-    1 over the first ``--sequential-prompts`` prompts, larger batches over all of them)."""
+def method_rows(target, draft, method, prompts, args) -> list[dict[str, Any]]:
+    """One method's row per temperature: acceptance length and tokens/s at every batch size
+    (batch 1 over the first ``--sequential-prompts`` prompts, larger batches over all of
+    them). One engine per batch size serves every temperature, restored to its fresh state
+    before each run (``scheduler.restore``: no n-gram store holds an earlier run's
+    continuations of the same prompts)."""
     label, algorithm, spec = method
-    row: dict[str, Any] = {"method": label, "temperature": temperature}
+    rows = [{"method": label, "temperature": t} for t in args.temperature_list]
     for batch in args.batch_sizes:
         chosen = prompts[: args.sequential_prompts] if batch == 1 else prompts
-        results = timed_generation(target, draft, algorithm, spec, chosen, batch, temperature, args)
-        row["accept length"] = acceptance_length(results)
-        row[f"tok/s b{batch}"] = float(results[0].stats["tokens_per_second"])
-    return row
+        engine, fresh = warmed_engine(target, draft, algorithm, spec, len(chosen[0]), batch, args)
+        for row in rows:
+            scheduler.restore(engine, fresh)
+            results = generate(
+                chosen,
+                engine=engine,
+                max_new_tokens=args.new_tokens,
+                temperature=row["temperature"],
+                seed=args.seed,
+                ignore_eos=True,
+            )
+            row["accept length"] = acceptance_length(results)  # the largest batch's, last
+            row[f"tok/s b{batch}"] = float(results[0].stats["tokens_per_second"])
+    return rows
 
 
 def add_speedups(rows: list[dict[str, Any]], batches: list[int]) -> None:
@@ -288,7 +293,7 @@ def hf_tokens_per_second(model, prompts: list[list[int]], args, device: str, **o
     return tokens / (time.perf_counter() - begin)
 
 
-def peer_rows(work: Path, prompts: list[list[int]], best: dict[str, Any], args, device: str):
+def peer_rows(work: Path, prompts: list[list[int]], args, device: str) -> list[dict[str, Any]]:
     """transformers' plain, assisted (standalone draft) and prompt-lookup generation, greedy,
     batch 1; a peer that fails gets its error in the row instead of numbers."""
     rows: list[dict[str, Any]] = []
@@ -316,8 +321,15 @@ def peer_rows(work: Path, prompts: list[list[int]], best: dict[str, Any], args, 
     for row in rows:
         if "tok/s b1" in row:
             row["vs transformers plain"] = row["tok/s b1"] / plain
-            row[f"vs speculum {best['method']}"] = row["tok/s b1"] / best["tok/s b1"]
     return rows
+
+
+def compare_peers(peers: list[dict[str, Any]], greedy: list[dict[str, Any]]) -> None:
+    """Each peer's tokens/s over speculum's best greedy method at batch 1, in place."""
+    best = max(greedy, key=lambda r: r["tok/s b1"])
+    for row in peers:
+        if "tok/s b1" in row:
+            row[f"vs speculum {best['method']}"] = row["tok/s b1"] / best["tok/s b1"]
 
 
 def header(device: str) -> str:
@@ -338,11 +350,11 @@ def parse_args() -> argparse.Namespace:
     add("--size", default="small", help="target preset")
     add("--max-bytes", type=int, default=32_000_000, help="corpus sample")
     add("--vocab-size", type=int, default=8192)
-    add("--target-seconds", type=float, default=150.0, help="target training budget")
+    add("--target-seconds", type=float, default=120.0, help="target training budget")
     add("--target-steps", type=int, help="fixed target steps instead of the budget")
     add("--target-batch-size", type=int, default=64)
     add("--target-length", type=int, default=512)
-    add("--draft-seconds", type=float, default=15.0, help="training budget of each draft")
+    add("--draft-seconds", type=float, default=12.0, help="training budget of each draft")
     add("--draft-steps", type=int, help="fixed steps of each draft instead of the budget")
     add("--draft-batch-size", type=int, default=32)
     add("--draft-length", type=int, default=512)
@@ -352,12 +364,14 @@ def parse_args() -> argparse.Namespace:
     add("--new-tokens", type=int, default=256)
     add("--batches", default="1,16", help="batch sizes, comma-separated")
     add("--sequential-prompts", type=int, default=8, help="prompts measured at batch 1")
+    add("--peer-prompts", type=int, default=4, help="prompts the transformers peers continue")
     add("--temperatures", default="0,0.7")
     add("--no-peer", action="store_true", help="skip transformers")
     args = parser.parse_args()
     if args.tiny:
         vars(args).update(TINY)
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    args.temperature_list = [float(t) for t in args.temperatures.split(",")]
     return args
 
 
@@ -398,25 +412,23 @@ def main() -> None:
     prompts = heldout_prompts(
         work / "target", target.config.bos_token_id, args.prompts, args.prompt_tokens
     )
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    for temperature in temperatures:
-        rows = []
-        for method in methods(args):
-            rows.append(
-                method_row(target, drafts.get(method[1]), method, prompts, temperature, args)
-            )
-            print(table(rows[-1:]), f"({elapsed():.0f} s)", flush=True)
-        add_speedups(rows, args.batch_sizes)
-        sections[f"speculum, temperature {temperature:g}"] = rows
+    # The peers first: a run cut short by its time limit still compares them with the
+    # speculum rows measured by then.
+    if not args.no_peer:
+        peers = peer_rows(work, prompts[: args.peer_prompts], args, device)
+        sections["transformers, greedy, batch 1"] = peers
         save(args.out, title, sections)
-        # The peers run greedy: measured right after speculum's greedy rows, so that a run cut
-        # short by its time limit still compares the two.
-        if temperature == 0 and not args.no_peer:
-            best = max(rows, key=lambda r: r["tok/s b1"])
-            prompts_b1 = prompts[: args.sequential_prompts]
-            peers = peer_rows(work, prompts_b1, best, args, device)
-            sections["transformers, greedy, batch 1"] = peers
-            save(args.out, title, sections)
+    rows: dict[float, list[dict[str, Any]]] = {t: [] for t in args.temperature_list}
+    for method in methods(args):
+        for row in method_rows(target, drafts.get(method[1]), method, prompts, args):
+            rows[row["temperature"]].append(row)
+            print(table([row]), f"({elapsed():.0f} s)", flush=True)
+        for temperature, done in rows.items():
+            add_speedups(done, args.batch_sizes)
+            sections[f"speculum, temperature {temperature:g}"] = done
+        save(args.out, title, sections)
+    if not args.no_peer:
+        compare_peers(sections["transformers, greedy, batch 1"], rows[0.0])
     print("\n" + save(args.out, title, sections))
     print(f"models in {work}")
 

@@ -189,6 +189,7 @@ def train_draft(
         "heldout_loss": result.heldout_loss,
         **{f"heldout_{name}": value for name, value in result.heldout_metrics.items()},
         "train_seconds": result.seconds,
+        "step_seconds": result.step_seconds,
         "parameters": float(sum(p.numel() for p in head.parameters() if p.requires_grad)),
         "draft_vocab_size": float(head.draft_vocab_size),
     }

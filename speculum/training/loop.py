@@ -41,7 +41,10 @@ class TrainResult:
     ``heldout_history`` ``(step, held-out loss)`` at every evaluation, starting with step 0
     (before any update). ``heldout_metrics`` are the loss function's metrics averaged over the
     held-out windows at the end; ``seconds`` is this call's wall time (a resumed run counts only
-    its own part).
+    its own part); ``step_seconds`` the time of one update, measured from the end of the
+    update :data:`UNTIMED_STEPS` after the run's first to the end of the last, evaluations and
+    checkpoints left out (0.0 for a run too short to time), so that a short run tells how
+    many updates fit a time budget without its fixed costs.
     """
 
     steps: int
@@ -51,6 +54,18 @@ class TrainResult:
     heldout_history: tuple[tuple[int, float], ...] = ()
     heldout_metrics: dict[str, float] = attrs.field(factory=dict)
     seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+#: Updates at the start of a run left out of ``TrainResult.step_seconds`` (allocator growth,
+#: kernel autotuning, first-call compilation).
+UNTIMED_STEPS = 5
+
+
+def _synchronize(device: str) -> None:
+    """Wait for queued device work, so that a host clock reading means it is done."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def learning_rate(step: int, *, steps: int, lr: float, warmup: int) -> float:
@@ -169,6 +184,8 @@ def fit(
     bar.show(resumed, history, heldout_history)
     running = torch.zeros((), device=device)
     interval = 0
+    timed_from = resumed + UNTIMED_STEPS  # the clock starts when this update has finished
+    clock_start, paused = None, 0.0
     for step in range(resumed + 1, steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps=steps, lr=lr, warmup=warmup)
@@ -181,8 +198,12 @@ def fit(
         # Accumulated on the device: reading the loss every step would sync a GPU every step.
         running += loss.detach().float()
         interval += 1
+        if step == timed_from:
+            _synchronize(device)
+            clock_start = time.perf_counter()
         if step % eval_every == 0 or step == steps:
-            train_loss = float(running) / interval
+            train_loss = float(running) / interval  # waits for the updates so far
+            pause = time.perf_counter()
             if not math.isfinite(train_loss):
                 raise RuntimeError(
                     f"the training loss became {train_loss} by step {step}; lower the learning "
@@ -204,8 +225,15 @@ def fit(
                     history,
                     heldout_history,
                 )
+            if clock_start is not None:
+                paused += time.perf_counter() - pause
         bar.show(step, history, heldout_history)
     bar.close()
+    step_seconds = 0.0
+    if clock_start is not None and steps > timed_from:
+        _synchronize(device)
+        timed = time.perf_counter() - clock_start - paused
+        step_seconds = timed / (steps - timed_from)
     if metrics is None:  # resumed from a checkpoint of the finished run: nothing was evaluated
         _, metrics = evaluate()
     return TrainResult(
@@ -216,6 +244,7 @@ def fit(
         heldout_history=tuple(heldout_history),
         heldout_metrics=metrics,
         seconds=time.perf_counter() - started,
+        step_seconds=step_seconds,
     )
 
 

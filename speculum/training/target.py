@@ -250,6 +250,7 @@ def train_target(
         "heldout_metrics": result.heldout_metrics,
         "heldout_history": result.heldout_history,
         "seconds": result.seconds,
+        "step_seconds": result.step_seconds,
     }
     _publish(out_dir, model, corpus, summary, save_dtype)
     shutil.rmtree(work)
