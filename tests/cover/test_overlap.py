@@ -85,12 +85,14 @@ PIPELINES = {
         None,
         False,
     ),
+    # A verify budget shared by the batch splits differently while a finished request still
+    # runs its extra round: rounds (and sampled draws), not greedy tokens, may differ.
     "dspark ragged": (
         "dspark",
         random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4),
         {"verify_budget": 3},
         None,
-        False,
+        True,
     ),
     # Which variant runs depends on measured times, so only greedy tokens are reproducible.
     "adaptive": (
