@@ -44,6 +44,7 @@ ODD = tiny_config(
     mlp_bias=True,
 )
 PROMPTS = [[1, 2, 3], [7, 7, 7, 7, 2, 9, 7, 7, 7], list(range(10, 22))]
+NEW_TOKENS = 10
 #: Small pages and a small prefill budget: trees cross page boundaries, prompts are chunked.
 LIMITS = {"page_size": 4, "max_context": 96, "max_batch": 4, "prefill_budget": 8}
 
@@ -133,7 +134,7 @@ def run(scenario: Scenario, folders: dict[str, str], tp: TensorParallel) -> list
         draft_tp=scenario.draft_tp,
         **LIMITS,
     )
-    results = generate(PROMPTS, engine=engine, max_new_tokens=12, **scenario.sampling)
+    results = generate(PROMPTS, engine=engine, max_new_tokens=NEW_TOKENS, **scenario.sampling)
     return [r.token_ids for r in results]
 
 
@@ -144,23 +145,24 @@ def odd_logits(folder: str, tp: TensorParallel) -> torch.Tensor:
     return model.logits(hidden)
 
 
-def cli_json(folders: dict[str, str]) -> tuple[int, str]:
-    """``speculum generate --json`` on this rank: its exit status and what it printed (the
-    command leaves the process group, so it runs last)."""
-    out = io.StringIO()
-    argv = ["generate", "--model", folders["odd"], "--prompt-ids", "4,5,6", "--json"]
-    with contextlib.redirect_stdout(out):
+def cli_run(folder: str, prompt_ids: str) -> tuple[int, str, str]:
+    """``speculum generate --json`` on this rank: exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["generate", "--model", folder, "--prompt-ids", prompt_ids, "--json"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = cli.main([*argv, "--max-new-tokens", "6"])
-    return status, out.getvalue()
+    return status, out.getvalue(), err.getvalue()
 
 
 def main(folders_json: str, out_dir: str) -> None:
-    """One torchrun worker: every scenario on the group, then the CLI; writes the results."""
+    """One torchrun worker: every scenario on the group, then the CLI, with a good request and
+    a bad one; writes the results."""
     folders = json.loads(folders_json)
     tp = distributed.tensor_parallel(int(os.environ["WORLD_SIZE"]))
     results: dict[str, Any] = {name: run(s, folders, tp) for name, s in SCENARIOS.items()}
     results["logits"] = odd_logits(folders["odd"], tp)
-    results["cli"] = cli_json(folders)
+    results["cli"] = cli_run(folders["odd"], "4,5,6")
+    results["cli error"] = cli_run(folders["odd"], f"4,{ODD.vocab_size}")
     torch.save(results, Path(out_dir) / f"rank{tp.rank}.pt")
 
 

@@ -248,8 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if distributed.is_leader():
             print(f"speculum: error: {err}", file=sys.stderr)
         return 2
-    finally:
-        distributed.finish()
     if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
         return 0
     if args.json:

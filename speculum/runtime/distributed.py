@@ -15,6 +15,7 @@ NCCL is the backend on CUDA (process ``LOCAL_RANK`` uses GPU ``LOCAL_RANK``), gl
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
@@ -74,6 +75,7 @@ def tensor_parallel(size: int, device: str = "cpu") -> TensorParallel:
                 )
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(finish)  # the group lives as long as the process that needed it
     _check_world(dist.get_world_size(), size)
     return TensorParallel(rank=dist.get_rank(), size=size, group=dist.group.WORLD)
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 import copy
 import json
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tp_scenarios import ODD, SCENARIOS, odd_logits, run, write_checkpoints
+from tp_scenarios import NEW_TOKENS, ODD, SCENARIOS, odd_logits, run, write_checkpoints
 
 import speculum.models.loading as loading
 from speculum.models.decoder import cache_kv_heads, fuse_projections_
@@ -73,7 +75,7 @@ def ranks(job):
 def test_two_ranks_emit_the_tokens_of_one(name, single, ranks):
     """Greedy and seeded sampled runs alike: both ranks emit the same tokens, those of tp=1."""
     assert ranks[0][name] == ranks[1][name] == single[name]
-    assert all(len(tokens) == 12 for tokens in single[name])
+    assert all(len(tokens) == NEW_TOKENS for tokens in single[name])
 
 
 def test_every_rank_holds_the_same_full_float32_logits(folders, ranks):
@@ -87,11 +89,14 @@ def test_every_rank_holds_the_same_full_float32_logits(folders, ranks):
 
 def test_under_torchrun_only_rank_zero_prints(folders, ranks):
     """``speculum generate`` in a torchrun job shards over the job's processes by default;
-    rank 0 prints the one JSON object, rank 1 nothing; both exit 0."""
-    (status0, out0), (status1, out1) = (r["cli"] for r in ranks)
-    assert (status0, status1, out1) == (0, 0, "")
+    rank 0 prints the one JSON object (or the one error line), rank 1 nothing."""
+    (status0, out0, _), (status1, out1, err1) = (r["cli"] for r in ranks)
+    assert (status0, status1, out1, err1) == (0, 0, "", "")
     expected = generate([[4, 5, 6]], model=folders["odd"], max_new_tokens=6)[0]
     assert json.loads(out0)["token_ids"] == list(expected.token_ids)
+    (status0, out0, err0), (status1, out1, err1) = (r["cli error"] for r in ranks)
+    assert (status0, status1, out0, out1, err1) == (2, 2, "", "", "")
+    assert err0.startswith("speculum: error: prompt token ids [61] are outside the vocabulary")
 
 
 def test_generate_tp_starts_its_own_workers(folders, capsys):
@@ -265,7 +270,21 @@ def test_impossible_and_inconsistent_setups_fail_clearly(folders, tmp_path, monk
     assert distributed.tensor_parallel(1) is SINGLE
 
 
-def test_a_worker_error_reaches_the_caller(folders):
-    """A bad request fails on both workers; the caller gets the error itself."""
+@attrs.define
+class Worker:
+    """A stand-in for a worker process: just its exit status (None while it runs)."""
+
+    exitcode: int | None = None
+
+
+def test_workers_started_by_speculum_hand_back_rank_zeros_result_or_the_first_error():
+    """What ``launch`` waits for: rank 0's result; an error any rank raised, itself; a worker
+    that died without a word, named (rather than a wait forever)."""
+    results: queue.Queue = queue.Queue()
+    results.put((1, True, ValueError("prompt token ids [70] are outside the vocabulary")))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        generate([[ODD.vocab_size + 5]], model=folders["odd"], tp=2)
+        distributed._leader_result([Worker(), Worker()], results)
+    results.put((0, False, "tokens"))
+    assert distributed._leader_result([Worker(), Worker(exitcode=0)], results) == "tokens"
+    with pytest.raises(RuntimeError, match="worker 1 exited with status -9"):
+        distributed._leader_result([Worker(), Worker(exitcode=-9)], results)
