@@ -1,9 +1,11 @@
 """Tensor-parallel scenarios: tiny checkpoints of every pipeline's models, the runs that
-tests/cover/test_tensor_parallel.py compares between one process and two, and the worker that
-torchrun starts for the two-process side.
+tests/cover/test_tensor_parallel.py (CPU) and tests/gpu/test_tensor_parallel_cuda.py compare
+between one process and two, and the worker that torchrun starts for the two-process side.
 
 ``torchrun --nproc-per-node 2 tests/tp_scenarios.py FOLDERS_JSON OUT_DIR`` runs every scenario
-sharded over the two ranks (gloo) and writes each rank's results to ``OUT_DIR/rank{r}.pt``.
+sharded over the two ranks (gloo), then the CLI, and writes each rank's results to
+``OUT_DIR/rank{r}.pt``; ``... OUT_DIR cuda DTYPE`` runs the scenarios alone, over NCCL with
+CUDA graphs, in ``DTYPE``, on :data:`MANY_PROMPTS`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ ODD = tiny_config(
 )
 PROMPTS = [[1, 2, 3], [7, 7, 7, 7, 2, 9, 7, 7, 7], list(range(10, 22))]
 NEW_TOKENS = 10
+#: The GPU runs' prompts: enough tokens to measure a bf16 match rate.
+MANY_PROMPTS = [[(13 * i + 5 * j) % VOCAB for j in range(2 + i % 9)] for i in range(64)]
 #: Small pages and a small prefill budget: trees cross page boundaries, prompts are chunked.
 LIMITS = {"page_size": 4, "max_context": 96, "max_batch": 4, "prefill_budget": 8}
 
@@ -123,18 +127,27 @@ def write_checkpoints(root: Path) -> dict[str, str]:
     return {name: str(write(root / name)) for name, write in writers.items()}
 
 
-def run(scenario: Scenario, folders: dict[str, str], tp: TensorParallel) -> list[tuple[int, ...]]:
+def run(
+    scenario: Scenario,
+    folders: dict[str, str],
+    tp: TensorParallel,
+    device: str = "cpu",
+    dtype: str | None = None,
+    prompts: list[list[int]] = PROMPTS,
+) -> list[tuple[int, ...]]:
     """The scenario's generated tokens per prompt, on a model sharded over ``tp``."""
     engine = build_engine(
         folders[scenario.model],
         algorithm=scenario.algorithm,
         draft=folders[scenario.draft] if scenario.draft else None,
         spec=scenario.spec,
+        device=device,
+        dtype=dtype,
         tp=tp,
         draft_tp=scenario.draft_tp,
         **LIMITS,
     )
-    results = generate(PROMPTS, engine=engine, max_new_tokens=NEW_TOKENS, **scenario.sampling)
+    results = generate(prompts, engine=engine, max_new_tokens=NEW_TOKENS, **scenario.sampling)
     return [r.token_ids for r in results]
 
 
@@ -154,15 +167,19 @@ def cli_run(folder: str, prompt_ids: str) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def main(folders_json: str, out_dir: str) -> None:
-    """One torchrun worker: every scenario on the group, then the CLI, with a good request and
-    a bad one; writes the results."""
+def main(folders_json: str, out_dir: str, device: str = "cpu", dtype: str | None = None) -> None:
+    """One torchrun worker: every scenario on the group, then (on the CPU) the logits and the
+    CLI, with a good request and a bad one; writes the results."""
     folders = json.loads(folders_json)
-    tp = distributed.tensor_parallel(int(os.environ["WORLD_SIZE"]))
-    results: dict[str, Any] = {name: run(s, folders, tp) for name, s in SCENARIOS.items()}
-    results["logits"] = odd_logits(folders["odd"], tp)
-    results["cli"] = cli_run(folders["odd"], "4,5,6")
-    results["cli error"] = cli_run(folders["odd"], f"4,{ODD.vocab_size}")
+    tp = distributed.tensor_parallel(int(os.environ["WORLD_SIZE"]), device)
+    prompts = PROMPTS if device == "cpu" else MANY_PROMPTS
+    results: dict[str, Any] = {
+        name: run(s, folders, tp, device, dtype, prompts) for name, s in SCENARIOS.items()
+    }
+    if device == "cpu":
+        results["logits"] = odd_logits(folders["odd"], tp)
+        results["cli"] = cli_run(folders["odd"], "4,5,6")
+        results["cli error"] = cli_run(folders["odd"], f"4,{ODD.vocab_size}")
     torch.save(results, Path(out_dir) / f"rank{tp.rank}.pt")
 
 

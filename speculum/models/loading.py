@@ -7,6 +7,9 @@ extras are a tied ``lm_head.weight`` (some exporters write it), rotary ``inv_fre
 multi-token-prediction layers ``model.layers.{L} ..`` after the ``L`` decoder layers when
 ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads those, see
 ``speculum.models.draft_loading``).
+
+Tensors are opened lazily (:class:`CheckpointTensor`): the checks read only the files' headers,
+and a tensor-parallel rank then reads only its slice of each sharded weight.
 """
 
 from __future__ import annotations
