@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,29 @@ def cli_run(folder: str, prompt_ids: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = cli.main([*argv, "--max-new-tokens", "6"])
     return status, out.getvalue(), err.getvalue()
+
+
+def start_ranks(folders: dict[str, str], out_dir: Path, *options: str) -> subprocess.Popen:
+    """Start :func:`main` on two ranks under torchrun (``options``: device and dtype), with
+    this checkout's speculum and test helpers importable."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    script = [__file__, json.dumps(folders), str(out_dir), *options]
+    return subprocess.Popen(
+        [*torchrun, "--nproc-per-node", "2", *script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def rank_results(process: subprocess.Popen, out_dir: Path, timeout: float) -> list[dict]:
+    """Wait for :func:`start_ranks`'s job; each rank's results (the job must succeed)."""
+    _, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, stderr[-4000:]
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
 
 def main(folders_json: str, out_dir: str, device: str = "cpu", dtype: str | None = None) -> None:

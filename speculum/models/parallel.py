@@ -62,7 +62,6 @@ __all__ = [
     "VocabParallelLMHead",
     "shard_",
     "splits_of",
-    "vocab_split",
 ]
 
 
@@ -121,7 +120,7 @@ def _kv_share(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank // (tp.size // num_kv_heads), 1
 
 
-def vocab_split(vocab_size: int, tp: TensorParallel) -> Split:
+def _vocab_split(vocab_size: int, tp: TensorParallel) -> Split:
     """This rank's rows of a vocabulary-parallel matrix: ``ceil(vocab / tp)`` rows per rank,
     the last rank's missing rows zeros."""
     per = -(-vocab_size // tp.size)
@@ -281,7 +280,7 @@ def _shard_mlp_(mlp: MLP, rows: Split, tp: TensorParallel, cache: _Cache) -> Non
 def _vocab_parallel(full: nn.Module, tp: TensorParallel, cache: _Cache) -> Sharded:
     """The vocabulary-parallel twin of an embedding or an LM head."""
     vocab, width = full.weight.shape
-    rows = vocab_split(vocab, tp)
+    rows = _vocab_split(vocab, tp)
     with torch.device("meta"):
         if isinstance(full, nn.Embedding):
             layer: Sharded = VocabParallelEmbedding(rows.size, width, rows.start, tp)

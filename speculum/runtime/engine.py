@@ -74,8 +74,9 @@ class Engine:
 
     @property
     def tp(self) -> TensorParallel:
-        """The tensor-parallel group the target is sharded over (``SINGLE``: one process)."""
-        return self.resources.target.tp
+        """The tensor-parallel group the target is sharded over (``SINGLE``: one process, also
+        for a target of another kind than ``DecoderModel``, which knows no sharding)."""
+        return getattr(self.resources.target, "tp", SINGLE)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import queue
-import subprocess
-import sys
-from pathlib import Path
 
 import attrs
 import pytest
@@ -18,7 +14,16 @@ import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tp_scenarios import NEW_TOKENS, ODD, SCENARIOS, odd_logits, run, write_checkpoints
+from tp_scenarios import (
+    NEW_TOKENS,
+    ODD,
+    SCENARIOS,
+    odd_logits,
+    rank_results,
+    run,
+    start_ranks,
+    write_checkpoints,
+)
 
 import speculum.models.loading as loading
 from speculum.models.decoder import cache_kv_heads, fuse_projections_
@@ -30,8 +35,6 @@ from speculum.runtime import cli, distributed
 from speculum.runtime.engine import build_engine
 from speculum.runtime.generate import generate
 from speculum.state.parallel import SINGLE, TensorParallel
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def rank(r: int, size: int = 2) -> TensorParallel:
@@ -48,13 +51,7 @@ def folders(tmp_path_factory):
 def job(folders, tmp_path_factory):
     """The two-process run of every scenario, started now and collected by ``ranks``."""
     out = tmp_path_factory.mktemp("tp-out")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    script = [str(ROOT / "tests" / "tp_scenarios.py"), json.dumps(folders), str(out)]
-    process = subprocess.Popen(
-        [*command, *script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    return process, out
+    return start_ranks(folders, out), out
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +62,7 @@ def single(folders, job):
 
 @pytest.fixture(scope="module")
 def ranks(job):
-    process, out = job
-    _, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return rank_results(*job, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

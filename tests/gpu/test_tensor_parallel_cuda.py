@@ -11,16 +11,19 @@ them): every pipeline of tests/tp_scenarios.py sharded over two processes, again
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_graphs_cuda import _logit_gap
-from tp_scenarios import MANY_PROMPTS, SCENARIOS, run, write_checkpoints
+from tp_scenarios import (
+    MANY_PROMPTS,
+    SCENARIOS,
+    rank_results,
+    run,
+    start_ranks,
+    write_checkpoints,
+)
 
 from speculum.models.loading import DTYPES, load_model
 from speculum.state.parallel import SINGLE
@@ -30,8 +33,6 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
@@ -40,14 +41,7 @@ def folders(tmp_path_factory):
 
 def two_gpus(folders, dtype: str, out: Path) -> list[dict]:
     """Every scenario sharded over two GPUs (torchrun, NCCL): each rank's tokens."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    script = [str(ROOT / "tests" / "tp_scenarios.py"), json.dumps(folders), str(out)]
-    done = subprocess.run(
-        [*command, *script, "cuda", dtype], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return rank_results(start_ranks(folders, out, "cuda", dtype), out, timeout=900)
 
 
 def one_gpu(folders, dtype: str) -> dict:
