@@ -37,7 +37,10 @@ its acceptance length in tokens where plain decoding emits one).
 ``--adaptive`` and ``--overlap`` run only their own tables.
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
-a CPU smoke run of the script itself, whose numbers mean nothing).
+a CPU smoke run of the script itself, whose numbers mean nothing). ``--tp 2`` shards target and
+draft over two GPUs (two worker processes started by the script, or ``torchrun
+--nproc-per-node 2 benchmarks/decode.py``); times are rank 0's, the roofline is one GPU's
+shard of the weights and KV cache over one GPU's bandwidth.
 """
 
 from __future__ import annotations
@@ -62,12 +65,13 @@ os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from speculum.models.config import DecoderConfig  # noqa: E402
-from speculum.models.decoder import DecoderModel  # noqa: E402
+from speculum.models.decoder import DecoderModel, cache_kv_heads  # noqa: E402
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
 from speculum.models.loading import randomize_  # noqa: E402
+from speculum.models.parallel import shard_  # noqa: E402
 from speculum.pipelines import adaptive, eagle  # noqa: E402
 from speculum.pipelines.adaptive import AdaptivePolicy  # noqa: E402
-from speculum.runtime import scheduler  # noqa: E402
+from speculum.runtime import distributed, scheduler  # noqa: E402
 from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 from speculum.runtime.generate import acceptance_stats, run_to_completion  # noqa: E402
@@ -75,6 +79,7 @@ from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
 from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
+from speculum.state.parallel import SINGLE, TensorParallel  # noqa: E402
 from speculum.state.record import replace  # noqa: E402
 
 LLAMA_8B = attrs.evolve(
@@ -121,20 +126,27 @@ def building_on(device: str, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def build_models(config: DecoderConfig, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The random target and an EAGLE-3 head for it (draft ids a random subset of the target's)."""
+def build_models(
+    config: DecoderConfig, device: str, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> tuple[Any, Any]:
+    """The random target and an EAGLE-3 head for it (draft ids a random subset of the
+    target's), both this rank's shard of ``tp``: every rank draws the same full weights and
+    keeps its slices, so any ``tp`` runs the same model."""
     with building_on(device, dtype):
         target = DecoderModel(config)
+    randomize_(target, seed=0, std=0.02)
+    target.reset_rope()
+    shard_(target, tp)  # before the head is built: it borrows the sharded embedding and lm_head
+    with building_on(device, dtype):
         head_config = draft_config(
             config, "eagle3", draft_vocab_size=min(DRAFT_VOCAB, config.vocab_size // 2)
         )
         head = build_draft(head_config, target)
-    randomize_(target, seed=0, std=0.02)
     randomize_(head, seed=1, std=0.02)
-    target.reset_rope()
     head.reset_buffers()
-    subset = torch.randperm(config.vocab_size, device=device)[: head.config.head_vocab_size]
-    head.set_target_ids(subset.sort().values)
+    shard_(head, tp)
+    ids = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(2))
+    head.set_target_ids(ids[: head.config.head_vocab_size].sort().values.to(device))
     return target.eval().requires_grad_(False), head.eval().requires_grad_(False)
 
 
@@ -189,7 +201,8 @@ def step_bytes(target: DecoderModel, batch: int, context: float) -> float:
     if embedding is not target.lm_head.weight:
         weights -= embedding.numel() * embedding.element_size()
     c = target.config
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * embedding.element_size()
+    heads = cache_kv_heads(target, c.num_kv_heads)  # this rank's, under tensor parallelism
+    kv = 2 * c.num_layers * heads * c.head_dim * embedding.element_size()
     return weights + batch * context * kv
 
 
@@ -454,7 +467,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    """Run every measurement and print the tables."""
+    """Parse the options and run every measurement: in this process, or in ``--tp`` worker
+    processes started here (unless torchrun started this one), whose rank 0 prints."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt", type=int, default=512)
@@ -463,6 +477,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles last")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="shard target and draft over N processes, one GPU each (default: torchrun's count)",
+    )
     parser.add_argument(
         "--compare-unfused",
         action="store_true",
@@ -476,48 +496,62 @@ def main() -> None:
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
     )
     args = parser.parse_args()
+    if args.tp > 1 and not distributed.launched():
+        distributed.launch(functools.partial(measure, args), args.tp)
+    else:
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every measurement ``args`` asks for, printed as tables by rank 0 (transformers' peer is
+    left out under tensor parallelism: it runs unsharded)."""
     device = "cpu" if args.tiny else "cuda"
+    tp = distributed.tensor_parallel(args.tp, device)
+    report = print if tp.is_leader else lambda *_, **__: None
     config = TINY if args.tiny else LLAMA_8B
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.adaptive or args.overlap:
         scheduling_tables(config, device, dtype, args)
         return
-    target, head = build_models(config, device, dtype)
+    target, head = build_models(config, device, dtype, tp)
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"device: {name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    report(
+        f"device: {name} x tp {tp.size}; copy bandwidth {bandwidth / 1e9:.0f} GB/s per device; "
+        f"torch {torch.__version__}"
+    )
     batches = [int(b) for b in args.batches.split(",")]
     plain, rounds, peers = [], [], []
     begin = time.perf_counter()
     if args.compare_unfused:  # before any engine fuses the shared models in place
         row = plain_row(target, head, batches[0], args, bandwidth, device, fuse=False)
         plain.append(row)
-        print(table([row]), flush=True)
+        report(table([row]), flush=True)
     for batch in batches:
         row = plain_row(target, head, batch, args, bandwidth, device)
         plain.append(row)
-        print(table([row]), flush=True)
+        report(table([row]), flush=True)
         for label, *shape in ROUNDS:
             r = round_row(target, head, batch, label, tuple(shape), args, row["ms/step"], device)
             rounds.append(r)
-            print(table([r]), flush=True)
-        print(f"batch {batch} done at {time.perf_counter() - begin:.0f} s", flush=True)
-    if not args.no_peer:
+            report(table([r]), flush=True)
+        report(f"batch {batch} done at {time.perf_counter() - begin:.0f} s", flush=True)
+    if not args.no_peer and tp.size == 1:
         hf = hf_copy(target)
         for row in (r for r in plain if r["projections"] == "fused"):
             peer = peer_row(hf, row["batch"], args, device)
             peer["ours/peer"] = row["tok/s"] / peer["tok/s"]
             peers.append(peer)
-            print(table([peer]), flush=True)
+            report(table([peer]), flush=True)
         del hf
-    print("\n## plain decoding\n\n" + table(plain))
-    print("\n## speculative round (EAGLE-3 head), ms\n\n" + table(rounds))
+    report("\n## plain decoding\n\n" + table(plain))
+    report("\n## speculative round (EAGLE-3 head), ms\n\n" + table(rounds))
     if peers:
-        print(
+        report(
             "\n## transformers generate (static cache, eager), decode tokens/s\n\n" + table(peers)
         )
     if args.profile:
-        print("\n## profile, batch 1\n\n" + profile(target, head, args, device))
+        report("\n## profile, batch 1\n\n" + profile(target, head, args, device))
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

@@ -78,6 +78,7 @@ from speculum.models.draft_loading import DraftTargetMismatch, _read_json, mater
 from speculum.models.loading import DTYPES, CheckpointError, check_keys, load_state_dict, randomize_
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "ALGORITHMS",
@@ -578,11 +579,13 @@ def load_block_draft(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> DFlashHead:
     """Load the ``algorithm`` (``dflash`` or ``dspark``) draft in ``folder`` for ``target``,
     strictly: every tensor the head declares must be there and nothing else (rotary
     ``inv_freq`` buffers and the target's own ``embed_tokens`` / ``lm_head`` copies are
-    tolerated). ``dtype`` and ``device`` default to the target's. Raises
+    tolerated). ``dtype`` and ``device`` default to the target's; ``tp`` shards the head
+    (``SINGLE``: whole on every rank; see ``docs/tensor_parallel.md``). Raises
     :class:`DraftTargetMismatch` for a draft of another target, ``UnsupportedModel`` for a
     configuration speculum cannot run (a speculators DSPARK checkpoint among them, see the
     module docstring) and ``CheckpointError`` for missing, unexpected or mis-shaped tensors."""
@@ -607,7 +610,7 @@ def load_block_draft(
     )
     check_keys(expected, found, where, tolerated)
     names = {name: name for name in expected}
-    head = materialize(head, names, found, target, dtype=dtype, device=device)
+    head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     return head.eval().requires_grad_(False)
 
 

@@ -20,14 +20,17 @@ from speculum import kernels
 from speculum.models.config import DecoderConfig
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "Attention",
     "DecoderLayer",
     "DecoderModel",
+    "LMHead",
     "MLP",
     "RMSNorm",
     "apply_rope",
+    "cache_kv_heads",
     "dense_attention",
     "dense_batch",
     "float32_logits",
@@ -387,18 +390,42 @@ def float32_logits(
     return F.linear(hidden.float(), weight.float())
 
 
+class LMHead(nn.Linear):
+    """A bias-free projection onto a vocabulary: calling it gives logits in the weights' dtype,
+    :meth:`logits` float32 ones (:func:`float32_logits`). Its own class so that tensor
+    parallelism (``models.parallel.shard_``) knows which linear layers to split by vocabulary."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
+        """Float32 logits of ``hidden`` over the whole vocabulary."""
+        return float32_logits(hidden, self.weight)
+
+
+def cache_kv_heads(module: nn.Module, default: int) -> int:
+    """K/V heads per layer that ``module``'s attention writes into its pool: this rank's share
+    under tensor parallelism, ``default`` for a module without attention."""
+    return next((m.num_kv_heads for m in module.modules() if isinstance(m, Attention)), default)
+
+
 class DecoderModel(nn.Module):
     """A Llama-family causal LM over the paged KV cache.
 
     Weights are fixed during inference; the only state a forward changes is the K/V it writes
-    into the pool at ``batch.slots``.
+    into the pool at ``batch.slots``. ``config`` always describes the whole checkpoint; a model
+    sharded over a tensor-parallel group (``models.parallel.shard_``) records the group in
+    ``tp`` and holds this rank's slices of the weights and of the KV heads.
     """
+
+    #: The tensor-parallel group the model is sharded over (:data:`SINGLE`: not sharded).
+    tp: TensorParallel = SINGLE
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -408,13 +435,13 @@ class DecoderModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.model.embed_tokens.weight.device)
 
     def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
-        """A zeroed KV pool shaped for this model."""
+        """A zeroed KV pool shaped for this model (for this rank's K/V heads, when sharded)."""
         weight = self.model.embed_tokens.weight
         return KVPool.allocate(
             num_layers=self.config.num_layers,
             num_pages=num_pages,
             page_size=page_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=cache_kv_heads(self, self.config.num_kv_heads),
             head_dim=self.config.head_dim,
             dtype=dtype or weight.dtype,
             device=weight.device,
@@ -445,6 +472,6 @@ class DecoderModel(nn.Module):
         return normed, tuple(captured[n] for n in capture_layers)
 
     def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
-        """Float32 next-token logits of final-normed hidden states (see
-        :func:`float32_logits`)."""
-        return float32_logits(hidden, self.lm_head.weight)
+        """Float32 next-token logits of final-normed hidden states over the whole vocabulary
+        (see :func:`float32_logits`)."""
+        return self.lm_head.logits(hidden)

@@ -46,7 +46,9 @@ from speculum.models.decoder import (
     Attention,
     DecoderLayer,
     DecoderModel,
+    LMHead,
     RMSNorm,
+    cache_kv_heads,
     rope_inv_freq,
 )
 from speculum.models.loading import randomize_
@@ -88,14 +90,15 @@ def pool_for(
     page_size: int,
     dtype: torch.dtype | None = None,
 ) -> KVPool:
-    """A zeroed pool of ``num_layers`` layers shaped like ``layer``'s attention, in
-    ``module``'s dtype (unless given) and on its device."""
+    """A zeroed pool of ``num_layers`` layers shaped like ``layer``'s attention (with this
+    rank's K/V heads when ``module`` is sharded), in ``module``'s dtype (unless given) and on
+    its device."""
     weight = next(module.parameters())
     return KVPool.allocate(
         num_layers=num_layers,
         num_pages=num_pages,
         page_size=page_size,
-        num_kv_heads=layer.num_kv_heads,
+        num_kv_heads=cache_kv_heads(module, layer.num_kv_heads),
         head_dim=layer.head_dim,
         dtype=dtype or weight.dtype,
         device=weight.device,
@@ -388,7 +391,7 @@ class Eagle3Head(_DraftBase):
         self.fc = nn.Linear(width, h, bias=config.fc_bias)
         self.midlayer = Eagle3Layer(config.layer, config.norm_before_residual)
         self.norm = RMSNorm(h, eps)
-        self.lm_head = nn.Linear(h, config.head_vocab_size, bias=False)
+        self.lm_head = LMHead(h, config.head_vocab_size)
         self.register_buffer("target_ids", torch.arange(config.head_vocab_size), persistent=False)
         self.maps_identity = config.head_vocab_size == config.vocab_size
 
@@ -449,7 +452,7 @@ class _SharedHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(hidden, eps)
         if own_head:
-            self.head = nn.Linear(hidden, vocab, bias=False)
+            self.head = LMHead(hidden, vocab)
 
 
 class MTPHead(_DraftBase):

@@ -79,10 +79,14 @@ from speculum.models.draft import (
 from speculum.models.loading import (
     DTYPES,
     CheckpointError,
+    CheckpointTensor,
     check_keys,
-    load_state_dict,
+    open_checkpoint,
+    read,
     save_model,
 )
+from speculum.models.parallel import shard_, splits_of
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "LAYOUTS",
@@ -126,10 +130,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors of ``folder`` and the file kind (``safetensors`` or ``bin``)."""
+def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor | CheckpointTensor], str]:
+    """All tensors of ``folder`` and the file kind (``safetensors``: read lazily, so that a
+    tensor-parallel rank reads only its part; ``bin``: in memory)."""
     if (folder / "model.safetensors.index.json").exists() or any(folder.glob("*.safetensors")):
-        return load_state_dict(folder), "safetensors"
+        return open_checkpoint(folder), "safetensors"
     index = folder / "pytorch_model.bin.index.json"
     if index.exists():
         names = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -339,12 +344,12 @@ def _key_map(layout: str, prefix: str) -> Callable[[str], str]:
 
 
 def _vocab_map(
-    config: DraftConfig, found: dict[str, torch.Tensor], where: str
+    config: DraftConfig, found: dict[str, torch.Tensor | CheckpointTensor], where: str
 ) -> torch.Tensor | None:
     """Validated target ids of the draft vocabulary from ``d2t`` (and ``t2d``), or ``None``
     for the identity."""
     size, vocab = config.head_vocab_size, config.vocab_size
-    d2t, t2d = found.get("d2t"), found.get("t2d")
+    d2t, t2d = (read(found[key]) if key in found else None for key in ("d2t", "t2d"))
     if d2t is None:
         if size != vocab:
             raise CheckpointError(
@@ -386,11 +391,15 @@ def load_draft(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> EagleHead | Eagle3Head | MTPHead:
     """Load the draft head in ``folder`` for ``target``, strictly.
 
     ``algorithm`` is ``eagle`` (``eagle2``), ``eagle3`` or ``mtp`` (``nextn``); the layout is
-    recognised from the folder. ``dtype`` and ``device`` default to the target's. Raises
+    recognised from the folder. ``dtype`` and ``device`` default to the target's. ``tp``
+    shards the head (this rank's part, as ``models.parallel.shard_`` splits it); left at
+    :data:`SINGLE` the head is whole (replicated on every rank of a sharded target, whose
+    embedding and lm_head it borrows either way). Raises
     :class:`DraftTargetMismatch` for a draft of another target, ``CheckpointError`` for
     missing, unexpected or mis-shaped tensors, an unknown layout or a bad ``d2t``/``t2d``.
     """
@@ -443,7 +452,7 @@ def load_draft(
     check_keys(expected, found, where, frozenset(tolerated))
 
     weight = target.model.embed_tokens.weight
-    head = materialize(head, names, found, target, dtype=dtype, device=device)
+    head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     if isinstance(head, Eagle3Head):
         head.set_target_ids(
             torch.arange(config.head_vocab_size) if vocab_ids is None else vocab_ids
@@ -455,20 +464,23 @@ def load_draft(
 def materialize(
     head: nn.Module,
     names: dict[str, str],
-    found: dict[str, torch.Tensor],
+    found: dict[str, torch.Tensor | CheckpointTensor],
     target: DecoderModel,
     *,
     dtype: torch.dtype | None,
     device: str | torch.device | None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
-    """Allocate a meta-device head and copy checked weights into it: ``names`` maps checkpoint
-    keys to parameter names. ``dtype`` and ``device`` default to the target's."""
+    """Shard a meta-device head for ``tp`` (nothing to do for one rank), allocate it and copy
+    checked weights into it, each sharded one's part only: ``names`` maps checkpoint keys to
+    parameter names. ``dtype`` and ``device`` default to the target's."""
     weight = target.model.embed_tokens.weight
+    shard_(head, tp)
     head.to_empty(device=weight.device if device is None else device)
-    params = dict(head.named_parameters())
+    params, splits = dict(head.named_parameters()), splits_of(head)
     with torch.no_grad():
         for key, name in names.items():
-            params[name].copy_(found[key])
+            params[name].copy_(read(found[key], splits.get(name)))
     head = head.to(dtype or weight.dtype)
     head.reset_buffers()
     return head

@@ -68,19 +68,22 @@ from speculum.models.decoder import (
     Attention,
     DecoderLayer,
     DecoderModel,
+    LMHead,
     RMSNorm,
     rope_inv_freq,
 )
-from speculum.models.draft_loading import DraftTargetMismatch
+from speculum.models.draft_loading import DraftTargetMismatch, materialize
 from speculum.models.loading import (
     DTYPES,
     CheckpointError,
     check_keys,
-    load_state_dict,
+    open_checkpoint,
     randomize_,
 )
+from speculum.models.parallel import UnsupportedSplit
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
+from speculum.state.parallel import SINGLE, TensorParallel
 from speculum.state.record import replace
 
 __all__ = [
@@ -226,7 +229,7 @@ class FrozenKVHead(nn.Module):
             self.layers.append(layer)
         self.norm = RMSNorm(h, eps)
         if config.own_head:
-            self.lm_head = nn.Linear(h, config.layer.vocab_size, bias=False)
+            self.lm_head = LMHead(h, config.layer.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
 
     @property
@@ -378,15 +381,18 @@ def load_frozen_kv(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> FrozenKVHead:
     """Load the frozen-KV draft in ``folder`` for ``target``, strictly.
 
     ``algorithm`` is accepted for a uniform signature with ``load_draft`` and must be
-    ``frozen_kv_mtp``. ``dtype`` and ``device`` default to the target's. Raises
+    ``frozen_kv_mtp``. ``dtype`` and ``device`` default to the target's. ``tp`` must be the
+    target's tensor-parallel group (the head reads the target's sharded KV cache). Raises
     :class:`DraftTargetMismatch` when the draft does not fit ``target`` (vocabulary, hidden
     size, depth, a source layer out of range, K/V shape or rotary settings) and
     ``CheckpointError`` for a missing folder or config, another architecture, or missing,
-    unexpected or mis-shaped tensors.
+    unexpected or mis-shaped tensors, and :class:`~speculum.models.parallel.UnsupportedSplit`
+    for a ``tp`` other than the target's.
     """
     if algorithm != "frozen_kv_mtp":
         raise ValueError(f"load_frozen_kv loads frozen_kv_mtp drafts, not {algorithm!r}")
@@ -402,14 +408,19 @@ def load_frozen_kv(
         raise CheckpointError(f"{folder / 'config.json'} must hold a JSON object")
     config = _parse(raw, where)
     check_target(config, target.config, where)
-    found = load_state_dict(folder)
+    if tp.size != target.tp.size:
+        raise UnsupportedSplit(
+            f"{where}: the target is sharded over {target.tp.size} tensor-parallel rank(s) and "
+            f"the draft over {tp.size}; a frozen-KV draft reads the target's KV cache, which "
+            "holds only this rank's K/V heads, so shard it with the target (draft_tp = tp, "
+            "the default)"
+        )
+    found = open_checkpoint(folder)
     with torch.device("meta"):
         head = FrozenKVHead(config, target)
     expected = {name: p.shape for name, p in head.named_parameters()}
     tolerated = frozenset(k for k in found if k.endswith("rotary_emb.inv_freq"))
     check_keys(expected, found, where, tolerated)
-    head.to_empty(device=device or target.model.embed_tokens.weight.device)
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            param.copy_(found[name])
-    return _finish(head, target, dtype)
+    names = {name: name for name in expected}
+    head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
+    return head.eval().requires_grad_(False)

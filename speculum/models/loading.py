@@ -7,25 +7,36 @@ extras are a tied ``lm_head.weight`` (some exporters write it), rotary ``inv_fre
 multi-token-prediction layers ``model.layers.{L} ..`` after the ``L`` decoder layers when
 ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads those, see
 ``speculum.models.draft_loading``).
+
+Tensors are opened lazily (:class:`CheckpointTensor`): the checks read only the files' headers,
+and a tensor-parallel rank then reads only its slice of each sharded weight.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+import attrs
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import DecoderConfig
 from speculum.models.decoder import DecoderModel
+from speculum.models.parallel import Split, shard_, splits_of
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "CheckpointError",
+    "CheckpointTensor",
     "cast_weights",
     "load_model",
     "load_state_dict",
+    "open_checkpoint",
+    "read",
     "check_keys",
     "save_model",
     "random_model",
@@ -58,17 +69,45 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (single file, sharded with an index, or many files)."""
+@attrs.define(frozen=True, slots=True, eq=False)
+class CheckpointTensor:
+    """One tensor of a safetensors file, read only when asked for: whole (:meth:`read`) or in
+    part (indexing reads just the indexed slice from disk, which is how a tensor-parallel rank
+    loads its shard)."""
+
+    path: Path
+    key: str
+    shape: torch.Size
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor."""
+        return self._open(lambda handle: handle.get_tensor(self.key))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The slice ``index`` (slices per axis, as for a tensor), read alone."""
+        return self._open(lambda handle: handle.get_slice(self.key)[index])
+
+    def _open(self, get: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                return get(handle)
+        except Exception as err:  # safetensors raises several unrelated types for bad files
+            raise CheckpointError(f"cannot read {self.key!r} from {self.path}: {err}") from err
+
+
+def open_checkpoint(folder: str | Path) -> dict[str, CheckpointTensor]:
+    """Every tensor of a checkpoint folder (single file, sharded with an index, or many files)
+    by name, with its shape; no tensor data is read yet."""
     folder = Path(folder)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, CheckpointTensor] = {}
     for path in _weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if key in tensors:
                         raise CheckpointError(f"weight {key!r} appears in two files of {folder}")
-                    tensors[key] = handle.get_tensor(key)
+                    shape = torch.Size(handle.get_slice(key).get_shape())
+                    tensors[key] = CheckpointTensor(path=path, key=key, shape=shape)
         except CheckpointError:
             raise
         except Exception as err:  # safetensors raises several unrelated types for bad files
@@ -76,9 +115,22 @@ def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (single file, sharded with an index, or many files)."""
+    return {key: tensor.read() for key, tensor in open_checkpoint(folder).items()}
+
+
+def read(found: torch.Tensor | CheckpointTensor, split: Split | None = None) -> torch.Tensor:
+    """A checkpoint tensor (read from disk, or already in memory): whole, or only the part
+    ``split`` names (a tensor-parallel rank's shard)."""
+    if split is not None:
+        return split.take(found)
+    return found.read() if isinstance(found, CheckpointTensor) else found
+
+
 def check_keys(
     expected: dict[str, torch.Size],
-    found: dict[str, torch.Tensor],
+    found: Mapping[str, torch.Tensor | CheckpointTensor],
     where: str,
     tolerated: frozenset[str] = frozenset(),
 ) -> None:
@@ -110,11 +162,17 @@ def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
 
 
 def load_model(
-    folder: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    folder: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> DecoderModel:
     """Build the decoder a Hugging Face folder describes and load its weights strictly.
 
-    ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent).
+    ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent). With a
+    tensor-parallel ``tp`` of several ranks the model is this rank's shard
+    (``models.parallel.shard_``), and only this rank's part of each sharded weight is read.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -126,7 +184,7 @@ def load_model(
         dtype = DTYPES.get(config.dtype, torch.float32)
     with torch.device("meta"):
         model = DecoderModel(config)
-    found = load_state_dict(folder)
+    found = open_checkpoint(folder)
     tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         tolerated.add("lm_head.weight")
@@ -134,12 +192,14 @@ def load_model(
     prefixes = tuple(f"model.layers.{n}." for n in nextn)
     tolerated |= {k for k in found if k.startswith(prefixes)}
     check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated))
+    shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    splits = splits_of(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(found[name])
+            param.copy_(read(found[name], splits.get(name)))
     model.reset_rope()
     return model.to(dtype).eval().requires_grad_(False)
 
@@ -147,6 +207,11 @@ def load_model(
 def save_model(model: DecoderModel, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors``, readable by transformers and
     :func:`load_model`."""
+    if model.tp.size > 1:
+        raise ValueError(
+            f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
+            "model (load it without tp)"
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # Cloned: parameters may be views of one tensor (fused projections), which safetensors

@@ -44,6 +44,7 @@ from speculum.models.draft_loading import (
 from speculum.models.loading import CheckpointError, check_keys, randomize_, save_model
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "MultiLayerEagleHead",
@@ -144,11 +145,13 @@ def load_multi_layer(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> MultiLayerEagleHead:
     """Load the ``num_nextn_predict_layers`` MTP layers in ``folder`` (either form), strictly.
 
     ``algorithm`` is there for the engine's loader signature and must be
-    ``multi_layer_eagle``; ``dtype`` and ``device`` default to the target's.
+    ``multi_layer_eagle``; ``dtype`` and ``device`` default to the target's; ``tp`` shards
+    the layers (see ``draft_loading.load_draft``).
 
     Raises ``CheckpointError`` for a missing ``num_nextn_predict_layers``, MTP layers that are
     not ``L .. L + K - 1``, or missing, unexpected or mis-shaped tensors (the target's own
@@ -207,7 +210,7 @@ def load_multi_layer(
     tolerated |= {k for k in found if k in target_keys and not k.startswith(tuple(prefixes))}
     check_keys(expected, found, where, frozenset(tolerated))
     weight = target.model.embed_tokens.weight
-    head = materialize(head, names, found, target, dtype=dtype, device=device)
+    head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     for mtp in head.layers:
         _share_equal_embedding(mtp, weight)
     return head.eval().requires_grad_(False)

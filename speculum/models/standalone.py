@@ -18,6 +18,7 @@ from speculum.models.decoder import DecoderModel
 from speculum.models.loading import CheckpointError, load_model
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
+from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = ["StandaloneHead", "VocabularyMismatch", "load_standalone"]
 
@@ -75,14 +76,15 @@ def load_standalone(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> StandaloneHead:
     """Load any checkpoint :func:`load_model` accepts as a standalone draft for ``target``.
 
     ``algorithm`` is accepted for a uniform signature with ``load_draft`` and must be
-    ``standalone``.
+    ``standalone``; ``tp`` shards the draft model (see ``models.parallel.shard_``).
     """
     if algorithm != "standalone":
         raise ValueError(f"load_standalone loads standalone drafts, not {algorithm!r}")
     weight = target.model.embed_tokens.weight
-    model = load_model(folder, dtype=dtype or weight.dtype, device=device or weight.device)
+    model = load_model(folder, dtype=dtype or weight.dtype, device=device or weight.device, tp=tp)
     return StandaloneHead(model, target.config.vocab_size)

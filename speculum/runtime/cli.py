@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ALGORITHMS
+from speculum.runtime import distributed
 from speculum.runtime.engine import NgramOptions
 from speculum.runtime.generate import generate
 
@@ -192,6 +194,18 @@ def parser() -> argparse.ArgumentParser:
         "previous one (same tokens)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    parallel = gen.add_argument_group("tensor parallelism (see docs/tensor_parallel.md)")
+    parallel.add_argument(
+        "--tp",
+        type=int,
+        help="shard the model over N processes, started by the command itself or by "
+        "torchrun --nproc-per-node N (default: torchrun's process count, else 1)",
+    )
+    parallel.add_argument(
+        "--draft-tp",
+        type=int,
+        help="1 keeps the draft whole on every rank; default: sharded like the target",
+    )
     _add_train_target(commands)
     _add_train_draft(commands)
     return top
@@ -313,8 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = _generate(args, args.algorithm)
         plain = _generate(args, "plain") if args.compare_plain else None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
-        print(f"speculum: error: {err}", file=sys.stderr)
+        if distributed.is_leader():
+            print(f"speculum: error: {err}", file=sys.stderr)
         return 2
+    if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
+        return 0
     if args.json:
         payload = {
             "token_ids": list(result.token_ids),
@@ -375,6 +392,8 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         overlap=args.overlap,
+        tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),
+        draft_tp=args.draft_tp,
     )
     return result
 
@@ -484,3 +503,7 @@ def _train_draft(args: argparse.Namespace) -> int:
         return 2
     _print_metrics(metrics)
     return 0
+
+
+if __name__ == "__main__":  # torchrun -m speculum.runtime.cli, like python -m speculum
+    sys.exit(main())

@@ -24,6 +24,7 @@ from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
+from speculum.state.parallel import SINGLE, TensorParallel
 
 T = TypeVar("T")
 
@@ -80,6 +81,12 @@ class Engine:
     def kv_lookahead(self) -> int:
         """Cache slots reserved per request past its token budget (:func:`reserved_lookahead`)."""
         return reserved_lookahead(self.pipeline, self.config.overlap)
+
+    @property
+    def tp(self) -> TensorParallel:
+        """The tensor-parallel group the target is sharded over (``SINGLE``: one process, also
+        for a target of another kind than ``DecoderModel``, which knows no sharding)."""
+        return getattr(self.resources.target, "tp", SINGLE)
 
 
 def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
@@ -309,6 +316,12 @@ def engine_from_model(
     """
     spec = spec or SpecOptions()
     variants = _adaptive_variants(algorithm, draft, spec)
+    if variants and getattr(target, "tp", SINGLE).size > 1:
+        raise ValueError(
+            "adaptive speculation picks each round's depth from this process's own timings, so "
+            "the ranks of a tensor-parallel group could pick different depths and diverge: drop "
+            "adaptive_steps (--adaptive-steps) or run with tp=1"
+        )
     policy = spec.adaptive_policy
     pipeline = (
         adaptive.pipeline(variants, policy=policy)
@@ -367,6 +380,19 @@ def engine_from_model(
     )
 
 
+def _draft_sharding(tp: TensorParallel, draft_tp: int | None) -> TensorParallel:
+    """The group a draft is sharded over: the target's (``draft_tp`` None or ``tp.size``), or
+    none (``draft_tp == 1``: a whole draft on every rank)."""
+    if draft_tp is None or draft_tp == tp.size:
+        return tp
+    if draft_tp == 1:
+        return SINGLE
+    raise ValueError(
+        f"draft_tp={draft_tp} with tp={tp.size}: the draft is either sharded with the target "
+        f"(draft_tp={tp.size}) or whole on every rank (draft_tp=1)"
+    )
+
+
 def build_engine(
     model: str | Path,
     *,
@@ -376,12 +402,17 @@ def build_engine(
     device: str = "cpu",
     dtype: str | None = None,
     ngram: NgramOptions | None = None,
+    tp: TensorParallel = SINGLE,
+    draft_tp: int | None = None,
     **limits: Any,
 ) -> Engine:
     """Load a Hugging Face model folder (and its tokenizer, when it has one) into an engine.
 
     Speculative algorithms load their draft head from ``draft`` (MTP/NEXTN layers default to
-    the target's own folder).
+    the target's own folder). With a tensor-parallel group ``tp`` (``runtime.distributed``),
+    the target is this rank's shard and each rank reads only its part of the checkpoint; the
+    draft is sharded with it, or whole on every rank with ``draft_tp=1`` (vLLM's
+    ``draft_tensor_parallel_size``; a frozen-KV draft must be sharded).
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -393,11 +424,12 @@ def build_engine(
     if algorithm in SPECULATIVE and draft is None:
         raise ValueError(f"algorithm {algorithm!r} needs a draft model; pass --draft DIR")
     torch_dtype = DTYPES[dtype] if dtype else None
+    draft_group = _draft_sharding(tp, draft_tp)
     fix = "choose a smaller model, dtype='bfloat16', or a device with more memory"
     target = _allocate(
         f"the target model {model}",
         fix,
-        lambda: load_model(model, dtype=torch_dtype, device=device),
+        lambda: load_model(model, dtype=torch_dtype, device=device, tp=tp),
     )
     head = None
     if algorithm in SPECULATIVE:
@@ -412,7 +444,9 @@ def build_engine(
         head = _allocate(
             f"the draft {draft}",
             fix,
-            lambda: load(draft, target, algorithm, dtype=torch_dtype, device=device),
+            lambda: load(
+                draft, target, algorithm, dtype=torch_dtype, device=device, tp=draft_group
+            ),
         )
     folder = Path(model)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").exists() else None

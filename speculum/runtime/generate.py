@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import attrs
 
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.runtime import scheduler
+from speculum.runtime import distributed, scheduler
 from speculum.runtime.default_model import (
     DEFAULT_ALGORITHM,
     default_draft_dir,
@@ -81,6 +82,8 @@ def generate(
     dtype: str | None = None,
     cuda_graphs: bool = True,
     overlap: bool = False,
+    tp: int = 1,
+    draft_tp: int | None = None,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
@@ -100,7 +103,16 @@ def generate(
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
     the device runs the previous one (same tokens; see ``docs/overlap.md``).
+
+    ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
+    keeps the draft whole on every rank): inside a group started by torchrun, this process is
+    one rank; otherwise ``tp`` worker processes are started, each runs this call, and rank 0's
+    result is returned. Every rank decodes rank 0's requests and returns the same results.
     """
+    arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
+    if engine is None and tp > 1 and not distributed.launched():
+        del arguments["engine"]
+        return distributed.launch(functools.partial(generate, **arguments), tp)
     if engine is None:
         if model is None:
             model = default_model_dir()
@@ -128,11 +140,23 @@ def generate(
             ngram=ngram,
             cuda_graphs=cuda_graphs,
             overlap=overlap,
+            tp=distributed.tensor_parallel(tp, device),
+            draft_tp=draft_tp,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
-    ids = [_prompt_ids(engine, p) for p in batch]
     sampling = scheduler.Sampling(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+    )
+    # Every rank must schedule the same requests for the ranks' collectives to pair up: rank 0's.
+    ids, sampling, max_new_tokens, stop_token_ids, stop_strings, ignore_eos = engine.tp.from_leader(
+        (
+            [_prompt_ids(engine, p) for p in batch],
+            sampling,
+            max_new_tokens,
+            stop_token_ids,
+            stop_strings,
+            ignore_eos,
+        )
     )
     state, rids = scheduler.new_state(engine), []
     for prompt in ids:
