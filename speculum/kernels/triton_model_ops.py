@@ -149,6 +149,25 @@ def _rotated(src, stride_d, mask, cos, sin, HALF: tl.constexpr, dtype: tl.conste
 
 
 @triton.jit
+def _rope_heads(
+    src, stride_h, stride_d, heads, dst, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """Rotate ``heads`` heads at ``src`` (strided) into contiguous ``[heads, 2 * HALF]`` rows at
+    ``dst``, rounded to the source's dtype (the reference's rotary output), then to ``dst``'s."""
+    dtype = src.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < heads
+    first, second = _rotated(
+        src + h * stride_h + d * stride_d, stride_d, mask, cos, sin, HALF, dtype
+    )
+    out_dtype = dst.dtype.element_ty
+    rows = dst + h * (2 * HALF) + d
+    tl.store(rows, first.to(dtype).to(out_dtype), mask=mask)
+    tl.store(rows + HALF, second.to(dtype).to(out_dtype), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     pos_ptr,
@@ -170,15 +189,10 @@ def _rope_kernel(
     b = token // q_len
     t = token % q_len
     dtype = x_ptr.dtype.element_ty
-    d = tl.arange(0, HALF)[None, :]
     cos, sin = _cos_sin(pos_ptr + b * pos_stride_b + t * pos_stride_q, inv_ptr, HALF, dtype)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    mask = h < heads
-    src = x_ptr + b * x_stride_b + t * x_stride_q + h * x_stride_h + d * x_stride_d
-    out_first, out_second = _rotated(src, x_stride_d, mask, cos, sin, HALF, dtype)
-    dst = out_ptr + (token * heads + h) * (2 * HALF) + d
-    tl.store(dst, out_first.to(dtype), mask=mask)
-    tl.store(dst + HALF, out_second.to(dtype), mask=mask)
+    src = x_ptr + b * x_stride_b + t * x_stride_q
+    dst = out_ptr + token * heads * (2 * HALF)
+    _rope_heads(src, x_stride_h, x_stride_d, heads, dst, cos, sin, HALF, BLOCK_H)
 
 
 @triton.jit
@@ -221,28 +235,19 @@ def _rope_write_kv_kernel(
     b = token // q_len
     t = token % q_len
     dtype = q_ptr.dtype.element_ty
-    d = tl.arange(0, HALF)[None, :]
     cos, sin = _cos_sin(pos_ptr + b * pos_stride_b + t * pos_stride_q, inv_ptr, HALF, dtype)
-
-    h = tl.arange(0, BLOCK_Q)[:, None]
-    mask = h < q_heads
-    src = q_ptr + b * q_stride_b + t * q_stride_q + h * q_stride_h + d * q_stride_d
-    out_first, out_second = _rotated(src, q_stride_d, mask, cos, sin, HALF, dtype)
-    dst = out_ptr + (token * q_heads + h) * (2 * HALF) + d
-    tl.store(dst, out_first.to(dtype), mask=mask)
-    tl.store(dst + HALF, out_second.to(dtype), mask=mask)
-
+    q_src = q_ptr + b * q_stride_b + t * q_stride_q
+    q_dst = out_ptr + token * q_heads * (2 * HALF)
+    _rope_heads(q_src, q_stride_h, q_stride_d, q_heads, q_dst, cos, sin, HALF, BLOCK_Q)
     # The slot's row of each cache holds kv_heads x head_dim values.
     slot = tl.load(slot_ptr + b * slot_stride_b + t * slot_stride_q).to(tl.int64)
+    k_src = k_ptr + b * k_stride_b + t * k_stride_q
+    k_dst = kc_ptr + slot * kv_heads * (2 * HALF)
+    _rope_heads(k_src, k_stride_h, k_stride_d, kv_heads, k_dst, cos, sin, HALF, BLOCK_KV)
     h = tl.arange(0, BLOCK_KV)[:, None]
+    d = tl.arange(0, HALF)[None, :]
     mask = h < kv_heads
     row = slot * kv_heads * (2 * HALF) + h * (2 * HALF) + d
-    src = k_ptr + b * k_stride_b + t * k_stride_q + h * k_stride_h + d * k_stride_d
-    k_first, k_second = _rotated(src, k_stride_d, mask, cos, sin, HALF, k_ptr.dtype.element_ty)
-    # Rounded to the key's dtype (the reference's rotary output), then to the cache's.
-    cache_dtype = kc_ptr.dtype.element_ty
-    tl.store(kc_ptr + row, k_first.to(k_ptr.dtype.element_ty).to(cache_dtype), mask=mask)
-    tl.store(kc_ptr + row + HALF, k_second.to(k_ptr.dtype.element_ty).to(cache_dtype), mask=mask)
     src = v_ptr + b * v_stride_b + t * v_stride_q + h * v_stride_h + d * v_stride_d
     v_dtype = vc_ptr.dtype.element_ty
     tl.store(vc_ptr + row, tl.load(src, mask=mask).to(v_dtype), mask=mask)
@@ -408,6 +413,8 @@ def rope_write_kv_triton(
         raise ValueError(f"head_dim {head_dim} is not a power of two")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if k.dtype != q.dtype:  # the kernel rounds one set of cosines and sines for both
+        raise TypeError(f"q is {q.dtype} and k {k.dtype}: rotate queries and keys of one dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the K/V caches must be contiguous (a layer of a KV pool is)")
     out = q.new_empty(q.shape)
