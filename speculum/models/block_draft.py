@@ -60,14 +60,12 @@ Checkpoint layouts (``load_block_draft`` reads them strictly, ``save_block_draft
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 from jaxtyping import Float, Int
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from speculum import kernels
@@ -75,7 +73,14 @@ from speculum.models.config import DecoderConfig, UnsupportedModel
 from speculum.models.decoder import DecoderLayer, DecoderModel, RMSNorm, rope_inv_freq
 from speculum.models.draft import pool_for
 from speculum.models.draft_loading import DraftTargetMismatch, _read_json, materialize
-from speculum.models.loading import DTYPES, CheckpointError, check_keys, load_state_dict, randomize_
+from speculum.models.loading import (
+    DTYPES,
+    CheckpointError,
+    check_keys,
+    load_state_dict,
+    randomize_,
+    write_checkpoint,
+)
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -642,9 +647,4 @@ def _config_dict(head: DFlashHead) -> dict[str, Any]:
 def save_block_draft(head: DFlashHead, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` in the layout of the head's algorithm
     (z-lab DFlash, or SGLang's DSPARK), which :func:`load_block_draft` reads."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().contiguous().cpu().clone() for n, p in head.named_parameters()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(_config_dict(head), indent=2))
-    return folder
+    return write_checkpoint(folder, dict(head.named_parameters()), _config_dict(head))

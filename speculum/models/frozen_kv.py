@@ -60,7 +60,6 @@ from typing import Any
 import attrs
 import torch
 from jaxtyping import Float
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from speculum.models.config import DecoderConfig, UnsupportedModel
@@ -79,6 +78,7 @@ from speculum.models.loading import (
     check_keys,
     open_checkpoint,
     randomize_,
+    write_checkpoint,
 )
 from speculum.models.parallel import UnsupportedSplit
 from speculum.state.forward import ForwardBatch
@@ -333,12 +333,7 @@ def _config_dict(head: FrozenKVHead) -> dict[str, Any]:
 
 def save_frozen_kv(head: FrozenKVHead, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` in the layout of the module docstring."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().contiguous().cpu().clone() for n, p in head.named_parameters()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(_config_dict(head), indent=2))
-    return folder
+    return write_checkpoint(folder, dict(head.named_parameters()), _config_dict(head))
 
 
 def _parse(raw: dict[str, Any], where: str) -> FrozenKVConfig:

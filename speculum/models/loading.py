@@ -39,6 +39,7 @@ __all__ = [
     "read",
     "check_keys",
     "save_model",
+    "write_checkpoint",
     "random_model",
     "randomize_",
     "DTYPES",
@@ -212,13 +213,23 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
             f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
             "model (load it without tp)"
         )
+    return write_checkpoint(folder, dict(model.named_parameters()), model.config.to_dict())
+
+
+def write_checkpoint(
+    folder: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> Path:
+    """Write ``tensors`` as ``model.safetensors`` and ``config`` as ``config.json`` into
+    ``folder`` (created if needed); returns the folder.
+
+    Each tensor is copied to the CPU on its own storage: parameters may be views of one tensor
+    (fused projections), which safetensors refuses to write as separate tensors.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    # Cloned: parameters may be views of one tensor (fused projections), which safetensors
-    # refuses to write as separate tensors.
-    weights = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    weights = {name: t.detach().cpu().clone() for name, t in tensors.items()}
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 

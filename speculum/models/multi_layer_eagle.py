@@ -20,7 +20,6 @@ Key names per layer are those of ``speculum.models.draft_loading``'s MTP layouts
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
@@ -41,7 +40,13 @@ from speculum.models.draft_loading import (
     _share_equal_embedding,
     materialize,
 )
-from speculum.models.loading import CheckpointError, check_keys, randomize_, save_model
+from speculum.models.loading import (
+    CheckpointError,
+    check_keys,
+    randomize_,
+    save_model,
+    write_checkpoint,
+)
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -224,9 +229,7 @@ def save_multi_layer(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     params = dict(head.named_parameters())
-    tensors = {
-        key: params[name].detach().contiguous().cpu().clone() for key, name in _keys(head).items()
-    }
+    tensors = {key: params[name] for key, name in _keys(head).items()}
     shape = attrs.evolve(
         head.config.layer,
         num_layers=head.config.target_num_layers,
@@ -240,8 +243,4 @@ def save_multi_layer(
 
         tensors = {**load_file(folder / "model.safetensors"), **tensors}
         shape = attrs.evolve(target.config, num_nextn_predict_layers=head.num_layers)
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(shape.to_dict(), indent=2))
-    return folder
+    return write_checkpoint(folder, tensors, shape.to_dict())
