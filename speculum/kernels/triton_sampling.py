@@ -461,7 +461,8 @@ def _murmur_word(h, word):
     return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
 
 
-@triton.jit
+# Triton compiles an int argument equal to 1 as a Python constant, which has no ``.to``.
+@triton.jit(do_not_specialize=["stream"])
 def _uniforms_kernel(
     seed_ptr, counter_ptr, out_ptr, rows, width, stream, BLOCK: tl.constexpr, BITS: tl.constexpr
 ):
