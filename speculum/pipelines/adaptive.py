@@ -21,7 +21,10 @@ acceptance length alone. It is kept as a pure value:
 
 The variants must share one batch state record. :func:`eagle_variants` builds chains of several
 depths over one ``EagleState``, depth 0 being plain decoding that keeps the draft caught up
-(``eagle.plain_round``), so a later round can speculate again.
+(``eagle.plain_round``), so a later round can speculate again. A depth-0 round is several plain
+steps with one draft-extend over all of them: caught up after every step, the draft cost ~10%
+of plain decoding's throughput on the H200 (an 8B target at batch 1), over the 3% that
+adaptive speculation may lose.
 
 Where measurements live. The record is shared by all requests and changes every round, so it is
 not batch state: it lives in ``Resources.goodput``, a :class:`~speculum.pipelines.base.Cell`
@@ -338,11 +341,17 @@ def _is_int(value: object) -> bool:
 
 
 def eagle_variants(
-    steps: Sequence[int], *, sample_drafts: bool = False, vocab_size: int
+    steps: Sequence[int],
+    *,
+    sample_drafts: bool = False,
+    vocab_size: int,
+    plain_tokens: int | None = None,
 ) -> tuple[Pipeline, ...]:
     """EAGLE-family chains of each draft depth in ``steps``, in increasing order, over one
     ``EagleState`` (their carried prediction keeps one candidate); depth 0 is
-    ``eagle.plain_pipeline``. ``sample_drafts`` and ``vocab_size`` are ``eagle.round_config``'s.
+    ``eagle.plain_pipeline``, rounds of ``plain_tokens`` plain steps (default: as many tokens
+    as the deepest chain's round emits at most, so it reserves no more cache). ``sample_drafts``
+    and ``vocab_size`` are ``eagle.round_config``'s.
     """
     steps = tuple(steps)
     if not steps:
@@ -353,8 +362,9 @@ def eagle_variants(
     twice = sorted({s for s in steps if steps.count(s) > 1})
     if twice:
         raise ValueError(f"adaptive draft depths {twice} are listed more than once; list each once")
+    plain_tokens = max(steps) + 1 if plain_tokens is None else plain_tokens
     return tuple(
-        eagle.plain_pipeline()
+        eagle.plain_pipeline(num_tokens=plain_tokens)
         if s == 0
         else eagle.pipeline(num_steps=s, sample_drafts=sample_drafts, vocab_size=vocab_size)
         for s in sorted(steps)

@@ -98,10 +98,15 @@ class PrefillChunk:
 
 @record
 class StepOutput:
-    """Tokens a decoding round emits per request: ``tokens[b, :num_tokens[b]]``, the rest -1."""
+    """Tokens a decoding round emits per request: ``tokens[b, :num_tokens[b]]``, the rest -1.
+
+    ``plain_steps`` marks a round made of plain decoding steps, one target forward per token
+    (adaptive speculation's depth 0): statistics count each of its tokens as a round of its own.
+    """
 
     tokens: Int[Tensor, "batch max_tokens"]
     num_tokens: Int[Tensor, " batch"]
+    plain_steps: bool = static(default=False)
 
 
 @record

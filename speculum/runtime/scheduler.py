@@ -20,6 +20,7 @@ Both paths run the same functions; only the moment of collection differs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -114,14 +115,16 @@ class RequestOutput:
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Launched:
     """Device work launched and not collected yet: the ids of the requests of its rows, in row
-    order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
-    decoding round (a prefill chunk emits each row's first token). ``launched_at`` and
-    ``blocked_before`` (the state's ``blocked_seconds`` then) date the launch on the host
-    clock, for the hidden-host-time statistic."""
+        order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
+        decoding round (a prefill chunk emits each row's first token), ``plain_steps`` one of plain
+    steps (``StepOutput.plain_steps``: a round per token in the statistics). ``launched_at`` and
+        ``blocked_before`` (the state's ``blocked_seconds`` then) date the launch on the host
+        clock, for the hidden-host-time statistic."""
 
     rids: tuple[int, ...]
     tokens: HostCopy
     decode: bool
+    plain_steps: bool
     launched_at: float
     blocked_before: float
 
@@ -380,6 +383,7 @@ def _launched(
         rids=rids,
         tokens=to_host(packed),
         decode=decode,
+        plain_steps=output.plain_steps,
         launched_at=time.perf_counter(),
         blocked_before=state.blocked_seconds,
     )
@@ -494,14 +498,15 @@ def _collect(
         for rid, tokens in zip(launched.rids, emitted):
             if rid not in at:
                 continue
-            request = running[at[rid]]
+            request, kept = _extend(engine, running[at[rid]], tokens)
             if launched.decode:
+                # Plain steps count as plain decoding's would: a round per token kept.
+                lengths = [1] * len(kept) if launched.plain_steps else [len(tokens)]
                 request = attrs.evolve(
                     request,
-                    num_forwards=request.num_forwards + 1,
-                    round_lengths=_count(request.round_lengths, len(tokens)),
+                    num_forwards=request.num_forwards + len(lengths),
+                    round_lengths=functools.reduce(_count, lengths, request.round_lengths),
                 )
-            request, kept = _extend(engine, request, tokens)
             outputs.append(_output(request, kept))
             running[at[rid]] = request
             if request.finish_reason:

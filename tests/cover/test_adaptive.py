@@ -197,8 +197,8 @@ def test_greedy_adaptive_decoding_equals_plain(
 
 def test_switching_accepts_draft_tokens_after_plain_rounds():
     """The depth-0 variant keeps the draft caught up: rounds after it still accept deep."""
-    engine = adaptive_engine("eagle", (0, 4))
-    (result,) = generate([[1, 2, 3]], engine=engine, max_new_tokens=40)
+    engine = adaptive_engine("eagle", (0, 4), max_context=96)
+    (result,) = generate([[1, 2, 3]], engine=engine, max_new_tokens=80)
     histogram = result.stats["accept_length_histogram"]
     assert histogram[1] >= 3 and sum(histogram[3:]) >= 3, histogram
 
@@ -221,6 +221,39 @@ def test_one_variant_emits_what_its_pipeline_emits_when_sampling(algorithm, step
     )
     theirs = generate(prompts, engine=fixed, **options)
     assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    algorithm=st.sampled_from(["eagle", "eagle3", "standalone"]),
+    plain_tokens=st.integers(1, 6),
+    prompts=prompt_batches(VOCAB, max_batch=4),
+    max_new_tokens=max_new_tokens,
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_plain_rounds_sample_plain_decodings_tokens_and_count_a_round_per_token(
+    algorithm, plain_tokens, prompts, max_new_tokens, seed
+):
+    """A depth-0 round of several plain steps (one draft-extend over all of them) samples bit
+    for bit what plain decoding samples, and its statistics count one round of one token per
+    step, as plain decoding's do."""
+    engine = adaptive_engine(algorithm, (0,))
+    variants = adaptive.eagle_variants((0,), vocab_size=VOCAB, plain_tokens=plain_tokens)
+    engine = attrs.evolve(engine, pipeline=adaptive.pipeline(variants))
+    fixed = engine_from_model(TARGET, page_size=4, max_context=48)
+    options = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_k": 8, "seed": seed}
+    ours, theirs = (
+        generate(prompts, engine=engine, **options),
+        generate(prompts, engine=fixed, **options),
+    )
+    assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
+    for key in ("num_forward_steps", "num_rounds", "accept_length_histogram"):
+        assert [r.stats[key] for r in ours] == [r.stats[key] for r in theirs]
+
+
+def test_plain_rounds_decode_at_least_one_token():
+    with pytest.raises(ValueError, match="num_tokens >= 1"):
+        adaptive.eagle_variants((0, 3), vocab_size=VOCAB, plain_tokens=0)
 
 
 def test_snapshot_restores_the_measurements_and_replays_sampling():
