@@ -10,7 +10,8 @@ acceptance length alone. It is kept as a pure value:
   and per variant, decayed sums of the tokens its rounds emitted and of their durations.
   :func:`observe` folds one round in; :func:`rates` reads each variant's goodput.
 - :func:`choose`, a pure function of that record: a variant not measured yet in the batch's
-  range first (in variant order), otherwise the best, except that a variant within the
+  range first (in variant order; measured means over ``samples`` requests' rounds, since one
+  round's tokens vary with acceptance), otherwise the best, except that a variant within the
   exploration ``margin`` of the best that has not run for ``refresh`` rounds runs once, to keep
   its measurement fresh. It never picks a measured variant whose goodput is lower than
   another's by more than the margin.
@@ -93,7 +94,11 @@ class AdaptivePolicy:
     ``margin``: the exploration margin, relative to the best goodput (0.05: within 5%). A
     variant inside it still runs now and then; one below it is never chosen while measured.
     ``warmup``: rounds per range and variant that run but are not measured (the first one
-    captures the variant's CUDA graph for that bucket).
+    captures the variant's CUDA graph for that bucket). ``samples``: how many requests' rounds
+    (a round of ``b`` requests counts ``b``) a variant's measurement needs before it counts.
+    Tokens per round vary with acceptance: at batch 1, one round of a chain of 3 that accepts
+    nothing reads as slower than plain decoding, and judged on it alone the best chain would
+    be shut out; a large batch's round averages over its rows and is enough alone.
     ``decay``: the weight earlier rounds keep each time a variant's new round is folded in.
     ``refresh``: a variant inside the margin that has not run for this many rounds of its range
     runs once. ``expire``: a measurement this many rounds of its range old counts as none, so
@@ -104,7 +109,8 @@ class AdaptivePolicy:
     ranges: tuple[int, ...] = DEFAULT_RANGES
     margin: float = 0.05
     warmup: int = 2
-    decay: float = 0.9
+    samples: int = 16
+    decay: float = 0.97
     refresh: int = 32
     expire: int = 1024
     clock: Callable[[], float] = time.perf_counter
@@ -115,10 +121,13 @@ class Measured:
     """One variant in one batch-size range.
 
     ``rounds`` counts its rounds folded in, warm-up included; ``tokens`` and ``seconds`` are
-    decayed sums over its measured rounds; ``last`` is the range's round count when it last ran.
+    decayed sums over its measured rounds, which covered ``samples`` requests' rounds since the
+    measurement began;
+    ``last`` is the range's round count when it last ran.
     """
 
     rounds: int = 0
+    samples: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
     last: int = 0
@@ -135,12 +144,13 @@ class Goodput:
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Lap:
-    """One round's measurement on its way: the range and variant it ran in, its emitted-token
-    count (on its way to the host) and its duration, host-timed (``seconds``) or between two
-    CUDA events (``events``)."""
+    """One round's measurement on its way: the range and variant it ran in, its batch's
+    ``rows``, its emitted-token count (on its way to the host) and its duration, host-timed
+    (``seconds``) or between two CUDA events (``events``)."""
 
     range_index: int
     variant: int
+    rows: int
     tokens: HostCopy
     seconds: float = 0.0
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -176,10 +186,10 @@ def validate_policy(policy: AdaptivePolicy) -> None:
         problems.append(f"margin={policy.margin!r} must lie in [0, 1] (a fraction of the best)")
     if not 0 <= policy.decay <= 1:
         problems.append(f"decay={policy.decay!r} must lie in [0, 1]")
-    for name in ("warmup", "refresh", "expire"):
+    for name, least in (("warmup", 0), ("samples", 1), ("refresh", 0), ("expire", 1)):
         value = getattr(policy, name)
-        if not isinstance(value, int) or value < (1 if name == "expire" else 0):
-            problems.append(f"{name}={value!r} must be an int >= {1 if name == 'expire' else 0}")
+        if not isinstance(value, int) or value < least:
+            problems.append(f"{name}={value!r} must be an int >= {least}")
     if problems:
         raise ValueError("invalid adaptive policy: " + "; ".join(problems))
 
@@ -217,20 +227,22 @@ def observe(
     variant: int,
     tokens: float,
     seconds: float,
+    rows: int = 1,
 ) -> Goodput:
-    """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: it emitted
-    ``tokens`` tokens in ``seconds``. Warm-up rounds count but are not measured; a stale
-    measurement is replaced rather than decayed."""
+    """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: its
+    ``rows`` requests emitted ``tokens`` tokens in ``seconds``. Warm-up rounds count but are not
+    measured; a stale measurement starts again rather than decays."""
     m = goodput.table[range_index][variant]
     now = goodput.rounds[range_index] + 1
     if m.rounds < policy.warmup:
         new = attrs.evolve(m, rounds=m.rounds + 1, last=now)
     else:
-        fresh = m.rounds > policy.warmup and not _stale(goodput, policy, range_index, m)
+        fresh = m.samples > 0 and not _stale(goodput, policy, range_index, m)
         keep = policy.decay if fresh else 0.0
         # A round too fast for the clock still took some time: keep goodput finite.
         new = Measured(
             rounds=m.rounds + 1,
+            samples=m.samples + rows if fresh else rows,
             tokens=keep * m.tokens + tokens,
             seconds=keep * m.seconds + max(seconds, 1e-9),
             last=now,
@@ -244,10 +256,11 @@ def observe(
 
 def rates(goodput: Goodput, policy: AdaptivePolicy, range_index: int) -> tuple[float | None, ...]:
     """Each variant's measured goodput (tokens per second) in a range; ``None`` for a variant
-    not measured yet (still warming up) or whose measurement is stale."""
+    not measured yet (warming up, or over fewer than ``samples`` requests' rounds) or whose
+    measurement is stale."""
     return tuple(
         None
-        if m.rounds <= policy.warmup or _stale(goodput, policy, range_index, m)
+        if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
         else m.tokens / m.seconds
         for m in goodput.table[range_index]
     )
@@ -279,7 +292,9 @@ def settle(measurements: Measurements, policy: AdaptivePolicy) -> Measurements:
     while laps and laps[0].ready():
         lap, laps = laps[0], laps[1:]
         count = int(lap.tokens.get())
-        goodput = observe(goodput, policy, lap.range_index, lap.variant, count, lap.duration())
+        goodput = observe(
+            goodput, policy, lap.range_index, lap.variant, count, lap.duration(), lap.rows
+        )
     return Measurements(goodput=goodput, laps=laps)
 
 
@@ -292,23 +307,19 @@ def _timed(
     variant: int,
 ) -> tuple[Any, StepOutput, Lap]:
     """``run(resources, state)`` and its lap; host-timed on the CPU, by events on CUDA."""
+    where = {"range_index": range_index, "variant": variant, "rows": batch_size(state)}
     if state.kv.seq_lens.device.type != "cuda":
         begin = clock()
         state, output = run(resources, state)
         seconds = clock() - begin
         tokens = to_host(output.num_tokens.sum())
-        return (
-            state,
-            output,
-            Lap(range_index=range_index, variant=variant, tokens=tokens, seconds=seconds),
-        )
+        return state, output, Lap(**where, tokens=tokens, seconds=seconds)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     state, output = run(resources, state)
     tokens = to_host(output.num_tokens.sum())
     end.record()
-    lap = Lap(range_index=range_index, variant=variant, tokens=tokens, events=(start, end))
-    return state, output, lap
+    return state, output, Lap(**where, tokens=tokens, events=(start, end))
 
 
 def decode(

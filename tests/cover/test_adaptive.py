@@ -45,7 +45,7 @@ HEADS = {
     ),
 }
 #: Every variant runs in turn: each round the one idle longest (the strongest switching test).
-ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0)
+ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0, samples=1)
 
 
 class Ticks:
@@ -74,6 +74,7 @@ policies = st.builds(
     ranges=st.just((1, 4, 16)),
     margin=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
     warmup=st.integers(0, 2),
+    samples=st.integers(1, 3),
     decay=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
     refresh=st.integers(0, 6),
     expire=st.integers(1, 12),
@@ -104,7 +105,7 @@ def test_choice_is_a_pure_function_that_respects_the_margin(policy, history, bat
 
 
 def test_observe_folds_decayed_rounds_after_the_warmup():
-    policy = AdaptivePolicy(ranges=(1, 8), warmup=1, decay=0.5, expire=100)
+    policy = AdaptivePolicy(ranges=(1, 8), warmup=1, samples=2, decay=0.5, expire=100)
     goodput = adaptive.new_goodput(policy, 2)
     for tokens, seconds in ((10, 9.0), (8, 2.0), (6, 1.0)):  # the first is the warm-up round
         goodput = observe(goodput, policy, 1, 0, tokens, seconds)
@@ -114,7 +115,7 @@ def test_observe_folds_decayed_rounds_after_the_warmup():
 
 
 def test_a_stale_measurement_is_measured_again():
-    policy = AdaptivePolicy(ranges=(1,), warmup=0, margin=0.0, expire=3)
+    policy = AdaptivePolicy(ranges=(1,), warmup=0, samples=1, margin=0.0, expire=3)
     goodput = adaptive.new_goodput(policy, 2)
     goodput = observe(goodput, policy, 0, 0, 1, 1.0)  # variant 0: 1 token/s
     goodput = observe(goodput, policy, 0, 1, 5, 1.0)  # variant 1: 5 tokens/s, the best
@@ -126,37 +127,76 @@ def test_a_stale_measurement_is_measured_again():
 
 #: Draft depths of the simulated variants.
 SIMULATED_STEPS = (0, 1, 3, 5)
+#: The policy adaptive speculation first shipped with: a variant judged on its first measured
+#: round, estimates decayed fast.
+FIRST_POLICY = AdaptivePolicy(warmup=0, samples=1, decay=0.9)
 
 
-def simulated_round(batch: int, steps: int) -> tuple[float, float]:
-    """Tokens and seconds of one round: chains of acceptance 0.8 per token; a round's cost
-    grows with its tree tokens once the batch is large (the target turns compute-bound)."""
-    tokens = batch * sum(0.8**k for k in range(steps + 1))
+def expected_round(batch: int, steps: int, acceptance: float) -> tuple[float, float]:
+    """Mean tokens and seconds of one round of chains whose draft tokens are each accepted
+    with probability ``acceptance``; a round's cost grows with its tree tokens once the batch
+    is large (the target turns compute-bound)."""
+    tokens = batch * sum(acceptance**k for k in range(steps + 1))
     return tokens, (1 + 0.15 * steps) * (1 + batch * (steps + 1) / 32)
+
+
+def simulated_round(
+    batch: int, steps: int, acceptance: float, rng: random.Random
+) -> tuple[float, float]:
+    """One round drawn: each row accepts each next draft token with probability
+    ``acceptance``, and the round's time varies by 2%."""
+    _, seconds = expected_round(batch, steps, acceptance)
+    accepted = sum(
+        next((k for k in range(steps) if rng.random() >= acceptance), steps) for _ in range(batch)
+    )
+    return batch + accepted, seconds * rng.lognormvariate(0, 0.02)
+
+
+def simulated_ratios(
+    policy: AdaptivePolicy, batch: int, acceptance: float
+) -> list[tuple[float, list[int]]]:
+    """Over 20 seeded runs of 1000 simulated rounds chosen by ``policy`` (exploration
+    included): each run's goodput over the best fixed variant's, and the variants chosen."""
+    expected = [t / s for t, s in (expected_round(batch, d, acceptance) for d in SIMULATED_STEPS)]
+    index = adaptive.range_of(policy, batch)
+    runs = []
+    for seed in range(20):
+        rng, tokens, seconds, chosen = random.Random(seed), 0.0, 0.0, []
+        goodput = adaptive.new_goodput(policy, len(SIMULATED_STEPS))
+        for _ in range(1000):
+            variant = choose(goodput, policy, batch)
+            t, s = simulated_round(batch, SIMULATED_STEPS[variant], acceptance, rng)
+            goodput = observe(goodput, policy, index, variant, t, s, rows=batch)
+            tokens, seconds, chosen = tokens + t, seconds + s, [*chosen, variant]
+        runs.append((tokens / seconds / max(expected), chosen))
+    return runs
 
 
 @pytest.mark.parametrize(("batch", "best_depth"), [(1, 3), (4, 3), (16, 1), (32, 1), (64, 0)])
 def test_the_choice_follows_goodput_across_batch_sizes(batch, best_depth):
-    """Speculation deep at small batches, none at batch 64: over 1000 simulated rounds
-    (exploration included) the adaptive choice keeps at least 97% of the best fixed variant's
-    goodput at every size, and runs the best in at least 90% of the last 100 rounds."""
-    policy = AdaptivePolicy(warmup=0)  # nothing to capture in a simulation
-    noise = random.Random(batch)
-    expected = [
-        tokens / seconds for tokens, seconds in (simulated_round(batch, s) for s in SIMULATED_STEPS)
-    ]
-    goodput, tokens, seconds = adaptive.new_goodput(policy, len(SIMULATED_STEPS)), 0.0, 0.0
-    chosen = []
-    for _ in range(1000):
-        variant = choose(goodput, policy, batch)
-        t, s = simulated_round(batch, SIMULATED_STEPS[variant])
-        s *= noise.lognormvariate(0, 0.02)  # 2% timing noise
-        goodput = observe(goodput, policy, adaptive.range_of(policy, batch), variant, t, s)
-        tokens, seconds, chosen = tokens + t, seconds + s, [*chosen, variant]
-    best = max(range(len(expected)), key=expected.__getitem__)
-    assert tokens / seconds >= 0.97 * expected[best]
-    assert chosen[-100:].count(best) >= 90
+    """Speculation deep at small batches, none at batch 64, with tokens per round drawn:
+    over 1000 simulated rounds, exploration included, the adaptive choice keeps on average at
+    least 97% of the best fixed variant's goodput (90% in each of 20 runs) and runs the best
+    in most of the last 100 rounds."""
+    expected = [t / s for t, s in (expected_round(batch, d, 0.8) for d in SIMULATED_STEPS)]
+    best = expected.index(max(expected))
     assert SIMULATED_STEPS[best] == best_depth
+    runs = simulated_ratios(AdaptivePolicy(warmup=0), batch, 0.8)
+    ratios = [ratio for ratio, _ in runs]
+    assert sum(ratios) / len(ratios) >= 0.97 and min(ratios) >= 0.9, ratios
+    assert sum(chosen[-100:].count(best) for _, chosen in runs) >= 1400
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_one_unlucky_round_does_not_shut_out_the_best_chain(batch):
+    """At acceptance 0.55 per draft token, a chain round that accepts nothing (45% of them)
+    reads as slower than plain decoding. Judged on its first round, the best chain is shut
+    out in some runs (below 85% of the best's goodput); measured over ``samples`` requests'
+    rounds, every run keeps at least 95% and the mean 97%."""
+    ours = [ratio for ratio, _ in simulated_ratios(AdaptivePolicy(warmup=0), batch, 0.55)]
+    assert sum(ours) / len(ours) >= 0.97 and min(ours) >= 0.95, ours
+    first = [ratio for ratio, _ in simulated_ratios(FIRST_POLICY, batch, 0.55)]
+    assert min(first) < 0.85, first
 
 
 @settings(max_examples=30)
@@ -381,10 +421,11 @@ def folders(tmp_path_factory):
 def test_the_command_line_decodes_adaptively_with_plain_tokens(capsys, folders):
     args = ["--model", str(folders["target"]), "--algorithm", "eagle", "--draft"]
     args += [str(folders["eagle"]), "--adaptive-steps", "0,1,3", "--prompt-ids", "1,2,3"]
-    status = cli.main(["generate", *args, "--max-new-tokens", "24", "--json", "--compare-plain"])
+    # Enough tokens for the plain variant's measurement (16 rounds of 4 tokens) and more.
+    status = cli.main(["generate", *args, "--max-new-tokens", "120", "--json", "--compare-plain"])
     payload = json.loads(capsys.readouterr().out)
     assert status == 0 and payload["compare_plain"]["same_tokens"]
-    assert len(payload["token_ids"]) == 24 and payload["stats"]["accept_length_mean"] > 1
+    assert len(payload["token_ids"]) == 120 and payload["stats"]["accept_length_mean"] > 1
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,10 @@ PIPELINES = {
     "adaptive": (
         "eagle",
         agreeing_head(TARGET, "eagle"),
-        {"adaptive_steps": (0, 2, 4), "adaptive_policy": AdaptivePolicy(warmup=0, refresh=1)},
+        {
+            "adaptive_steps": (0, 2, 4),
+            "adaptive_policy": AdaptivePolicy(warmup=0, samples=1, refresh=1),
+        },
         None,
         True,
     ),

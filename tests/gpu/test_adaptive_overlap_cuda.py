@@ -25,7 +25,7 @@ from speculum.runtime.graphs import GraphedDecode
 pytestmark = pytest.mark.gpu
 
 #: Each round runs the variant idle longest: every variant runs, switching every round.
-ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0)
+ROUND_ROBIN = AdaptivePolicy(margin=1.0, refresh=0, warmup=0, samples=1)
 
 
 def test_adaptive_variants_keep_their_own_graphs_untouched_by_switching():
