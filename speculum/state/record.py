@@ -111,14 +111,26 @@ def _build(cls: type[T], values: dict[str, Any]) -> T:
 
 
 def make(cls: type[T], **values: Any) -> T:
-    """Construct record ``cls`` from all its fields; safe inside ``torch.compile``.
+    """Construct record ``cls`` from its fields (those with defaults may be left out); safe
+    inside ``torch.compile``.
 
     Eagerly this is the checked ``cls(**values)`` (type-checked under pytest); while compiling
-    it builds the instance field by field, which dynamo can trace.
+    it builds the instance field by field, which dynamo can trace, defaults included.
     """
     if torch.compiler.is_compiling():
-        return _build(cls, values)
+        return _build(cls, {**_defaults(cls, values), **values})
     return cls(**values)
+
+
+def _defaults(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+    """The default values of the fields of ``cls`` not in ``given`` (plain defaults and
+    ``attrs.Factory`` ones; a field with neither is left to fail as a missing attribute)."""
+    defaults = {}
+    for f in attrs.fields(cls):
+        if f.name not in given and f.default is not attrs.NOTHING:
+            default = f.default
+            defaults[f.name] = default.factory() if isinstance(default, attrs.Factory) else default
+    return defaults
 
 
 def replace(rec: T, **changes: Any) -> T:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from speculum.models.loading import random_model
 from speculum.pipelines import plain
-from speculum.pipelines.base import Resources
+from speculum.pipelines.base import Resources, StepOutput
 from speculum.state import (
     PagedKV,
     SamplingParams,
@@ -127,6 +127,19 @@ def test_make_builds_inside_compiled_code():
     assert isinstance(out, Pair) and tree_equal(
         out, Pair(a=pair().a * 2, b=torch.arange(1, 4), width=2)
     )
+
+
+def test_make_fills_defaults_inside_compiled_code_as_eagerly():
+    """A field with a default may be left out of ``make`` in compiled code too (dynamo's
+    field-by-field construction once left it unset: an AttributeError on first use)."""
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def output(tokens: torch.Tensor) -> StepOutput:
+        return make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0])
+
+    tokens = torch.arange(6).view(3, 2)
+    compiled, eager = output(tokens), make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0])
+    assert compiled.plain_steps is False and tree_equal(compiled, eager)
 
 
 def test_plain_decode_stage_compiles_fullgraph_and_matches_eager():
