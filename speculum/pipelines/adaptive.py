@@ -303,11 +303,10 @@ def _timed(
     resources: Resources,
     state: Any,
     clock: Callable[[], float],
-    range_index: int,
-    variant: int,
+    where: dict[str, int],
 ) -> tuple[Any, StepOutput, Lap]:
-    """``run(resources, state)`` and its lap; host-timed on the CPU, by events on CUDA."""
-    where = {"range_index": range_index, "variant": variant, "rows": batch_size(state)}
+    """``run(resources, state)`` and its lap (``where``: its ``Lap`` fields ``range_index``,
+    ``variant`` and ``rows``); host-timed on the CPU, by events on CUDA."""
     if state.kv.seq_lens.device.type != "cuda":
         begin = clock()
         state, output = run(resources, state)
@@ -340,9 +339,8 @@ def decode(
     measurements = settle(cell.value, policy)
     batch = batch_size(state)
     index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch)
-    state, output, lap = _timed(
-        variants[variant].decode, resources, state, policy.clock, index, variant
-    )
+    where = {"range_index": index, "variant": variant, "rows": batch}
+    state, output, lap = _timed(variants[variant].decode, resources, state, policy.clock, where)
     cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy)
     return state, output
 

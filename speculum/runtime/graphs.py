@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from speculum.state.batch import batch_size, take_rows
+from speculum.state.batch import batch_size, leading_size, take_rows
 from speculum.state.kv import PADDING_PAGE
 from speculum.state.record import replace
 
@@ -55,12 +55,26 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 @attrs.define(frozen=True, slots=True, eq=False)
 class Captured:
     """One recorded call: the graph, the static buffers its inputs are copied into, the
-    treespec those inputs must have, and the (static, overwritten-by-each-replay) outputs."""
+    treespec those inputs must have, and the (static, overwritten-by-each-replay) outputs,
+    also kept flattened (``output_leaves``, all tensors), since every replay copies them."""
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[Any, ...]
     in_spec: pytree.TreeSpec
     outputs: Any
+    output_leaves: list[Tensor] = attrs.field(init=False)
+    _out_spec: pytree.TreeSpec = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        leaves, spec = pytree.tree_flatten(self.outputs)
+        if not all(isinstance(x, Tensor) for x in leaves):
+            raise TypeError("a captured call must return records whose leaves are all tensors")
+        object.__setattr__(self, "output_leaves", leaves)
+        object.__setattr__(self, "_out_spec", spec)
+
+    def unflatten_outputs(self, leaves: list[Tensor]) -> Any:
+        """The outputs' structure over other ``leaves`` (in ``output_leaves`` order)."""
+        return pytree.tree_unflatten(leaves, self._out_spec)
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -132,15 +146,15 @@ def copy_all(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
         torch._foreach_copy_(group_destinations, group_sources, non_blocking=True)
 
 
-def fresh_rows(tree: Any, rows: int) -> Any:
-    """The first ``rows`` rows of every tensor leaf of ``tree``, in new tensors (a graph's
-    static outputs are overwritten by its next replay)."""
-    leaves, spec = pytree.tree_flatten(tree)
-    views = [x[:rows] if isinstance(x, Tensor) else x for x in leaves]
-    fresh = [torch.empty_like(x) if isinstance(x, Tensor) else x for x in views]
-    tensors = [i for i, x in enumerate(views) if isinstance(x, Tensor)]
-    copy_all([fresh[i] for i in tensors], [views[i] for i in tensors])
-    return pytree.tree_unflatten(fresh, spec)
+def fresh_rows(captured: Captured, rows: int) -> Any:
+    """The first ``rows`` rows of ``captured``'s outputs, in new tensors (the static outputs
+    are overwritten by the next replay)."""
+    leaves = captured.output_leaves
+    if rows != leaves[0].shape[0]:
+        leaves = [x[:rows] for x in leaves]
+    fresh = [torch.empty_like(x) for x in leaves]
+    copy_all(fresh, leaves)
+    return captured.unflatten_outputs(fresh)
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -196,13 +210,18 @@ class GraphedDecode:
     def __call__(self, resources: Any, state: Any) -> tuple[Any, Any]:
         """One decoding round of the wrapped pipeline over ``state`` (any batch up to the
         largest bucket); the returned records are fresh tensors, safe to keep."""
-        batch = batch_size(state)
-        padded = pad_batch(state, bucket_for(batch, self.buckets))
-        # Flattened once per round: the lookup key is the check replay() would repeat.
-        leaves, spec = pytree.tree_flatten((padded,))
-        captured = self._graph_for(resources, padded, (spec, _signature(leaves)))
+        # Flattened once per round (again only when padded): this is host work on every
+        # round, and the lookup key is the check replay() would repeat.
+        leaves, spec = pytree.tree_flatten((state,))
+        batch = leading_size(leaves)
+        bucket = bucket_for(batch, self.buckets)
+        if bucket != batch:
+            state = pad_batch(state, bucket)
+            leaves, spec = pytree.tree_flatten((state,))
+        captured = self._graph_for(resources, state, (spec, _signature(leaves)))
+        _run(captured, leaves)
         # Padding rows follow the batch's own (pad_batch), so its rows are the first ones.
-        return fresh_rows(_run(captured, leaves), batch)
+        return fresh_rows(captured, batch)
 
     def _graph_for(self, resources: Any, padded: Any, key: tuple[Any, Any]) -> Captured:
         for owner, known, captured in self.graphs:

@@ -12,14 +12,20 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["take_rows", "concat_rows", "batch_size"]
+__all__ = ["take_rows", "concat_rows", "batch_size", "leading_size"]
 
 T = TypeVar("T")
 
 
 def batch_size(tree: object) -> int:
     """The leading-axis size shared by every tensor leaf of ``tree``."""
-    sizes = {x.shape[0] for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)}
+    return leading_size(pytree.tree_leaves(tree))
+
+
+def leading_size(leaves: Sequence[object]) -> int:
+    """The leading-axis size shared by every tensor among a record's flattened ``leaves``
+    (for callers that flatten it anyway: flattening is most of :func:`batch_size`'s cost)."""
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor)}
     if len(sizes) != 1:
         raise ValueError(f"batch record has inconsistent leading axes {sorted(sizes)}")
     return sizes.pop()
