@@ -121,8 +121,7 @@ class Measured:
 
     ``rounds`` counts its rounds folded in, warm-up included; ``tokens`` and ``seconds`` are
     decayed sums over its measured rounds, which covered ``samples`` requests' rounds since the
-    measurement began;
-    ``last`` is the range's round count when it last ran.
+    measurement began; ``last`` is the range's round count when it last ran.
     """
 
     rounds: int = 0

@@ -115,11 +115,11 @@ class RequestOutput:
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Launched:
     """Device work launched and not collected yet: the ids of the requests of its rows, in row
-        order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
-        decoding round (a prefill chunk emits each row's first token), ``plain_steps`` one of plain
-    steps (``StepOutput.plain_steps``: a round per token in the statistics). ``launched_at`` and
-        ``blocked_before`` (the state's ``blocked_seconds`` then) date the launch on the host
-        clock, for the hidden-host-time statistic."""
+    order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
+    decoding round (a prefill chunk emits each row's first token), ``plain_steps`` a round of
+    plain steps (``StepOutput.plain_steps``: a round per token in the statistics).
+    ``launched_at`` and ``blocked_before`` (the state's ``blocked_seconds`` then) date the
+    launch on the host clock, for the hidden-host-time statistic."""
 
     rids: tuple[int, ...]
     tokens: HostCopy
