@@ -11,26 +11,34 @@ Design
   ``r // group``, head ``kv_head * group + r % group``) form the M dimension of ``tl.dot``. Each
   K/V tile is then read once for the whole group, and a decode step (one token) still fills
   ``group`` rows of the matrix unit. ``BLOCK_M`` is at least 16, the smallest ``tl.dot`` tile.
-* **Prefix** (every cache index ``< prefix_lens[b]``, seen by every query): a loop over blocks of
-  ``BLOCK_N`` keys whose bound is read from ``prefix_lens`` inside the kernel. Each key row finds
-  its pool slot through the page table (``page_table[b, s // page_size] * page_size +
-  s % page_size``), so pages need not be contiguous and any ``page_size >= 1`` works. Online
-  softmax in base 2 with a float32 accumulator.
-* **Tail** (cache indices ``prefix_lens[b] + j``, ``j < t``, seen per ``new_mask``): a first pass
-  over this block's mask rows finds one past the last column any real row sees (``tail_end``),
-  so a causal prefill chunk only visits the tiles on or below its diagonal (without
-  special-casing causal masks: the kernel only reads the mask), and the first column no real
-  row sees (``dense_end``). Tiles below ``dense_end`` load every key; tiles after it load a key
-  only where some row of the block sees it, so stale NaN/inf in slots nobody sees never reaches
-  ``P @ V`` (``0 * NaN`` would). That per-column check is a reduction over the tile's rows,
-  which the dense tiles (all of a causal chunk's but the diagonal one) skip.
-* **Split-KV** (flash-decoding): when ``batch * kv_head * query_blocks`` programs would leave the
-  GPU idle (decode at small batch), the prefix of each request is cut into ``splits`` chunks
-  (sized inside the kernel from the real ``prefix_lens[b]``), each program writes a partial
-  ``(max, sum, unnormalised accumulator)``, the last split also takes the tail, and a small
-  combine kernel merges the partials. ``splits = min(2 * SMs // programs, capacity // 128, 64)``
-  where ``capacity = max_pages * page_size``; 1 (no partials, no combine) once the grid already
-  fills two programs per SM.
+* **Keys** (the prefix, cache indices ``< prefix_lens[b]``, seen by every query; then the tail,
+  ``prefix_lens[b] + j`` for ``j < t``, seen per ``new_mask``) are visited in tiles of
+  ``BLOCK_N`` that start at multiples of ``BLOCK_N`` of the *cache index*, not of the prefix or
+  tail. Each key row finds its pool slot through the page table (``page_table[b, s //
+  page_size] * page_size + s % page_size``), so pages need not be contiguous and any
+  ``page_size >= 1`` works. Online softmax in base 2 with a float32 accumulator.
+* **Batch invariance**: the online softmax rounds each tile's probabilities to V's dtype
+  against the running max, so its bits depend on the tiling. Because tiles (and split chunks)
+  sit at fixed cache indices and every decode, verify and draft call of one batch takes the
+  same tile width and split count, a token's output is the same bit for bit whether the tokens
+  before it are prefix (a decode step) or tail (a chain verify); a tree node differs from its
+  decode only in where its ancestors sit among the tail columns. Before this, bfloat16
+  speculative decoding diverged from plain decoding at logit gaps up to 0.13.
+* **Tail**: a first pass over this block's mask rows finds one past the last column any real
+  row sees (``tail_end``), so a causal prefill chunk only visits the tiles on or below its
+  diagonal (without special-casing causal masks: the kernel only reads the mask), and the first
+  column no real row sees (``dense_end``). Tiles below ``dense_end`` load every key; tiles
+  after it load a key only where some row of the block sees it, so stale NaN/inf in slots
+  nobody sees never reaches ``P @ V`` (``0 * NaN`` would). That per-column check is a reduction
+  over the tile's rows, which the dense tiles (all of a causal chunk's but the diagonal one)
+  skip.
+* **Split-KV** (flash-decoding): when ``batch * kv_head`` programs (times the query blocks, for
+  prefill chunks) would leave the GPU idle (decode at small batch), each request's cache
+  indices are cut into ``splits`` fixed chunks of whole tiles covering the page table's
+  capacity, each program writes a partial ``(max, sum, unnormalised accumulator)`` (empty for
+  a chunk past the request's keys), and a small combine kernel merges the partials.
+  ``splits = min(2 * SMs // programs, capacity // 128, 64)`` where ``capacity = max_pages *
+  page_size``; 1 (no partials, no combine) once the grid already fills two programs per SM.
 * **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
   the device alone; lengths are read on the device, so a launch can be captured and replayed.
 
@@ -126,6 +134,14 @@ def _load_seen(mask_rows, j, stride_mj, row_ok, num_tail):
 
 
 @triton.jit
+def _visible(mask_rows, j, stride_mj, row_ok, num_tail):
+    """Which of this block's rows see the keys at tail columns ``j`` (negative: prefix keys,
+    seen by every row; past the tail: by none)."""
+    seen = _load_seen(mask_rows, tl.maximum(j, 0), stride_mj, row_ok, num_tail) != 0
+    return (j < 0)[None, :] | seen
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -141,6 +157,7 @@ def _attention_kernel(
     num_q,
     num_tail,
     num_kv_heads,
+    chunk,
     stride_qb,
     stride_qi,
     stride_qh,
@@ -200,11 +217,11 @@ def _attention_kernel(
     # A block of padding rows does no work at all: its loops get empty ranges.
     block_live = q_block * BLOCK_Q < q_len
 
-    # The tail is taken by the last split. A first pass over the block's mask rows (one per
-    # token, not per head, in wide tiles: this loop has no matrix work to hide its latency)
-    # finds one past the last column a real row sees (``tail_end``) and the first column no
-    # real row sees (``dense_end``); tiles below ``dense_end`` then load every key unchecked.
-    tail = tl.where(block_live & (split == SPLITS - 1), num_tail, 0)
+    # A first pass over the block's mask rows (one per token, not per head, in wide tiles: this
+    # loop has no matrix work to hide its latency) finds one past the last column a real row
+    # sees (``tail_end``) and the first column no real row sees (``dense_end``); tiles below
+    # ``dense_end`` then load every key unchecked.
+    tail = tl.where(block_live, num_tail, 0)
     tokens = q_block * BLOCK_Q + tl.arange(0, TOKENS)
     token_ok = (tl.arange(0, TOKENS) < BLOCK_Q) & (tokens < num_q) & (tokens < q_len)
     token_rows = mask_ptr + b * stride_mb + tokens[:, None] * stride_mi
@@ -232,35 +249,39 @@ def _attention_kernel(
     page_row = page_table_ptr + b * stride_pb
     k_base = k_ptr + kv_head * stride_kh + d[None, :] * stride_kd
     v_base = v_ptr + kv_head * stride_vh + d[None, :] * stride_vd
+    mask_rows = mask_ptr + b * stride_mb + qi[:, None] * stride_mi
 
-    # Prefix: this split's chunk, rounded to whole key blocks, of the request's real prefix.
+    # Key tiles start at multiples of BLOCK_N of the cache index and this split owns the fixed
+    # chunk [lo, lo + chunk), wherever the prefix ends: a query then meets the same keys in the
+    # same tiles whether its predecessors are prefix (a decode step) or tail (a verify), and
+    # both give the same bits (the online softmax rounds P to V's dtype against the running
+    # max, so another tiling would round differently). Three runs of tiles: all prefix; prefix
+    # then tail below ``dense_end`` (every key loaded); the rest, loading only seen columns.
     prefix = tl.where(block_live, prefix_len, 0)
-    chunk = tl.cdiv(tl.cdiv(prefix, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
-    hi = tl.minimum(lo + chunk, prefix)
-    for start in range(lo, hi, BLOCK_N):
+    hi = tl.minimum(lo + chunk, prefix + tail_end)
+    prefix_tiles_end = tl.maximum(lo, tl.minimum(hi, prefix // BLOCK_N * BLOCK_N))
+    dense_keys_end = (prefix + tl.minimum(dense_end, tail_end)) // BLOCK_N * BLOCK_N
+    dense_tiles_end = tl.maximum(prefix_tiles_end, tl.minimum(hi, dense_keys_end))
+    for start in range(lo, prefix_tiles_end, BLOCK_N):
         s = start + keys
         key_ok = s < hi
         m_i, l_i, acc = _attend_block(
             q, s, key_ok, key_ok[None, :], page_row, stride_pp, k_base, stride_kp, stride_ks,
             v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
-
-    mask_rows = mask_ptr + b * stride_mb + qi[:, None] * stride_mi
-    dense_end = tl.minimum(dense_end, tail_end) // BLOCK_N * BLOCK_N
-    for start in range(0, dense_end, BLOCK_N):
-        j = start + keys
-        seen = _load_seen(mask_rows, j, stride_mj, row_ok, num_tail) != 0
+    for start in range(prefix_tiles_end, dense_tiles_end, BLOCK_N):
+        s = start + keys
+        visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
         m_i, l_i, acc = _attend_block(
-            q, prefix_len + j, j < num_tail, seen, page_row, stride_pp, k_base, stride_kp,
-            stride_ks, v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-            DOT_PRECISION,
+            q, s, s < hi, visible, page_row, stride_pp, k_base, stride_kp, stride_ks, v_base,
+            stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
-    for start in range(dense_end, tail_end, BLOCK_N):
-        j = start + keys
-        seen = _load_seen(mask_rows, j, stride_mj, row_ok, num_tail) != 0
+    for start in range(dense_tiles_end, hi, BLOCK_N):
+        s = start + keys
+        visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
         m_i, l_i, acc = _attend_block(
-            q, prefix_len + j, tl.max(seen.to(tl.int32), axis=0) > 0, seen, page_row, stride_pp,
+            q, s, tl.max(visible.to(tl.int32), axis=0) > 0, visible, page_row, stride_pp,
             k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc,
             qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
@@ -347,9 +368,9 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     """Tile sizes and launch options, from shapes alone (measured on an H200, bf16, d=128).
 
     Rows of one program are ``BLOCK_Q`` tokens times ``group`` heads: 128 rows with 64-key tiles
-    and 8 warps for prefill chunks (matrix-unit bound); at most 64 rows and 4 warps for decode
-    and tree verify, which need more programs in flight, with 128-key tiles for decode (memory
-    bound: more bytes in flight per program).
+    and 8 warps for prefill chunks (matrix-unit bound); at most 32 rows (unless one token's
+    group is wider), 128-key tiles and 4 warps for decode, tree verify and draft steps, which are
+    memory bound and need more programs in flight.
     Under the interpreter tiles are 16 wide, so that tiny test shapes still cross key-tile and
     query-block boundaries.
     """
@@ -361,8 +382,10 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     elif rows >= _PREFILL_ROWS:
         block_m, block_n = 128, 64
     else:
-        block_m = min(max(16, triton.next_power_of_2(rows)), 64)
-        # 128-key tiles keep more bytes in flight; at 64 rows they would spill registers.
+        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers); one
+        # tile width for every decode, verify and draft call keeps their outputs bit-identical
+        # (see the kernel), so wider trees take more query blocks instead of wider ones.
+        block_m = min(max(16, triton.next_power_of_2(rows)), 32)
         block_n = 128 if block_m <= 32 else 64
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program
     if not _INTERPRET and item * block_d > 256:  # wide rows (float32, head_dim > 128)
@@ -385,9 +408,16 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
 
 
 def _num_splits(programs: int, capacity: int, device: torch.device) -> int:
-    """How many programs share one request's prefix (flash-decoding), from shapes alone."""
+    """How many programs share one request's keys (flash-decoding), from shapes alone."""
     spare = _PROGRAMS_PER_SM * _sm_count(device) // programs
     return max(1, min(spare, capacity // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _split_chunk(capacity: int, splits: int, block_n: int) -> int:
+    """Cache indices per split: whole key tiles, ``splits`` of them covering ``capacity``.
+    A function of shapes, not of the prefix lengths, so split boundaries sit at the same cache
+    indices in every call over one page table."""
+    return triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
 
 
 def paged_attention_triton(
@@ -426,9 +456,15 @@ def paged_attention_triton(
         return out
     tiles = _tiles(num_q, group, head_dim, q.dtype)
     q_blocks = triton.cdiv(num_q, tiles["BLOCK_Q"])
-    programs = q_blocks * batch * kv_heads
+    capacity = page_table.shape[1] * page_size
     if num_splits is None:
-        num_splits = _num_splits(programs, page_table.shape[1] * page_size, q.device)
+        # Decode, verify and draft calls of one batch split alike (whatever their query
+        # blocks), so that their tokens' outputs agree bit for bit; prefill chunks, which fill
+        # the GPU with query blocks, count them.
+        prefill = num_q * group >= _PREFILL_ROWS
+        num_splits = _num_splits(
+            batch * kv_heads * (q_blocks if prefill else 1), capacity, q.device
+        )
     if num_splits > 1:
         part_shape = (batch, num_q, heads, num_splits)
         acc = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
@@ -454,6 +490,7 @@ def paged_attention_triton(
         num_q,
         mask.shape[2],
         kv_heads,
+        _split_chunk(capacity, num_splits, tiles["BLOCK_N"]),
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),

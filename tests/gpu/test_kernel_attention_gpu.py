@@ -176,3 +176,44 @@ def test_registered_as_the_cuda_kernel_of_the_op():
     torch.testing.assert_close(
         kernels.paged_attention(**args), paged_attention(**args), rtol=1e-4, atol=1e-4
     )
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> dict:
+    """Requests with a chain of ``t`` new tokens after prefixes that cross key tiles and split
+    chunks, the K/V of every token already in the pool, in ``dtype``."""
+    batch, t = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    kv_heads, group = draw(st.sampled_from([(8, 4), (2, 4), (1, 8)]))
+    inputs = make_inputs(
+        prefix_lens=draw(st.lists(st.integers(0, 2000), min_size=batch, max_size=batch)),
+        q_lens=[t] * batch,
+        new_mask=causal_mask(batch, t),
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        page_size=draw(st.sampled_from([1, 16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    dtype = draw(st.sampled_from(DTYPES))
+    for name in ("q", "k_cache", "v_cache"):
+        inputs[name] = inputs[name].to(dtype)
+    return {**kc.kernel_args(inputs), "num_splits": draw(st.sampled_from([None, 1, 3]))}
+
+
+@settings(max_examples=30)
+@given(chains())
+def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
+    """A verify forward over a chain gives each token exactly the bits its own decode step
+    gives, whatever the prefix lengths, page size and split count: greedy speculative decoding
+    in bfloat16 then emits plain decoding's tokens. (Triton's interpreter cannot show this on
+    the CPU: numpy's matmul rounds a row differently by its place in the tile.)"""
+    verify = paged_attention_triton(**chain)
+    batch, t = chain["q"].shape[:2]
+    for j in range(t):
+        step = {
+            **chain,
+            "q": chain["q"][:, j : j + 1],
+            "prefix_lens": chain["prefix_lens"] + j,
+            "q_lens": torch.ones_like(chain["q_lens"]),
+            "new_mask": causal_mask(batch, 1).cuda(),
+        }
+        assert torch.equal(paged_attention_triton(**step)[:, 0], verify[:, j]), j
