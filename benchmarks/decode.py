@@ -679,7 +679,20 @@ def loop_row(engine: Engine, batch: int, args, temperature: float, device: str) 
         row["depths run"] = " ".join(
             f"{s}:{n / max(sum(ran), 1):.2f}" for s, n in zip(ADAPTIVE_STEPS, ran) if n
         )
+        row["measured tok/s"] = measured_rates(engine, batch)
     return row
+
+
+def measured_rates(engine: Engine, batch: int) -> str:
+    """Adaptive speculation's goodput estimate per depth at ``batch`` when the pass ended
+    (what its choice saw; "-" for a depth not measured then)."""
+    policy = AdaptivePolicy()
+    goodput = engine.resources.goodput.value.goodput
+    index = adaptive.range_of(policy, batch)
+    estimates = adaptive.rates(goodput, policy, index, ADAPTIVE_STEPS)
+    return " ".join(
+        f"{s}:{'-' if r is None else f'{r:.0f}'}" for s, r in zip(ADAPTIVE_STEPS, estimates)
+    )
 
 
 def adaptive_row(target, head, algorithm, label, batch, args, temperature, device):
@@ -713,6 +726,7 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
             "best fixed": best,
             "/best fixed": result["tok/s"] / fixed[best],
             "depths run": result["depths run"],
+            "measured tok/s": result["measured tok/s"],
         }
     )
     return row

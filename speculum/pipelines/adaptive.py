@@ -7,8 +7,10 @@ tree tokens are no longer free. What decides is goodput, tokens emitted per seco
 acceptance length alone. It is kept as a pure value:
 
 - :class:`Goodput`, the measurement record: per batch-size range (``AdaptivePolicy.ranges``)
-  and per variant, decayed sums of the tokens its rounds emitted and of their durations.
-  :func:`observe` folds one round in; :func:`rates` reads each variant's goodput.
+  and per variant, decayed sums of the tokens its rounds emitted, of their requests' rounds
+  and of their durations; per range, the acceptance of each draft position pooled over every
+  chain that ran. :func:`observe` folds one round in; :func:`rates` reads each variant's
+  goodput (a chain's from the pooled acceptance, when the variants' depths are known).
 - :func:`choose`, a pure function of that record: a variant not measured yet in the batch's
   range first (in variant order; measured means over ``samples`` requests' rounds, since one
   round's tokens vary with acceptance), otherwise the best, except that a variant within the
@@ -65,6 +67,7 @@ __all__ = [
     "Goodput",
     "Lap",
     "Measurements",
+    "acceptance_length",
     "validate_policy",
     "new_goodput",
     "new_measurements",
@@ -119,14 +122,16 @@ class AdaptivePolicy:
 class Measured:
     """One variant in one batch-size range.
 
-    ``rounds`` counts its rounds folded in, warm-up included; ``tokens`` and ``seconds`` are
-    decayed sums over its measured rounds, which covered ``samples`` requests' rounds since the
-    measurement began; ``last`` is the range's round count when it last ran.
+    ``rounds`` counts its rounds folded in, warm-up included; ``tokens``, ``rows`` (requests'
+    rounds) and ``seconds`` are decayed sums over its measured rounds, which covered
+    ``samples`` requests' rounds since the measurement began; ``last`` is the range's round
+    count when it last ran.
     """
 
     rounds: int = 0
     samples: int = 0
     tokens: float = 0.0
+    rows: float = 0.0
     seconds: float = 0.0
     last: int = 0
 
@@ -134,17 +139,21 @@ class Measured:
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Goodput:
     """The measurement record: ``table[r][v]`` is variant ``v`` in range ``r``, ``rounds[r]``
-    the rounds folded in for range ``r``."""
+    the rounds folded in for range ``r``. ``tried[r][i]`` and ``accepted[r][i]`` are decayed
+    counts, pooled over every chain that ran in range ``r``, of requests' rounds that reached
+    draft token ``i + 1`` and of those that accepted it (empty until a chain reports them)."""
 
     table: tuple[tuple[Measured, ...], ...]
     rounds: tuple[int, ...]
+    tried: tuple[tuple[float, ...], ...]
+    accepted: tuple[tuple[float, ...], ...]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Lap:
     """One round's measurement on its way: the range and variant it ran in, its batch's
-    ``rows``, its emitted-token count (on its way to the host) and its duration, host-timed
-    (``seconds``) or between two CUDA events (``events``)."""
+    ``rows``, the tokens it emitted per request (on their way to the host) and its duration,
+    host-timed (``seconds``) or between two CUDA events (``events``)."""
 
     range_index: int
     variant: int
@@ -194,8 +203,10 @@ def validate_policy(policy: AdaptivePolicy) -> None:
 
 def new_goodput(policy: AdaptivePolicy, num_variants: int) -> Goodput:
     """A record with nothing measured."""
-    row = (Measured(),) * num_variants
-    return Goodput(table=(row,) * len(policy.ranges), rounds=(0,) * len(policy.ranges))
+    row, ranges = (Measured(),) * num_variants, len(policy.ranges)
+    return Goodput(
+        table=(row,) * ranges, rounds=(0,) * ranges, tried=((),) * ranges, accepted=((),) * ranges
+    )
 
 
 def new_measurements(policy: AdaptivePolicy, num_variants: int) -> Measurements:
@@ -226,10 +237,17 @@ def observe(
     tokens: float,
     seconds: float,
     rows: int = 1,
+    accepted: Sequence[int] = (),
 ) -> Goodput:
     """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: its
     ``rows`` requests emitted ``tokens`` tokens in ``seconds``. Warm-up rounds count but are not
-    measured; a stale measurement starts again rather than decays."""
+    measured; a stale measurement starts again rather than decays.
+
+    A chain round also reports ``accepted[i]``, how many of its requests accepted draft token
+    ``i + 1`` (one entry per draft token; the first is tried by every request, the next by
+    those that accepted the one before). These fold into the range's pooled acceptance, warm-up
+    rounds included (a graph capture slows a round, not its acceptance).
+    """
     m = goodput.table[range_index][variant]
     now = goodput.rounds[range_index] + 1
     if m.rounds < policy.warmup:
@@ -242,37 +260,85 @@ def observe(
             rounds=m.rounds + 1,
             samples=m.samples + rows if fresh else rows,
             tokens=keep * m.tokens + tokens,
+            rows=keep * m.rows + rows,
             seconds=keep * m.seconds + max(seconds, 1e-9),
             last=now,
         )
     row = _put(goodput.table[range_index], variant, new)
+    tried, taken = goodput.tried, goodput.accepted
+    if accepted:
+        reached = (rows, *accepted[:-1])
+        tried = _put(tried, range_index, _fold(tried[range_index], reached, policy.decay))
+        taken = _put(taken, range_index, _fold(taken[range_index], accepted, policy.decay))
     return Goodput(
         table=_put(goodput.table, range_index, row),
         rounds=_put(goodput.rounds, range_index, now),
+        tried=tried,
+        accepted=taken,
     )
 
 
-def rates(goodput: Goodput, policy: AdaptivePolicy, range_index: int) -> tuple[float | None, ...]:
+def _fold(counts: tuple[float, ...], new: Sequence[int], decay: float) -> tuple[float, ...]:
+    """Decayed ``counts`` plus ``new``, position by position (the longer of the two)."""
+    size = max(len(counts), len(new))
+    old = (*counts, *(0.0,) * (size - len(counts)))
+    add = (*new, *(0,) * (size - len(new)))
+    return tuple(decay * c + n for c, n in zip(old, add))
+
+
+def acceptance_length(goodput: Goodput, range_index: int, depth: int) -> float:
+    """Tokens per request a chain of ``depth`` draft tokens emits per round, from the range's
+    pooled acceptance: ``1 + sum over k <= depth of prod over i < k of p_i``, where ``p_i``
+    is the share of requests reaching draft token ``i + 1`` that accepted it (0 where none
+    reached it yet)."""
+    tried, taken = goodput.tried[range_index], goodput.accepted[range_index]
+    length, reach = 1.0, 1.0
+    for i in range(depth):
+        reach *= taken[i] / tried[i] if i < len(tried) and tried[i] > 0 else 0.0
+        length += reach
+    return length
+
+
+def rates(
+    goodput: Goodput,
+    policy: AdaptivePolicy,
+    range_index: int,
+    depths: Sequence[int] | None = None,
+) -> tuple[float | None, ...]:
     """Each variant's measured goodput (tokens per second) in a range; ``None`` for a variant
     not measured yet (warming up, or over fewer than ``samples`` requests' rounds) or whose
-    measurement is stale."""
+    measurement is stale.
+
+    With ``depths`` (each variant's draft tokens per round, 0 for a variant without drafts),
+    a chain's goodput is its requests' rounds per second times the acceptance length of its
+    depth under the range's pooled acceptance (:func:`acceptance_length`), not its own tokens.
+    Acceptance varies along a sequence and its variance is high, so tokens measured by each
+    chain over its own rounds compare chains over different stretches of text; pooled, every
+    chain's rounds inform every depth they reach, at the same time. A round's duration, the
+    other factor, barely varies.
+    """
     return tuple(
         None
         if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
         else m.tokens / m.seconds
-        for m in goodput.table[range_index]
+        if not depths or depths[v] == 0
+        else m.rows * acceptance_length(goodput, range_index, depths[v]) / m.seconds
+        for v, m in enumerate(goodput.table[range_index])
     )
 
 
-def choose(goodput: Goodput, policy: AdaptivePolicy, batch: int) -> int:
+def choose(
+    goodput: Goodput, policy: AdaptivePolicy, batch: int, depths: Sequence[int] | None = None
+) -> int:
     """The variant to run for a batch of ``batch`` requests: a pure function of the record.
 
     The first variant not measured in the batch's range; otherwise the best (the lower index
     on ties), unless a variant within ``margin`` of the best has not run for more than
-    ``refresh`` rounds, in which case the longest-idle such variant.
+    ``refresh`` rounds, in which case the longest-idle such variant. Goodput is read by
+    :func:`rates` (with ``depths``: chains by the pooled acceptance).
     """
     index = range_of(policy, batch)
-    measured = rates(goodput, policy, index)
+    measured = rates(goodput, policy, index, depths)
     unmeasured = [v for v, rate in enumerate(measured) if rate is None]
     if unmeasured:
         return unmeasured[0]
@@ -284,14 +350,27 @@ def choose(goodput: Goodput, policy: AdaptivePolicy, batch: int) -> int:
     return idle if now - row[idle].last > policy.refresh else best
 
 
-def settle(measurements: Measurements, policy: AdaptivePolicy) -> Measurements:
-    """Fold the laps that have arrived, in the order they ran, into the record."""
+def settle(
+    measurements: Measurements, policy: AdaptivePolicy, depths: Sequence[int] | None = None
+) -> Measurements:
+    """Fold the laps that have arrived, in the order they ran, into the record (with
+    ``depths``, a chain's lap also reports how many requests accepted each draft token)."""
     goodput, laps = measurements.goodput, measurements.laps
     while laps and laps[0].ready():
         lap, laps = laps[0], laps[1:]
-        count = int(lap.tokens.get())
+        counts = lap.tokens.get().tolist()
+        depth = depths[lap.variant] if depths else 0
+        # A request that emitted n tokens accepted draft tokens 1 .. n - 1.
+        accepted = [sum(n >= i + 2 for n in counts) for i in range(depth)]
         goodput = observe(
-            goodput, policy, lap.range_index, lap.variant, count, lap.duration(), lap.rows
+            goodput,
+            policy,
+            lap.range_index,
+            lap.variant,
+            sum(counts),
+            lap.duration(),
+            lap.rows,
+            accepted,
         )
     return Measurements(goodput=goodput, laps=laps)
 
@@ -309,12 +388,12 @@ def _timed(
         begin = clock()
         state, output = run(resources, state)
         seconds = clock() - begin
-        tokens = to_host(output.num_tokens.sum())
+        tokens = to_host(output.num_tokens)
         return state, output, Lap(**where, tokens=tokens, seconds=seconds)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     state, output = run(resources, state)
-    tokens = to_host(output.num_tokens.sum())
+    tokens = to_host(output.num_tokens)
     end.record()
     return state, output, Lap(**where, tokens=tokens, events=(start, end))
 
@@ -325,23 +404,24 @@ def decode(
     *,
     variants: tuple[Pipeline, ...],
     policy: AdaptivePolicy,
+    depths: tuple[int, ...] | None = None,
 ) -> tuple[Any, StepOutput]:
     """One round of the variant :func:`choose` picks from the measurements in
-    ``resources.goodput``, which gain the round's lap."""
+    ``resources.goodput``, which gain the round's lap (``depths``: see :func:`pipeline`)."""
     cell = resources.goodput
     if cell is None or not isinstance(cell.value, Measurements):
         raise ValueError(
             "the adaptive pipeline keeps its measurements in Resources.goodput; build the "
             "resources with goodput=Cell(adaptive.new_measurements(policy, len(variants)))"
         )
-    measurements = settle(cell.value, policy)
+    measurements = settle(cell.value, policy, depths)
     # Every variant's state pages its cache; reading the size there skips a pass over the
     # state's leaves (~0.1 ms of host time per round, which all variants would pay).
     batch = state.kv.seq_lens.shape[0]
-    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch)
+    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch, depths)
     where = {"range_index": index, "variant": variant, "rows": batch}
     state, output, lap = _timed(variants[variant].decode, resources, state, policy.clock, where)
-    cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy)
+    cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy, depths)
     return state, output
 
 
@@ -380,18 +460,36 @@ def eagle_variants(
     )
 
 
-def pipeline(variants: Sequence[Pipeline], *, policy: AdaptivePolicy | None = None) -> Pipeline:
+def pipeline(
+    variants: Sequence[Pipeline],
+    *,
+    policy: AdaptivePolicy | None = None,
+    depths: Sequence[int] | None = None,
+) -> Pipeline:
     """The adaptive pipeline value over ``variants``, which must share one batch state record
     (prefill is the first variant's). It may emit and write as much as its largest variant; its
-    decode runs host code (the choice), so it is never captured whole."""
+    decode runs host code (the choice), so it is never captured whole.
+
+    ``depths`` (one per variant: its draft tokens per round, 0 for none) says the variants are
+    chains of one draft, whose first ``k`` draft tokens are accepted alike at every depth
+    (:func:`eagle_variants`'s are): their goodput is then read from the acceptance pooled over
+    all of them (:func:`rates`). Without it, each variant is judged by its own tokens.
+    """
     variants, policy = tuple(variants), policy or AdaptivePolicy()
     if not variants:
         raise ValueError("an adaptive pipeline needs at least one variant")
     validate_policy(policy)
+    if depths is not None:
+        depths = tuple(depths)
+        if len(depths) != len(variants) or not all(_is_int(d) and d >= 0 for d in depths):
+            raise ValueError(
+                f"depths={depths!r} must give each of the {len(variants)} variants its draft "
+                "tokens per round, an int >= 0 (0: no drafts)"
+            )
     return Pipeline(
         name="adaptive",
         prefill=variants[0].prefill,
-        decode=functools.partial(decode, variants=variants, policy=policy),
+        decode=functools.partial(decode, variants=variants, policy=policy, depths=depths),
         max_tokens_per_step=max(v.max_tokens_per_step for v in variants),
         kv_lookahead=max(v.kv_lookahead for v in variants),
         host_work=True,

@@ -323,8 +323,10 @@ def engine_from_model(
             "adaptive_steps (--adaptive-steps) or run with tp=1"
         )
     policy = spec.adaptive_policy
+    # eagle_variants orders the chains by depth; their acceptance is pooled across depths.
+    depths = tuple(sorted(spec.adaptive_steps)) if variants else None
     pipeline = (
-        adaptive.pipeline(variants, policy=policy)
+        adaptive.pipeline(variants, policy=policy, depths=depths)
         if variants
         else _pipeline(algorithm, target, draft, spec, ngram)
     )
@@ -370,7 +372,7 @@ def engine_from_model(
     # Each variant is captured on its own: its graphs and buffers are its own, never shared.
     graphed = [_graphed(v, config, device) for v in variants]
     return Engine(
-        pipeline=adaptive.pipeline(graphed, policy=policy)
+        pipeline=adaptive.pipeline(graphed, policy=policy, depths=depths)
         if variants
         else _graphed(pipeline, config, device),
         resources=resources,
