@@ -37,8 +37,8 @@ each round replaces. A scheduler snapshot keeps the value; restoring puts it bac
 Timing. On the CPU a round is timed with ``AdaptivePolicy.clock`` around the call (the work is
 done when it returns). On CUDA the call only queues work, so a round is timed with CUDA events
 and its requests' token counts copied to the host without waiting
-(``speculum.state.host.to_host``); a
-later round folds the measurement in once the events have fired, so no host sync is added.
+(``speculum.state.host.to_host``); a later round folds the measurement in once the events have
+fired, so no host sync is added.
 
 Randomness. Greedy output is plain decoding's whatever the choices. Sampled output is exactly
 target-distributed: every variant is lossless and each choice depends only on earlier rounds.
