@@ -32,7 +32,9 @@ its acceptance length in tokens where plain decoding emits one).
 - overlap (``--overlap``): the same loop, synchronous against overlapped
   (``EngineConfig.overlap``), for plain decoding and a chain-3 round of the controlled draft
   at batch 1 and 32 (``--overlap-batches``), with the scheduler's host time per step and the
-  part of it the overlapped loop hides.
+  part of it the overlapped loop hides; and, timed on the device (CUDA events around each
+  round), the time per step the device spends outside its rounds, waiting for the host,
+  synchronous and overlapped (``idle removed``: the share of it overlapping removes).
 
 ``--adaptive`` and ``--overlap`` run only their own tables.
 
@@ -655,12 +657,61 @@ def round_counts(engine: Engine, batch: int) -> list[int] | None:
     return [m.rounds for m in goodput.table[adaptive.range_of(AdaptivePolicy(), batch)]]
 
 
-def loop_row(engine: Engine, batch: int, args, temperature: float, device: str) -> dict[str, Any]:
+@attrs.define(eq=False)
+class DeviceClock:
+    """Wraps a pipeline's decode to time each round on the device: CUDA events around the call
+    (read after the pass, so no sync is added), or the host clock on the CPU, where the call
+    has done its work when it returns."""
+
+    decode: Callable[[Any, Any], Any]
+    laps: list[Any] = attrs.field(factory=list)
+
+    def __call__(self, resources: Any, state: Any) -> Any:
+        """Run the round between two marks."""
+        if not torch.cuda.is_available():
+            begin = time.perf_counter()
+            out = self.decode(resources, state)
+            self.laps.append(time.perf_counter() - begin)
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.decode(resources, state)
+        end.record()
+        self.laps.append((start, end))
+        return out
+
+    def seconds(self) -> float:
+        """Device seconds of the rounds since the last call (waits for them), and forget them."""
+        laps, self.laps = self.laps, []
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in laps) / 1e3
+        return sum(laps)
+
+
+def clocked(engine: Engine) -> tuple[Engine, DeviceClock]:
+    """``engine`` with its decode timed by a :class:`DeviceClock`."""
+    clock = DeviceClock(engine.pipeline.decode)
+    return attrs.evolve(engine, pipeline=attrs.evolve(engine.pipeline, decode=clock)), clock
+
+
+def loop_row(
+    engine: Engine,
+    batch: int,
+    args,
+    temperature: float,
+    device: str,
+    clock: DeviceClock | None = None,
+) -> dict[str, Any]:
     """Tokens/s, acceptance length and host time per step of the second of two passes (the
     first warms up: graph capture, and adaptive speculation's first measurements), and for
-    adaptive speculation the share of its rounds that ran each depth."""
+    adaptive speculation the share of its rounds that ran each depth. With ``clock`` (the
+    engine's, from :func:`clocked`), also the rounds' device time per step and the time per
+    step the device spent outside them, waiting for the host."""
     decode_pass(engine, batch, args, temperature, device)
     counts = round_counts(engine, batch)
+    if clock is not None:
+        clock.seconds()  # forget the first pass's rounds
     seconds, tokens, start, final, finished = decode_pass(engine, batch, args, temperature, device)
     histogram: list[int] = []
     for request in finished.values():
@@ -674,6 +725,9 @@ def loop_row(engine: Engine, batch: int, args, temperature: float, device: str) 
         "host ms/step": (final.host_seconds - start.host_seconds) / steps * 1e3,
         "hidden ms/step": (final.hidden_seconds - start.hidden_seconds) / steps * 1e3,
     }
+    if clock is not None:
+        row["device ms/step"] = clock.seconds() / steps * 1e3
+        row["idle ms/step"] = row["ms/step"] - row["device ms/step"]
     if counts is not None:
         ran = [b - a for a, b in zip(counts, round_counts(engine, batch))]
         row["depths run"] = " ".join(
@@ -737,8 +791,10 @@ def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any
     algorithm = "plain" if spec is None else "eagle"
     runs = {}
     for overlap in (False, True):
-        engine = scheduled_engine(target, head, algorithm, spec, batch, args, overlap)
-        runs[overlap] = loop_row(engine, batch, args, 1.0, device)
+        engine, clock = clocked(
+            scheduled_engine(target, head, algorithm, spec, batch, args, overlap)
+        )
+        runs[overlap] = loop_row(engine, batch, args, 1.0, device, clock)
     sync_run, overlapped = runs[False], runs[True]
     return {
         "round": label,
@@ -754,6 +810,11 @@ def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any
         # The same from wall times: what overlapping took off a step, over the host's share.
         "hidden share (times)": (sync_run["ms/step"] - overlapped["ms/step"])
         / max(sync_run["host ms/step"], 1e-9),
+        # What the device waits for: the step's time outside its rounds (host work the device
+        # cannot run beside), synchronous and overlapped, and the share overlapping removed.
+        "sync idle ms/step": sync_run["idle ms/step"],
+        "overlap idle ms/step": overlapped["idle ms/step"],
+        "idle removed": 1 - overlapped["idle ms/step"] / max(sync_run["idle ms/step"], 1e-9),
     }
 
 
