@@ -119,7 +119,8 @@ def report(name, kernel, batch, prefix, q, mask, args, call) -> None:
 
 
 def main() -> None:
-    """Decode at batch 1/8/32/64 x prefix 512/4096, then tree verify and a prefill chunk."""
+    """Decode at batch 1/8/32/64 x prefix 512/4096, then tree and chain verify, a short extend
+    chunk (fewer rows than a prefill tile: decode-style tiles) and a prefill chunk."""
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     head = f"{'shape':<12}{'kernel':<20}{'batch':>6}{'prefix':>8}{'q':>5}"
     print(f"{head}{'eager us':>10}{'graph us':>10}{'TB/s':>9}{'TFLOP/s':>9}")
@@ -129,6 +130,9 @@ def main() -> None:
     for batch in (1, 8, 32):
         tree = torch.rand(batch, 64, 64) < 0.2  # density of a 64-token EAGLE tree's ancestry
         measure("tree verify", batch, 2048, 64, tree | torch.eye(64, dtype=torch.bool), workspace)
+    for batch in (1, 64):  # an EAGLE chain of 3 draft tokens, and a short extend chunk
+        measure("chain verify", batch, 2048, 4, causal_mask(batch, 4), workspace)
+    measure("extend", 4, 1024, 100, causal_mask(4, 100), workspace)
     measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace)
 
 
