@@ -37,7 +37,7 @@ Design
   indices are cut into ``splits`` fixed chunks of whole tiles covering the page table's
   capacity, each program writes a partial ``(max, sum, unnormalised accumulator)`` (empty for
   a chunk past the request's keys), and a small combine kernel merges the partials.
-  ``splits = min(2 * SMs // programs, capacity // 128, 64)`` where ``capacity = max_pages *
+  ``splits = min(2 * SMs // programs, ceil(capacity / 128), 64)`` where ``capacity = max_pages *
   page_size``; 1 (no partials, no combine) once the grid already fills two programs per SM.
 * **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
   the device alone; lengths are read on the device, so a launch can be captured and replayed.
@@ -62,8 +62,9 @@ __all__ = ["paged_attention_triton", "register"]
 
 #: Triton's interpreter runs kernels on CPU tensors; it is read once, when kernels are decorated.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: Prefix keys a split must be able to hold before a request is cut once more: below two key
-#: blocks, the partial writes and the combine cost more than the parallelism gains.
+#: Keys per split: the split rule cuts a page table's capacity into chunks of about this many
+#: (below two key blocks, the partial writes and the combine cost more than the parallelism
+#: gains).
 _MIN_KEYS_PER_SPLIT = 128
 #: More splits only multiply combine traffic; 64 already covers a 1-request batch of 1 KV head.
 _MAX_SPLITS = 64
@@ -410,7 +411,10 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
 def _num_splits(programs: int, capacity: int, device: torch.device) -> int:
     """How many programs share one request's keys (flash-decoding), from shapes alone."""
     spare = _PROGRAMS_PER_SM * _sm_count(device) // programs
-    return max(1, min(spare, capacity // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    # Rounded up, so that chunks of _MIN_KEYS_PER_SPLIT cover the capacity: chunks sit at
+    # fixed cache indices, and rounded down they would double, leaving a short sequence in a
+    # long page table fewer splits to run on.
+    return max(1, min(spare, triton.cdiv(capacity, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
 
 
 def _split_chunk(capacity: int, splits: int, block_n: int) -> int:
