@@ -13,19 +13,30 @@ flashinfer's rows time ``run()`` alone: its ``plan()`` (host work over the page 
 once before timing, as a captured decode step would do it outside the graph. Tree verify uses
 its prefill kernel with a boolean ``custom_mask`` (the FA2 path), decode its decode kernel.
 
-Run: ``python benchmarks/attention.py`` (needs a GPU, Triton and the repository on the path).
+``--against REV`` also times the Triton kernel as it was at git revision ``REV`` (or as a saved
+copy of ``kernels/triton_attention.py`` at path ``REV`` has it) on the same inputs, in the same
+run (rows ``triton @REV``), so that a kernel change is judged by a ratio within one run rather
+than against another day's table.
+
+Run: ``python benchmarks/attention.py [--against REV]`` (needs a GPU, Triton and the repository
+on the path; ``--against`` with a revision needs git history).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import math
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from speculum.kernels.triton_attention import paged_attention_triton  # noqa: E402
 from speculum.spec.paged import causal_mask  # noqa: E402
@@ -90,11 +101,40 @@ def flashinfer_call(args: dict, workspace: torch.Tensor):
     return lambda: wrapper.run(query, cache)
 
 
-def measure(name: str, batch: int, prefix: int, q: int, mask: torch.Tensor, workspace) -> None:
-    """Print one table row for the Triton kernel and, when installed, one for flashinfer."""
+def kernel_at(revision: str):
+    """``paged_attention_triton`` as ``kernels/triton_attention.py`` was at git ``revision``
+    (or as the file at path ``revision`` has it: a checkout without its git history, e.g. the
+    GPU machine's copy, takes a file saved with ``git show REV:speculum/kernels/...``), loaded
+    as a module of its own (its Triton kernels compile apart from today's)."""
+    if Path(revision).is_file():
+        source = Path(revision).read_text()
+    else:
+        source = subprocess.run(
+            ["git", "show", f"{revision}:speculum/kernels/triton_attention.py"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    # Triton reads a kernel's source from its file, so the old module must live in one.
+    path = Path(tempfile.mkdtemp()) / "triton_attention_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paged_attention_triton
+
+
+def measure(
+    name: str, batch: int, prefix: int, q: int, mask: torch.Tensor, workspace, others=()
+) -> None:
+    """Print one table row for the Triton kernel, one per ``(label, kernel)`` of ``others``
+    (earlier revisions), and, when installed, one for flashinfer."""
     args = inputs(batch, prefix, q, mask)
     call = lambda: paged_attention_triton(**args)  # noqa: E731
     report(name, "triton", batch, prefix, q, mask, args, call)
+    for label, kernel in others:
+        report(name, label, batch, prefix, q, mask, args, lambda k=kernel: k(**args))
     fi = flashinfer_call(args, workspace)
     if fi is not None:
         ours = call().reshape(batch * q, HEADS, HEAD_DIM).float()
@@ -121,19 +161,31 @@ def report(name, kernel, batch, prefix, q, mask, args, call) -> None:
 def main() -> None:
     """Decode at batch 1/8/32/64 x prefix 512/4096, then tree and chain verify, a short extend
     chunk (fewer rows than a prefill tile: decode-style tiles) and a prefill chunk."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", metavar="REV", help="also time the kernel at git REV")
+    cli = parser.parse_args()
+    others = [(f"triton @{cli.against}", kernel_at(cli.against))] if cli.against else []
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     head = f"{'shape':<12}{'kernel':<20}{'batch':>6}{'prefix':>8}{'q':>5}"
     print(f"{head}{'eager us':>10}{'graph us':>10}{'TB/s':>9}{'TFLOP/s':>9}")
     for prefix in (512, 4096):
         for batch in (1, 8, 32, 64):
-            measure("decode", batch, prefix, 1, causal_mask(batch, 1), workspace)
+            measure("decode", batch, prefix, 1, causal_mask(batch, 1), workspace, others)
     for batch in (1, 8, 32):
         tree = torch.rand(batch, 64, 64) < 0.2  # density of a 64-token EAGLE tree's ancestry
-        measure("tree verify", batch, 2048, 64, tree | torch.eye(64, dtype=torch.bool), workspace)
+        measure(
+            "tree verify",
+            batch,
+            2048,
+            64,
+            tree | torch.eye(64, dtype=torch.bool),
+            workspace,
+            others,
+        )
     for batch in (1, 64):  # an EAGLE chain of 3 draft tokens, and a short extend chunk
-        measure("chain verify", batch, 2048, 4, causal_mask(batch, 4), workspace)
-    measure("extend", 4, 1024, 100, causal_mask(4, 100), workspace)
-    measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace)
+        measure("chain verify", batch, 2048, 4, causal_mask(batch, 4), workspace, others)
+    measure("extend", 4, 1024, 100, causal_mask(4, 100), workspace, others)
+    measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace, others)
 
 
 if __name__ == "__main__":
