@@ -35,8 +35,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 import test_graphs_cuda as setup  # noqa: E402
 
 from speculum import kernels  # noqa: E402
-from speculum.runtime.engine import engine_from_model  # noqa: E402
-from speculum.runtime.generate import generate  # noqa: E402
 from speculum.spec import attention as spec_attention  # noqa: E402
 
 PROMPTS = [[(13 * i + 5 * j) % setup.VOCAB for j in range(2 + i % 9)] for i in range(64)]
@@ -85,12 +83,7 @@ def rows_of(variant: str) -> list[tuple[str, int, float, list]]:
     target = setup._target(torch.bfloat16)
     plain = setup._tokens(target, PROMPTS, NEW_TOKENS, cuda_graphs=False)
     if variant == "plain-batch-1":
-        engine = engine_from_model(
-            target, page_size=4, max_context=96, max_batch=1, cuda_graphs=False
-        )
-        alone = [
-            list(r.token_ids) for r in generate(PROMPTS, engine=engine, max_new_tokens=NEW_TOKENS)
-        ]
+        alone = setup._tokens(target, PROMPTS, NEW_TOKENS, max_batch=1, cuda_graphs=False)
         return [("plain, batch 1 vs 8", *compare(target, plain, alone))]
     rows = []
     for label, (algorithm, draft, spec) in setup._drafts(target).items():

@@ -660,15 +660,15 @@ def round_counts(engine: Engine, batch: int) -> list[int] | None:
 @attrs.define(eq=False)
 class DeviceClock:
     """Wraps a pipeline's decode to time each round on the device: CUDA events around the call
-    (read after the pass, so no sync is added), or the host clock on the CPU, where the call
-    has done its work when it returns."""
+    for a state on a GPU (read after the pass, so no sync is added), the host clock for one on
+    the CPU, where the call has done its work when it returns."""
 
     decode: Callable[[Any, Any], Any]
     laps: list[Any] = attrs.field(factory=list)
 
     def __call__(self, resources: Any, state: Any) -> Any:
         """Run the round between two marks."""
-        if not torch.cuda.is_available():
+        if state.kv.seq_lens.device.type != "cuda":
             begin = time.perf_counter()
             out = self.decode(resources, state)
             self.laps.append(time.perf_counter() - begin)
@@ -683,10 +683,11 @@ class DeviceClock:
     def seconds(self) -> float:
         """Device seconds of the rounds since the last call (waits for them), and forget them."""
         laps, self.laps = self.laps, []
-        if torch.cuda.is_available():
+        if any(isinstance(lap, tuple) for lap in laps):
             torch.cuda.synchronize()
-            return sum(start.elapsed_time(end) for start, end in laps) / 1e3
-        return sum(laps)
+        return sum(
+            lap[0].elapsed_time(lap[1]) / 1e3 if isinstance(lap, tuple) else lap for lap in laps
+        )
 
 
 def clocked(engine: Engine) -> tuple[Engine, DeviceClock]:

@@ -227,7 +227,6 @@ def save_multi_layer(
     """Write ``head`` to ``folder``: inside the target's folder when ``target`` is given (its
     weights and config too, ``num_nextn_predict_layers = K``), else the separate form."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     params = dict(head.named_parameters())
     tensors = {key: params[name] for key, name in _keys(head).items()}
     shape = attrs.evolve(

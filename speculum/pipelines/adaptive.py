@@ -68,6 +68,7 @@ __all__ = [
     "Goodput",
     "Lap",
     "Measurements",
+    "accepted_per_draft_token",
     "acceptance_length",
     "validate_policy",
     "new_goodput",
@@ -287,6 +288,12 @@ def _fold(counts: tuple[float, ...], new: Sequence[int], decay: float) -> tuple[
     return tuple(decay * c + n for c, n in zip(old, add))
 
 
+def accepted_per_draft_token(emitted: Sequence[int], depth: int) -> list[int]:
+    """How many requests of a chain round of ``depth`` draft tokens accepted each of them, from
+    the tokens each request emitted (``n`` emitted: draft tokens ``1 .. n - 1`` accepted)."""
+    return [sum(n >= i + 2 for n in emitted) for i in range(depth)]
+
+
 def acceptance_length(goodput: Goodput, range_index: int, depth: int) -> float:
     """Tokens per request a chain of ``depth`` draft tokens emits per round, from the range's
     pooled acceptance: ``1 + sum over k <= depth of prod over i < k of p_i``, where ``p_i``
@@ -318,14 +325,21 @@ def rates(
     chain's rounds inform every depth they reach, at the same time. A round's duration, the
     other factor, barely varies.
     """
+    row = goodput.table[range_index]
     return tuple(
         None
         if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
-        else m.tokens / m.seconds
-        if not depths or depths[v] == 0
-        else m.rows * acceptance_length(goodput, range_index, depths[v]) / m.seconds
-        for v, m in enumerate(goodput.table[range_index])
+        else _rate(goodput, range_index, m, depths[v] if depths else 0)
+        for v, m in enumerate(row)
     )
+
+
+def _rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
+    """A measured variant's goodput: its own tokens per second, or for a chain (``depth >
+    0``) its requests' rounds per second times its depth's pooled acceptance length."""
+    if depth == 0:
+        return m.tokens / m.seconds
+    return m.rows * acceptance_length(goodput, range_index, depth) / m.seconds
 
 
 def choose(
@@ -360,9 +374,7 @@ def settle(
     while laps and laps[0].ready():
         lap, laps = laps[0], laps[1:]
         counts = lap.tokens.get().tolist()
-        depth = depths[lap.variant] if depths else 0
-        # A request that emitted n tokens accepted draft tokens 1 .. n - 1.
-        accepted = [sum(n >= i + 2 for n in counts) for i in range(depth)]
+        accepted = accepted_per_draft_token(counts, depths[lap.variant] if depths else 0)
         goodput = observe(
             goodput,
             policy,

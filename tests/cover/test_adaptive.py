@@ -89,11 +89,6 @@ rounds = st.tuples(
 )
 
 
-def _accepted(emitted: list[int], depth: int) -> list[int]:
-    """Requests that accepted each draft token of a chain of ``depth``, from what each emitted."""
-    return [sum(n >= i + 2 for n in emitted) for i in range(depth)]
-
-
 @given(
     policy=policies,
     history=st.lists(rounds, max_size=40),
@@ -109,7 +104,7 @@ def test_choice_is_a_pure_function_that_respects_the_margin(policy, history, bat
     for index, variant, emitted, seconds in history:
         depth = depths[variant] if depths else 0
         emitted = [min(n, depth + 1) for n in emitted] if depths else emitted
-        accepted = _accepted(emitted, depth)
+        accepted = adaptive.accepted_per_draft_token(emitted, depth)
         rows = len(emitted)
         goodput = observe(goodput, policy, index, variant, sum(emitted), seconds, rows, accepted)
     chosen = choose(goodput, policy, batch, depths)
@@ -127,8 +122,12 @@ def test_chains_share_their_measured_acceptance():
     its rounds' requests per second times its depth's acceptance length over both."""
     policy = AdaptivePolicy(ranges=(4,), warmup=0, samples=1, decay=1.0)
     goodput = adaptive.new_goodput(policy, 2)
-    goodput = observe(goodput, policy, 0, 0, 7, 1.0, 4, _accepted([2, 1, 2, 2], 1))
-    goodput = observe(goodput, policy, 0, 1, 10, 2.0, 4, _accepted([4, 1, 2, 3], 3))
+    goodput = observe(
+        goodput, policy, 0, 0, 7, 1.0, 4, adaptive.accepted_per_draft_token([2, 1, 2, 2], 1)
+    )
+    goodput = observe(
+        goodput, policy, 0, 1, 10, 2.0, 4, adaptive.accepted_per_draft_token([4, 1, 2, 3], 3)
+    )
     assert goodput.tried == ((8.0, 3.0, 2.0),) and goodput.accepted == ((6.0, 2.0, 1.0),)
     p = (6 / 8, 2 / 3, 1 / 2)
     lengths = (1 + p[0], 1 + p[0] + p[0] * p[1] + p[0] * p[1] * p[2])
@@ -267,7 +266,7 @@ def decode_over_landscape(pick, policy, depths, batch: int, seed: int) -> float:
             emitted.append(taken + 1)
             position[row] += taken + 1
         took = expected_round(batch, depth, 0.7)[1] * rng.lognormvariate(0, 0.02)
-        accepted = _accepted(emitted, depth) if depths else ()
+        accepted = adaptive.accepted_per_draft_token(emitted, depth) if depths else ()
         goodput = observe(goodput, policy, index, variant, sum(emitted), took, batch, accepted)
         tokens, seconds = tokens + sum(emitted), seconds + took
     return tokens / seconds

@@ -58,7 +58,8 @@ def _drafts(target) -> dict[str, tuple[str, object, SpecOptions]]:
 
 
 def _tokens(target, prompts=PROMPTS, new_tokens=24, **options) -> list[list[int]]:
-    engine = engine_from_model(target, page_size=4, max_context=96, max_batch=8, **options)
+    limits = {"page_size": 4, "max_context": 96, "max_batch": 8}
+    engine = engine_from_model(target, **(limits | options))
     results = generate(prompts, engine=engine, max_new_tokens=new_tokens)
     return [list(r.token_ids) for r in results]
 
