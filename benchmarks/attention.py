@@ -18,8 +18,8 @@ copy of ``kernels/triton_attention.py`` at path ``REV`` has it) on the same inpu
 run (rows ``triton @REV``), so that a kernel change is judged by a ratio within one run rather
 than against another day's table.
 
-Run: ``python benchmarks/attention.py [--against REV]`` (needs a GPU, Triton and the repository
-on the path; ``--against`` with a revision needs git history).
+Run: ``python benchmarks/attention.py [--against REV] [--shapes tree,extend]`` (needs a GPU,
+Triton and the repository on the path; ``--against`` with a revision needs git history).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from speculum.kernels.triton_attention import paged_attention_triton  # noqa: E4
 from speculum.spec.paged import causal_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+#: The row groups ``--shapes`` selects from, in the order they print.
+SHAPES = ("decode", "tree", "chain", "extend", "prefill")
 
 
 def inputs(batch: int, prefix: int, q: int, mask: torch.Tensor) -> dict:
@@ -163,15 +165,21 @@ def main() -> None:
     chunk (fewer rows than a prefill tile: decode-style tiles) and a prefill chunk."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="REV", help="also time the kernel at git REV")
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}"
+    )
     cli = parser.parse_args()
+    shapes = set(cli.shapes.split(","))
+    if not shapes <= set(SHAPES):
+        parser.error(f"--shapes takes {', '.join(SHAPES)}; got {cli.shapes}")
     others = [(f"triton @{cli.against}", kernel_at(cli.against))] if cli.against else []
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     head = f"{'shape':<12}{'kernel':<20}{'batch':>6}{'prefix':>8}{'q':>5}"
     print(f"{head}{'eager us':>10}{'graph us':>10}{'TB/s':>9}{'TFLOP/s':>9}")
-    for prefix in (512, 4096):
+    for prefix in (512, 4096) if "decode" in shapes else ():
         for batch in (1, 8, 32, 64):
             measure("decode", batch, prefix, 1, causal_mask(batch, 1), workspace, others)
-    for batch in (1, 8, 32):
+    for batch in (1, 8, 32) if "tree" in shapes else ():
         tree = torch.rand(batch, 64, 64) < 0.2  # density of a 64-token EAGLE tree's ancestry
         measure(
             "tree verify",
@@ -182,10 +190,12 @@ def main() -> None:
             workspace,
             others,
         )
-    for batch in (1, 64):  # an EAGLE chain of 3 draft tokens, and a short extend chunk
+    for batch in (1, 64) if "chain" in shapes else ():  # an EAGLE chain of 3 draft tokens
         measure("chain verify", batch, 2048, 4, causal_mask(batch, 4), workspace, others)
-    measure("extend", 4, 1024, 100, causal_mask(4, 100), workspace, others)
-    measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace, others)
+    if "extend" in shapes:
+        measure("extend", 4, 1024, 100, causal_mask(4, 100), workspace, others)
+    if "prefill" in shapes:
+        measure("prefill", 1, 0, 2048, causal_mask(1, 2048), workspace, others)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ Design
   ``page_size >= 1`` works. Online softmax in base 2 with a float32 accumulator.
 * **Batch invariance**: the online softmax rounds each tile's probabilities to V's dtype
   against the running max, so its bits depend on the tiling. Because tiles (and split chunks)
-  sit at fixed cache indices and every decode, verify and draft call of one batch takes the
-  same tile width and split count, a token's output is the same bit for bit whether the tokens
-  before it are prefix (a decode step) or tail (a chain verify); a tree node differs from its
-  decode only in where its ancestors sit among the tail columns. Before this, bfloat16
-  speculative decoding diverged from plain decoding at logit gaps up to 0.13.
+  sit at fixed cache indices and every call of up to 8 query tokens per request (decode, draft
+  steps, chain verify, small trees) of one batch takes the same tile width and split count, a
+  token's output is the same bit for bit whether the tokens before it are prefix (a decode
+  step) or tail (a chain verify); a tree node differs from its decode only in where its
+  ancestors sit among the tail columns. Before this, bfloat16 speculative decoding diverged
+  from plain decoding at logit gaps up to 0.13. Wider calls (trees, extend chunks) are tiled
+  and split for speed alone.
 * **Tail**: a first pass over this block's mask rows finds one past the last column any real
   row sees (``tail_end``), so a causal prefill chunk only visits the tiles on or below its
   diagonal (without special-casing causal masks: the kernel only reads the mask), and the first
@@ -32,11 +34,11 @@ Design
   nobody sees never reaches ``P @ V`` (``0 * NaN`` would). That per-column check is a reduction
   over the tile's rows, which the dense tiles (all of a causal chunk's but the diagonal one)
   skip.
-* **Split-KV** (flash-decoding): when ``batch * kv_head`` programs (times the query blocks, for
-  prefill chunks) would leave the GPU idle (decode at small batch), each request's cache
-  indices are cut into ``splits`` fixed chunks of whole tiles covering the page table's
-  capacity, each program writes a partial ``(max, sum, unnormalised accumulator)`` (empty for
-  a chunk past the request's keys), and a small combine kernel merges the partials.
+* **Split-KV** (flash-decoding): when ``batch * kv_head`` programs (times the query blocks,
+  for calls of more than 8 tokens) would leave the GPU idle (decode at small batch), each
+  request's cache indices are cut into ``splits`` fixed chunks of whole tiles covering the page
+  table's capacity, each program writes a partial ``(max, sum, unnormalised accumulator)``
+  (empty for a chunk past the request's keys), and a small combine kernel merges the partials.
   ``splits = min(2 * SMs // programs, ceil(capacity / 128), 64)`` where ``capacity = max_pages *
   page_size``; 1 (no partials, no combine) once the grid already fills two programs per SM.
 * **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
@@ -74,6 +76,10 @@ _PROGRAMS_PER_SM = 2
 _INTERPRET_SMS = 4
 #: Query rows (tokens x group) from which a call is a prefill chunk, tiled for the matrix units.
 _PREFILL_ROWS = 1024
+#: Calls of at most this many query tokens (decode, draft steps, chain verify, trees of up to 8
+#: tokens) share one tiling and, per batch, one split count, so that their tokens' outputs agree
+#: bit for bit; wider calls (trees, extend chunks) are tiled and split for speed alone.
+_INVARIANT_TOKENS = 8
 #: Shared-memory budget (bytes) for the software-pipelined K/V tiles on Hopper (228 KiB per SM,
 #: leaving room for the Q tile and layout conversions).
 _SMEM_BUDGET = 160 * 1024
@@ -369,9 +375,10 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     """Tile sizes and launch options, from shapes alone (measured on an H200, bf16, d=128).
 
     Rows of one program are ``BLOCK_Q`` tokens times ``group`` heads: 128 rows with 64-key tiles
-    and 8 warps for prefill chunks (matrix-unit bound); at most 32 rows (unless one token's
-    group is wider), 128-key tiles and 4 warps for decode, tree verify and draft steps, which are
-    memory bound and need more programs in flight.
+    and 8 warps for prefill chunks (matrix-unit bound); 4 warps for decode, verify and draft
+    steps, which are memory bound and need more programs in flight: at most 32 rows (unless one
+    token's group is wider) with 128-key tiles for calls of up to ``_INVARIANT_TOKENS`` tokens,
+    up to 64 rows (then 64-key tiles) for wider trees and extend chunks.
     Under the interpreter tiles are 16 wide, so that tiny test shapes still cross key-tile and
     query-block boundaries.
     """
@@ -383,10 +390,12 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     elif rows >= _PREFILL_ROWS:
         block_m, block_n = 128, 64
     else:
-        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers); one
-        # tile width for every decode, verify and draft call keeps their outputs bit-identical
-        # (see the kernel), so wider trees take more query blocks instead of wider ones.
-        block_m = min(max(16, triton.next_power_of_2(rows)), 32)
+        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers). Calls
+        # of up to _INVARIANT_TOKENS tokens all take them, in blocks of at most 32 rows, so that
+        # their outputs are bit-identical (see the kernel); wider ones take up to 64 rows, which
+        # reads each key tile for more queries.
+        widest = 32 if num_q <= _INVARIANT_TOKENS else 64
+        block_m = min(max(16, triton.next_power_of_2(rows)), widest)
         block_n = 128 if block_m <= 32 else 64
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program
     if not _INTERPRET and item * block_d > 256:  # wide rows (float32, head_dim > 128)
@@ -462,12 +471,13 @@ def paged_attention_triton(
     q_blocks = triton.cdiv(num_q, tiles["BLOCK_Q"])
     capacity = page_table.shape[1] * page_size
     if num_splits is None:
-        # Decode, verify and draft calls of one batch split alike (whatever their query
-        # blocks), so that their tokens' outputs agree bit for bit; prefill chunks, which fill
-        # the GPU with query blocks, count them.
-        prefill = num_q * group >= _PREFILL_ROWS
+        # Calls of up to _INVARIANT_TOKENS tokens of one batch split alike (whatever their
+        # query blocks), so that their tokens' outputs agree bit for bit; wider calls count
+        # their query blocks (every split writes a partial per query row, so splitting a wide
+        # tree as finely as a decode step would cost more in partials than it gains).
+        invariant = num_q <= _INVARIANT_TOKENS
         num_splits = _num_splits(
-            batch * kv_heads * (q_blocks if prefill else 1), capacity, q.device
+            batch * kv_heads * (1 if invariant else q_blocks), capacity, q.device
         )
     if num_splits > 1:
         part_shape = (batch, num_q, heads, num_splits)
