@@ -62,6 +62,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.utils import _pytree as pytree
 
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -174,9 +175,14 @@ def median_ms(run: Callable[[], Any], device: str, repeat: int) -> float:
 
 def stage_ms(fn: Callable[..., Any], args: tuple[Any, ...], device: str, repeat: int) -> float:
     """Median time of one stage call: its CUDA-graph replay on CUDA, eager on the CPU."""
+
+    def tensors_out(*inputs: Any) -> list[torch.Tensor]:
+        # A capture returns tensors alone; a greedy draft returns no draft probabilities (None).
+        return [x for x in pytree.tree_leaves(fn(*inputs)) if isinstance(x, torch.Tensor)]
+
     if device != "cuda":
-        return median_ms(lambda: fn(*args), device, repeat)
-    graph = capture(fn, args).graph
+        return median_ms(lambda: tensors_out(*args), device, repeat)
+    graph = capture(tensors_out, args).graph
     return median_ms(graph.replay, device, repeat)
 
 
