@@ -7,10 +7,12 @@ tree tokens are no longer free. What decides is goodput, tokens emitted per seco
 acceptance length alone. It is kept as a pure value:
 
 - :class:`Goodput`, the measurement record: per batch-size range (``AdaptivePolicy.ranges``)
-  and per variant, decayed sums of the tokens its rounds emitted, of their requests' rounds
-  and of their durations; per range, the acceptance of each draft position pooled over every
-  chain that ran. :func:`observe` folds one round in; :func:`rates` reads each variant's
-  goodput (a chain's from the pooled acceptance, when the variants' depths are known).
+  and per variant, decayed sums of the tokens its rounds emitted, of their requests' rounds,
+  of the rounds and of their durations; per range, pooled over every variant that ran, the
+  acceptance of each draft position and the host time between rounds. :func:`observe` folds
+  one round in; :func:`rates` reads each variant's goodput (a chain's from the pooled
+  acceptance, when the variants' depths are known; every variant's rounds charged the pooled
+  host time).
 - :func:`choose`, a pure function of that record: a variant not measured yet in the batch's
   range first (in variant order; measured means over ``samples`` requests' rounds, since one
   round's tokens vary with acceptance), otherwise the best, except that a variant within the
@@ -38,7 +40,16 @@ Timing. On the CPU a round is timed with ``AdaptivePolicy.clock`` around the cal
 done when it returns). On CUDA the call only queues work, so a round is timed with CUDA events
 and its requests' token counts copied to the host without waiting
 (``speculum.state.host.to_host``); a later round folds the measurement in once the events have
-fired, so no host sync is added.
+fired, so no host sync is added. Neither counts the scheduler's host work between rounds, which
+a round pays once whatever its depth, so per token it weighs most on shallow rounds (on the
+H200 at batch 1, uncounted, it made chains of 1 read 9% faster than they ran and chains of 5
+0%). So each round's lap is also closed by the host clock when the next round starts: the time
+from one start to the next beyond the round's own is host time between rounds, pooled per range
+(like acceptance: it does not depend on the variant) and charged to every measured round. A
+prefill closes the lap without a sample (its time is no round's), and a sample is capped at the
+round's own duration (a pause between scheduler steps is no round's either). Under the
+overlapped scheduler the next round starts while this one runs, and the host time comes out as
+none, as it should: hidden host work costs nothing.
 
 Randomness. Greedy output is plain decoding's whatever the choices. Sampled output is exactly
 target-distributed: every variant is lossless and each choice depends only on earlier rounds.
@@ -70,6 +81,9 @@ __all__ = [
     "Measurements",
     "accepted_per_draft_token",
     "acceptance_length",
+    "host_per_round",
+    "close_lap",
+    "prefill",
     "validate_policy",
     "new_goodput",
     "new_measurements",
@@ -125,15 +139,16 @@ class Measured:
     """One variant in one batch-size range.
 
     ``rounds`` counts its rounds folded in, warm-up included; ``tokens``, ``rows`` (requests'
-    rounds) and ``seconds`` are decayed sums over its measured rounds, which covered
-    ``samples`` requests' rounds since the measurement began; ``last`` is the range's round
-    count when it last ran.
+    rounds), ``laps`` (rounds) and ``seconds`` are decayed sums over its measured rounds, which
+    covered ``samples`` requests' rounds since the measurement began; ``last`` is the range's
+    round count when it last ran.
     """
 
     rounds: int = 0
     samples: int = 0
     tokens: float = 0.0
     rows: float = 0.0
+    laps: float = 0.0
     seconds: float = 0.0
     last: int = 0
 
@@ -143,30 +158,51 @@ class Goodput:
     """The measurement record: ``table[r][v]`` is variant ``v`` in range ``r``, ``rounds[r]``
     the rounds folded in for range ``r``. ``tried[r][i]`` and ``accepted[r][i]`` are decayed
     counts, pooled over every chain that ran in range ``r``, of requests' rounds that reached
-    draft token ``i + 1`` and of those that accepted it (empty until a chain reports them)."""
+    draft token ``i + 1`` and of those that accepted it (empty until a chain reports them).
+    ``host_seconds[r]`` and ``host_laps[r]`` are the decayed host time between rounds of range
+    ``r`` and the decayed count of rounds it was measured after, pooled over every variant."""
 
     table: tuple[tuple[Measured, ...], ...]
     rounds: tuple[int, ...]
     tried: tuple[tuple[float, ...], ...]
     accepted: tuple[tuple[float, ...], ...]
+    host_seconds: tuple[float, ...]
+    host_laps: tuple[float, ...]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Lap:
     """One round's measurement on its way: the range and variant it ran in, its batch's
     ``rows``, the tokens it emitted per request (on their way to the host) and its duration,
-    host-timed (``seconds``) or between two CUDA events (``events``)."""
+    host-timed (``seconds``) or between two CUDA events (``events``). ``started`` is the host
+    clock when the round's call began; ``closed`` says the next round or a prefill has begun
+    since, and ``wall`` the seconds from ``started`` to the next round's start (``None`` when a
+    prefill came first)."""
 
     range_index: int
     variant: int
     rows: int
     tokens: HostCopy
+    started: float
     seconds: float = 0.0
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    closed: bool = False
+    wall: float | None = None
 
     def ready(self) -> bool:
-        """Whether the round has finished and its count has arrived (never blocks)."""
-        return self.tokens.ready() and (self.events is None or self.events[1].query())
+        """Whether the lap is closed, the round has finished and its count has arrived (never
+        blocks)."""
+        return (
+            self.closed and self.tokens.ready() and (self.events is None or self.events[1].query())
+        )
+
+    def host(self) -> float | None:
+        """Host seconds between this round and the next beyond the round's own, at most the
+        round's duration; ``None`` when a prefill came between (call once :meth:`ready`)."""
+        if self.wall is None:
+            return None
+        seconds = self.duration()
+        return min(max(self.wall - seconds, 0.0), seconds)
 
     def duration(self) -> float:
         """The round's seconds (call once :meth:`ready`)."""
@@ -207,7 +243,12 @@ def new_goodput(policy: AdaptivePolicy, num_variants: int) -> Goodput:
     """A record with nothing measured."""
     row, ranges = (Measured(),) * num_variants, len(policy.ranges)
     return Goodput(
-        table=(row,) * ranges, rounds=(0,) * ranges, tried=((),) * ranges, accepted=((),) * ranges
+        table=(row,) * ranges,
+        rounds=(0,) * ranges,
+        tried=((),) * ranges,
+        accepted=((),) * ranges,
+        host_seconds=(0.0,) * ranges,
+        host_laps=(0.0,) * ranges,
     )
 
 
@@ -240,6 +281,7 @@ def observe(
     seconds: float,
     rows: int = 1,
     accepted: Sequence[int] = (),
+    host: float | None = None,
 ) -> Goodput:
     """``goodput`` with one round of ``variant`` in range ``range_index`` folded in: its
     ``rows`` requests emitted ``tokens`` tokens in ``seconds``. Warm-up rounds count but are not
@@ -248,7 +290,9 @@ def observe(
     A chain round also reports ``accepted[i]``, how many of its requests accepted draft token
     ``i + 1`` (one entry per draft token; the first is tried by every request, the next by
     those that accepted the one before). These fold into the range's pooled acceptance, warm-up
-    rounds included (a graph capture slows a round, not its acceptance).
+    rounds included (a graph capture slows a round, not its acceptance). ``host``, the host
+    seconds between this round and the next (``None``: not measured), folds into the range's
+    pooled host time, warm-up rounds included too.
     """
     m = goodput.table[range_index][variant]
     now = goodput.rounds[range_index] + 1
@@ -263,6 +307,7 @@ def observe(
             samples=m.samples + rows if fresh else rows,
             tokens=keep * m.tokens + tokens,
             rows=keep * m.rows + rows,
+            laps=keep * m.laps + 1,
             seconds=keep * m.seconds + max(seconds, 1e-9),
             last=now,
         )
@@ -272,11 +317,18 @@ def observe(
         reached = (rows, *accepted[:-1])
         tried = _put(tried, range_index, _fold(tried[range_index], reached, policy.decay))
         taken = _put(taken, range_index, _fold(taken[range_index], accepted, policy.decay))
+    host_seconds, host_laps = goodput.host_seconds, goodput.host_laps
+    if host is not None:
+        decayed = policy.decay * host_seconds[range_index] + host
+        host_seconds = _put(host_seconds, range_index, decayed)
+        host_laps = _put(host_laps, range_index, policy.decay * host_laps[range_index] + 1)
     return Goodput(
         table=_put(goodput.table, range_index, row),
         rounds=_put(goodput.rounds, range_index, now),
         tried=tried,
         accepted=taken,
+        host_seconds=host_seconds,
+        host_laps=host_laps,
     )
 
 
@@ -307,6 +359,12 @@ def acceptance_length(goodput: Goodput, range_index: int, depth: int) -> float:
     return length
 
 
+def host_per_round(goodput: Goodput, range_index: int) -> float:
+    """The range's pooled host seconds between rounds, per round (0 until measured)."""
+    laps = goodput.host_laps[range_index]
+    return goodput.host_seconds[range_index] / laps if laps > 0 else 0.0
+
+
 def rates(
     goodput: Goodput,
     policy: AdaptivePolicy,
@@ -323,7 +381,8 @@ def rates(
     Acceptance varies along a sequence and its variance is high, so tokens measured by each
     chain over its own rounds compare chains over different stretches of text; pooled, every
     chain's rounds inform every depth they reach, at the same time. A round's duration, the
-    other factor, barely varies.
+    other factor, barely varies; each measured round is charged the range's pooled host time
+    between rounds (:func:`host_per_round`) on top of it.
     """
     row = goodput.table[range_index]
     return tuple(
@@ -336,10 +395,12 @@ def rates(
 
 def _rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
     """A measured variant's goodput: its own tokens per second, or for a chain (``depth >
-    0``) its requests' rounds per second times its depth's pooled acceptance length."""
+    0``) its requests' rounds per second times its depth's pooled acceptance length; seconds
+    are its rounds' own plus the pooled host time after each."""
+    seconds = m.seconds + m.laps * host_per_round(goodput, range_index)
     if depth == 0:
-        return m.tokens / m.seconds
-    return m.rows * acceptance_length(goodput, range_index, depth) / m.seconds
+        return m.tokens / seconds
+    return m.rows * acceptance_length(goodput, range_index, depth) / seconds
 
 
 def choose(
@@ -384,8 +445,20 @@ def settle(
             lap.duration(),
             lap.rows,
             accepted,
+            lap.host(),
         )
     return Measurements(goodput=goodput, laps=laps)
+
+
+def close_lap(measurements: Measurements, now: float, *, by_round: bool) -> Measurements:
+    """``measurements`` with the last round's lap closed at host clock ``now``: by the next
+    round's start (``by_round``, its wall time measured) or by a prefill (not measured)."""
+    if not measurements.laps or measurements.laps[-1].closed:
+        return measurements
+    last = measurements.laps[-1]
+    wall = now - last.started if by_round else None
+    closed = attrs.evolve(last, closed=True, wall=wall)
+    return attrs.evolve(measurements, laps=(*measurements.laps[:-1], closed))
 
 
 def _timed(
@@ -396,7 +469,7 @@ def _timed(
     where: dict[str, int],
 ) -> tuple[Any, StepOutput, Lap]:
     """``run(resources, state)`` and its lap (``where``: its ``Lap`` fields ``range_index``,
-    ``variant`` and ``rows``); host-timed on the CPU, by events on CUDA."""
+    ``variant``, ``rows`` and ``started``); host-timed on the CPU, by events on CUDA."""
     if state.kv.seq_lens.device.type != "cuda":
         begin = clock()
         state, output = run(resources, state)
@@ -421,21 +494,38 @@ def decode(
 ) -> tuple[Any, StepOutput]:
     """One round of the variant :func:`choose` picks from the measurements in
     ``resources.goodput``, which gain the round's lap (``depths``: see :func:`pipeline`)."""
+    cell = _measurements_cell(resources)
+    started = policy.clock()
+    measurements = settle(close_lap(cell.value, started, by_round=True), policy, depths)
+    # Every variant's state pages its cache; reading the size there skips a pass over the
+    # state's leaves (~0.1 ms of host time per round, which all variants would pay).
+    batch = state.kv.seq_lens.shape[0]
+    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch, depths)
+    where = {"range_index": index, "variant": variant, "rows": batch, "started": started}
+    state, output, lap = _timed(variants[variant].decode, resources, state, policy.clock, where)
+    cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy, depths)
+    return state, output
+
+
+def prefill(
+    resources: Resources, chunk: Any, *, first: Pipeline, policy: AdaptivePolicy
+) -> tuple[Any, StepOutput]:
+    """The ``first`` variant's prefill of ``chunk``, closing the last round's lap unmeasured:
+    the host time a prefill takes between two rounds is neither round's."""
+    cell = _measurements_cell(resources)
+    cell.value = close_lap(cell.value, policy.clock(), by_round=False)
+    return first.prefill(resources, chunk)
+
+
+def _measurements_cell(resources: Resources) -> Any:
+    """``resources.goodput``, checked to hold the adaptive pipeline's measurements."""
     cell = resources.goodput
     if cell is None or not isinstance(cell.value, Measurements):
         raise ValueError(
             "the adaptive pipeline keeps its measurements in Resources.goodput; build the "
             "resources with goodput=Cell(adaptive.new_measurements(policy, len(variants)))"
         )
-    measurements = settle(cell.value, policy, depths)
-    # Every variant's state pages its cache; reading the size there skips a pass over the
-    # state's leaves (~0.1 ms of host time per round, which all variants would pay).
-    batch = state.kv.seq_lens.shape[0]
-    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch, depths)
-    where = {"range_index": index, "variant": variant, "rows": batch}
-    state, output, lap = _timed(variants[variant].decode, resources, state, policy.clock, where)
-    cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy, depths)
-    return state, output
+    return cell
 
 
 def _is_int(value: object) -> bool:
@@ -480,8 +570,9 @@ def pipeline(
     depths: Sequence[int] | None = None,
 ) -> Pipeline:
     """The adaptive pipeline value over ``variants``, which must share one batch state record
-    (prefill is the first variant's). It may emit and write as much as its largest variant; its
-    decode runs host code (the choice), so it is never captured whole.
+    (prefill is the first variant's, which also closes the last round's lap). It may emit and
+    write as much as its largest variant; its decode runs host code (the choice), so it is
+    never captured whole.
 
     ``depths`` (one per variant: its draft tokens per round, 0 for none) says the variants are
     chains of one draft, whose first ``k`` draft tokens are accepted alike at every depth
@@ -501,7 +592,7 @@ def pipeline(
             )
     return Pipeline(
         name="adaptive",
-        prefill=variants[0].prefill,
+        prefill=functools.partial(prefill, first=variants[0], policy=policy),
         decode=functools.partial(decode, variants=variants, policy=policy, depths=depths),
         max_tokens_per_step=max(v.max_tokens_per_step for v in variants),
         kv_lookahead=max(v.kv_lookahead for v in variants),

@@ -35,6 +35,7 @@ from speculum.pipelines.base import Resources
 from speculum.runtime import cli, graphs, scheduler
 from speculum.runtime.engine import EngineConfig, SpecOptions, _graphed, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.state.host import to_host
 from speculum.state.record import snapshot
 
 HEADS = {
@@ -343,6 +344,73 @@ def test_switching_accepts_draft_tokens_after_plain_rounds():
     (result,) = generate([[1, 2, 3]], engine=engine, max_new_tokens=80)
     histogram = result.stats["accept_length_histogram"]
     assert histogram[1] >= 3 and sum(histogram[3:]) >= 3, histogram
+
+
+def test_host_time_between_rounds_is_charged_to_every_round():
+    """The host time measured after any variant's rounds is pooled per range and charged to
+    each measured round of every variant: a chain of 1 that is faster on the device loses to a
+    chain of 3 once the scheduler's 0.3 s per round is counted, as it would on the wall clock."""
+    policy = AdaptivePolicy(ranges=(1,), warmup=0, samples=1, margin=0.0, decay=1.0)
+    device_only = adaptive.new_goodput(policy, 2)
+    device_only = observe(device_only, policy, 0, 0, 1.5, 1.0)  # 1.5 tokens/s on the device
+    device_only = observe(device_only, policy, 0, 1, 2.0, 1.4)  # 1.43 tokens/s
+    assert choose(device_only, policy, 1) == 0
+    timed = observe(adaptive.new_goodput(policy, 2), policy, 0, 0, 1.5, 1.0, host=0.2)
+    timed = observe(timed, policy, 0, 1, 2.0, 1.4, host=0.4)
+    timed = observe(timed, policy, 0, 1, 2.0, 1.4, host=None)  # a prefill came between
+    assert adaptive.host_per_round(timed, 0) == pytest.approx(0.3)
+    assert rates(timed, policy, 0) == pytest.approx((1.5 / 1.3, 4.0 / 3.4))
+    assert choose(timed, policy, 1) == 1
+
+
+def _lap(started: float, seconds: float) -> adaptive.Lap:
+    """A host-timed lap of one request that emitted 2 tokens."""
+    tokens = to_host(torch.tensor([2]))
+    return adaptive.Lap(
+        range_index=0, variant=0, rows=1, tokens=tokens, started=started, seconds=seconds
+    )
+
+
+@pytest.mark.parametrize(
+    ("closed_at", "by_round", "host"),
+    [(11.5, True, 0.5), (10.8, True, 0.0), (30.0, True, 1.0), (11.5, False, None)],
+)
+def test_a_lap_waits_for_the_next_round_and_measures_the_host_time_to_it(closed_at, by_round, host):
+    """A round's lap folds in only once the next round (or a prefill) has begun: the time from
+    its start to the next round's beyond its own 1 s is host time, none if the next round
+    began while it ran (overlapped), at most the round's own (a pause is no round's), and not
+    measured when a prefill came first."""
+    policy = AdaptivePolicy(ranges=(1,), warmup=0, samples=1, decay=1.0)
+    open_lap = adaptive.Measurements(goodput=adaptive.new_goodput(policy, 1), laps=(_lap(10, 1),))
+    assert adaptive.settle(open_lap, policy).laps == open_lap.laps
+    closed = adaptive.close_lap(open_lap, closed_at, by_round=by_round)
+    assert adaptive.close_lap(closed, closed_at + 5, by_round=True) == closed
+    settled = adaptive.settle(closed, policy)
+    assert settled.laps == () and settled.goodput.table[0][0].tokens == 2
+    assert settled.goodput.host_laps == ((0.0,) if host is None else (1.0,))
+    assert settled.goodput.host_seconds == pytest.approx((host or 0.0,))
+
+
+def test_an_engines_rounds_measure_host_time_except_across_a_prefill():
+    """Through the scheduler, every round's lap is closed by the next round, with host time
+    measured, except the one a prefill follows (a request admitted between rounds)."""
+    policy = AdaptivePolicy(margin=1.0, refresh=0, warmup=0, samples=1, decay=1.0, clock=Ticks())
+    engine = adaptive_engine("eagle", (0, 2), policy=policy)
+    state = scheduler.new_state(engine)
+    state, _ = scheduler.add_request(engine, state, [1, 2, 3], max_new_tokens=40)
+    for _ in range(4):
+        state, _ = scheduler.step(engine, state)
+    state, _ = scheduler.add_request(engine, state, [4, 5], max_new_tokens=40)
+    for _ in range(3):
+        state, _ = scheduler.step(engine, state)
+    measurements = engine.resources.goodput.value
+    goodput = measurements.goodput
+    assert len(measurements.laps) == 1 and not measurements.laps[0].closed
+    folded = sum(goodput.rounds)  # every round but the last, which waits for the next
+    assert folded >= 4 and sum(goodput.host_laps) == folded - 1  # the prefill's measured none
+    # Each round reads the deterministic clock three times (start, then around the call), so
+    # 3 s pass from one start to the next: 2 s beyond the round's 1 s, capped at the round's.
+    assert sum(goodput.host_seconds) == folded - 1
 
 
 def test_rounds_report_each_draft_tokens_acceptance_to_the_record():
