@@ -139,16 +139,16 @@ class Measured:
     """One variant in one batch-size range.
 
     ``rounds`` counts its rounds folded in, warm-up included; ``tokens``, ``rows`` (requests'
-    rounds), ``laps`` (rounds) and ``seconds`` are decayed sums over its measured rounds, which
-    covered ``samples`` requests' rounds since the measurement began; ``last`` is the range's
-    round count when it last ran.
+    rounds), ``timed_rounds`` (rounds) and ``seconds`` are decayed sums over its measured
+    rounds, which covered ``samples`` requests' rounds since the measurement began; ``last`` is
+    the range's round count when it last ran.
     """
 
     rounds: int = 0
     samples: int = 0
     tokens: float = 0.0
     rows: float = 0.0
-    laps: float = 0.0
+    timed_rounds: float = 0.0
     seconds: float = 0.0
     last: int = 0
 
@@ -159,7 +159,7 @@ class Goodput:
     the rounds folded in for range ``r``. ``tried[r][i]`` and ``accepted[r][i]`` are decayed
     counts, pooled over every chain that ran in range ``r``, of requests' rounds that reached
     draft token ``i + 1`` and of those that accepted it (empty until a chain reports them).
-    ``host_seconds[r]`` and ``host_laps[r]`` are the decayed host time between rounds of range
+    ``host_seconds[r]`` and ``host_rounds[r]`` are the decayed host time between rounds of range
     ``r`` and the decayed count of rounds it was measured after, pooled over every variant."""
 
     table: tuple[tuple[Measured, ...], ...]
@@ -167,7 +167,7 @@ class Goodput:
     tried: tuple[tuple[float, ...], ...]
     accepted: tuple[tuple[float, ...], ...]
     host_seconds: tuple[float, ...]
-    host_laps: tuple[float, ...]
+    host_rounds: tuple[float, ...]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
@@ -248,7 +248,7 @@ def new_goodput(policy: AdaptivePolicy, num_variants: int) -> Goodput:
         tried=((),) * ranges,
         accepted=((),) * ranges,
         host_seconds=(0.0,) * ranges,
-        host_laps=(0.0,) * ranges,
+        host_rounds=(0.0,) * ranges,
     )
 
 
@@ -307,7 +307,7 @@ def observe(
             samples=m.samples + rows if fresh else rows,
             tokens=keep * m.tokens + tokens,
             rows=keep * m.rows + rows,
-            laps=keep * m.laps + 1,
+            timed_rounds=keep * m.timed_rounds + 1,
             seconds=keep * m.seconds + max(seconds, 1e-9),
             last=now,
         )
@@ -317,18 +317,18 @@ def observe(
         reached = (rows, *accepted[:-1])
         tried = _put(tried, range_index, _fold(tried[range_index], reached, policy.decay))
         taken = _put(taken, range_index, _fold(taken[range_index], accepted, policy.decay))
-    host_seconds, host_laps = goodput.host_seconds, goodput.host_laps
+    host_seconds, host_rounds = goodput.host_seconds, goodput.host_rounds
     if host is not None:
         decayed = policy.decay * host_seconds[range_index] + host
         host_seconds = _put(host_seconds, range_index, decayed)
-        host_laps = _put(host_laps, range_index, policy.decay * host_laps[range_index] + 1)
+        host_rounds = _put(host_rounds, range_index, policy.decay * host_rounds[range_index] + 1)
     return Goodput(
         table=_put(goodput.table, range_index, row),
         rounds=_put(goodput.rounds, range_index, now),
         tried=tried,
         accepted=taken,
         host_seconds=host_seconds,
-        host_laps=host_laps,
+        host_rounds=host_rounds,
     )
 
 
@@ -361,7 +361,7 @@ def acceptance_length(goodput: Goodput, range_index: int, depth: int) -> float:
 
 def host_per_round(goodput: Goodput, range_index: int) -> float:
     """The range's pooled host seconds between rounds, per round (0 until measured)."""
-    laps = goodput.host_laps[range_index]
+    laps = goodput.host_rounds[range_index]
     return goodput.host_seconds[range_index] / laps if laps > 0 else 0.0
 
 
@@ -397,7 +397,7 @@ def _rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
     """A measured variant's goodput: its own tokens per second, or for a chain (``depth >
     0``) its requests' rounds per second times its depth's pooled acceptance length; seconds
     are its rounds' own plus the pooled host time after each."""
-    seconds = m.seconds + m.laps * host_per_round(goodput, range_index)
+    seconds = m.seconds + m.timed_rounds * host_per_round(goodput, range_index)
     if depth == 0:
         return m.tokens / seconds
     return m.rows * acceptance_length(goodput, range_index, depth) / seconds
@@ -450,13 +450,14 @@ def settle(
     return Measurements(goodput=goodput, laps=laps)
 
 
-def close_lap(measurements: Measurements, now: float, *, by_round: bool) -> Measurements:
-    """``measurements`` with the last round's lap closed at host clock ``now``: by the next
-    round's start (``by_round``, its wall time measured) or by a prefill (not measured)."""
+def close_lap(measurements: Measurements, now: float | None) -> Measurements:
+    """``measurements`` with the last round's lap closed: by the next round, starting at host
+    clock ``now`` (the lap's wall time measured), or by a prefill (``now=None``: not measured).
+    A closed lap stays as it is."""
     if not measurements.laps or measurements.laps[-1].closed:
         return measurements
     last = measurements.laps[-1]
-    wall = now - last.started if by_round else None
+    wall = None if now is None else now - last.started
     closed = attrs.evolve(last, closed=True, wall=wall)
     return attrs.evolve(measurements, laps=(*measurements.laps[:-1], closed))
 
@@ -496,7 +497,7 @@ def decode(
     ``resources.goodput``, which gain the round's lap (``depths``: see :func:`pipeline`)."""
     cell = _measurements_cell(resources)
     started = policy.clock()
-    measurements = settle(close_lap(cell.value, started, by_round=True), policy, depths)
+    measurements = settle(close_lap(cell.value, started), policy, depths)
     # Every variant's state pages its cache; reading the size there skips a pass over the
     # state's leaves (~0.1 ms of host time per round, which all variants would pay).
     batch = state.kv.seq_lens.shape[0]
@@ -507,13 +508,11 @@ def decode(
     return state, output
 
 
-def prefill(
-    resources: Resources, chunk: Any, *, first: Pipeline, policy: AdaptivePolicy
-) -> tuple[Any, StepOutput]:
+def prefill(resources: Resources, chunk: Any, *, first: Pipeline) -> tuple[Any, StepOutput]:
     """The ``first`` variant's prefill of ``chunk``, closing the last round's lap unmeasured:
     the host time a prefill takes between two rounds is neither round's."""
     cell = _measurements_cell(resources)
-    cell.value = close_lap(cell.value, policy.clock(), by_round=False)
+    cell.value = close_lap(cell.value, None)
     return first.prefill(resources, chunk)
 
 
@@ -592,7 +591,7 @@ def pipeline(
             )
     return Pipeline(
         name="adaptive",
-        prefill=functools.partial(prefill, first=variants[0], policy=policy),
+        prefill=functools.partial(prefill, first=variants[0]),
         decode=functools.partial(decode, variants=variants, policy=policy, depths=depths),
         max_tokens_per_step=max(v.max_tokens_per_step for v in variants),
         kv_lookahead=max(v.kv_lookahead for v in variants),

@@ -372,10 +372,9 @@ def _lap(started: float, seconds: float) -> adaptive.Lap:
 
 
 @pytest.mark.parametrize(
-    ("closed_at", "by_round", "host"),
-    [(11.5, True, 0.5), (10.8, True, 0.0), (30.0, True, 1.0), (11.5, False, None)],
+    ("next_start", "host"), [(11.5, 0.5), (10.8, 0.0), (30.0, 1.0), (None, None)]
 )
-def test_a_lap_waits_for_the_next_round_and_measures_the_host_time_to_it(closed_at, by_round, host):
+def test_a_lap_waits_for_the_next_round_and_measures_the_host_time_to_it(next_start, host):
     """A round's lap folds in only once the next round (or a prefill) has begun: the time from
     its start to the next round's beyond its own 1 s is host time, none if the next round
     began while it ran (overlapped), at most the round's own (a pause is no round's), and not
@@ -383,11 +382,11 @@ def test_a_lap_waits_for_the_next_round_and_measures_the_host_time_to_it(closed_
     policy = AdaptivePolicy(ranges=(1,), warmup=0, samples=1, decay=1.0)
     open_lap = adaptive.Measurements(goodput=adaptive.new_goodput(policy, 1), laps=(_lap(10, 1),))
     assert adaptive.settle(open_lap, policy).laps == open_lap.laps
-    closed = adaptive.close_lap(open_lap, closed_at, by_round=by_round)
-    assert adaptive.close_lap(closed, closed_at + 5, by_round=True) == closed
+    closed = adaptive.close_lap(open_lap, next_start)  # None: a prefill closes it
+    assert adaptive.close_lap(closed, 50.0) == closed
     settled = adaptive.settle(closed, policy)
     assert settled.laps == () and settled.goodput.table[0][0].tokens == 2
-    assert settled.goodput.host_laps == ((0.0,) if host is None else (1.0,))
+    assert settled.goodput.host_rounds == ((0.0,) if host is None else (1.0,))
     assert settled.goodput.host_seconds == pytest.approx((host or 0.0,))
 
 
@@ -407,7 +406,7 @@ def test_an_engines_rounds_measure_host_time_except_across_a_prefill():
     goodput = measurements.goodput
     assert len(measurements.laps) == 1 and not measurements.laps[0].closed
     folded = sum(goodput.rounds)  # every round but the last, which waits for the next
-    assert folded >= 4 and sum(goodput.host_laps) == folded - 1  # the prefill's measured none
+    assert folded >= 4 and sum(goodput.host_rounds) == folded - 1  # the prefill's measured none
     # Each round reads the deterministic clock three times (start, then around the call), so
     # 3 s pass from one start to the next: 2 s beyond the round's 1 s, capped at the round's.
     assert sum(goodput.host_seconds) == folded - 1
