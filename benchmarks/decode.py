@@ -629,11 +629,9 @@ def scheduled_engine(
     )
 
 
-def decode_pass(engine: Engine, batch: int, args, temperature: float, device: str):
-    """One pass of the workload: ``batch`` random prompts prefilled, then the scheduler's loop
-    until each has ``args.new_tokens`` tokens. Returns the seconds of the loop, the tokens
-    emitted during it (the device state at its start counts what came before, whether or not
-    the host has collected it yet), and the states at its start and end."""
+def prefilled(engine: Engine, batch: int, args, temperature: float, device: str):
+    """The scheduler's state once ``batch`` random prompts are prefilled (the requests
+    prefilled first may already have decoded some rounds), the device caught up."""
     generator = torch.Generator().manual_seed(batch)
     vocab = engine.resources.target.config.vocab_size
     sampling = scheduler.Sampling(temperature=temperature, seed=batch)
@@ -646,13 +644,21 @@ def decode_pass(engine: Engine, batch: int, args, temperature: float, device: st
     while state.waiting or state.prefilling:
         state, _ = scheduler.step(engine, state)
     sync(device)
+    return state
+
+
+def timed_loop(engine: Engine, state, batch: int, args, device: str):
+    """The scheduler's loop from ``state`` until each request has ``args.new_tokens`` tokens.
+    Returns its seconds, the tokens emitted during it (the device state at its start counts
+    what came before, whether or not the host has collected it yet), and the final state and
+    finished requests."""
     # Every row's root (or next token) is emitted and not yet in the cache.
     emitted = int((state.batch.kv.seq_lens + 1).sum()) - batch * args.prompt
     begin = time.perf_counter()
     final, finished = run_to_completion(engine, state)
     sync(device)
     seconds = time.perf_counter() - begin
-    return seconds, sum(len(r.output) for r in finished.values()) - emitted, state, final, finished
+    return seconds, sum(len(r.output) for r in finished.values()) - emitted, final, finished
 
 
 def round_counts(engine: Engine, batch: int) -> list[int] | None:
@@ -715,11 +721,15 @@ def loop_row(
     adaptive speculation the share of its rounds that ran each depth. With ``clock`` (the
     engine's, from :func:`clocked`), also the rounds' device time per step and the time per
     step the device spent outside them, waiting for the host."""
-    decode_pass(engine, batch, args, temperature, device)
+    timed_loop(engine, prefilled(engine, batch, args, temperature, device), batch, args, device)
+    start = prefilled(engine, batch, args, temperature, device)
     counts = round_counts(engine, batch)
     if clock is not None:
-        clock.seconds()  # forget the first pass's rounds
-    seconds, tokens, start, final, finished = decode_pass(engine, batch, args, temperature, device)
+        # Forget the rounds before the timed loop: the first pass's, and those the requests
+        # prefilled first ran beside the later prefills (at batch 32 they made the rounds'
+        # device time exceed the loop's wall time).
+        clock.seconds()
+    seconds, tokens, final, finished = timed_loop(engine, start, batch, args, device)
     histogram: list[int] = []
     for request in finished.values():
         lengths = request.round_lengths
