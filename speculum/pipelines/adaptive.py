@@ -196,12 +196,12 @@ class Lap:
             self.closed and self.tokens.ready() and (self.events is None or self.events[1].query())
         )
 
-    def host(self) -> float | None:
-        """Host seconds between this round and the next beyond the round's own, at most the
-        round's duration; ``None`` when a prefill came between (call once :meth:`ready`)."""
+    def host(self, seconds: float) -> float | None:
+        """Host seconds between this round, which took ``seconds`` (its :meth:`duration`), and
+        the next, beyond the round's own, at most ``seconds``; ``None`` when a prefill came
+        between."""
         if self.wall is None:
             return None
-        seconds = self.duration()
         return min(max(self.wall - seconds, 0.0), seconds)
 
     def duration(self) -> float:
@@ -436,16 +436,17 @@ def settle(
         lap, laps = laps[0], laps[1:]
         counts = lap.tokens.get().tolist()
         accepted = accepted_per_draft_token(counts, depths[lap.variant] if depths else 0)
+        seconds = lap.duration()
         goodput = observe(
             goodput,
             policy,
             lap.range_index,
             lap.variant,
             sum(counts),
-            lap.duration(),
+            seconds,
             lap.rows,
             accepted,
-            lap.host(),
+            lap.host(seconds),
         )
     return Measurements(goodput=goodput, laps=laps)
 
