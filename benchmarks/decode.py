@@ -27,8 +27,10 @@ its acceptance length in tokens where plain decoding emits one).
   (greedy; it accepts nothing) and a draft of controlled acceptance (``markov_models``: a
   target whose next token follows a fixed permutation of the last one with probability about
   ``--acceptance`` at temperature 1, and an EAGLE-1 head that drafts that permutation;
-  sampled at temperature 1). Each configuration runs its workload twice on one engine, the
-  first pass as warm-up (graph capture, and adaptive's measurements), and reports the second.
+  sampled at temperature 1). Each configuration runs its workload on one engine once to warm
+  up (graph capture, and adaptive's first measurements), then ``--passes`` times (default 3),
+  and reports the median pass; ``spread`` is the widest fastest-over-slowest ratio, less 1,
+  among the row's configurations (differences smaller than it are noise).
 - overlap (``--overlap``): the same loop, synchronous against overlapped
   (``EngineConfig.overlap``), for plain decoding and a chain-3 round of the controlled draft
   at batch 1 and 32 (``--overlap-batches``), with the scheduler's host time per step and the
@@ -499,6 +501,9 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="adaptive vs fixed steps only")
     parser.add_argument("--overlap", action="store_true", help="sync vs overlap only")
     parser.add_argument("--adaptive-batches", default="1,4,16,32,64")
+    parser.add_argument(
+        "--passes", type=int, default=3, help="timed passes per --adaptive/--overlap row (median)"
+    )
     parser.add_argument("--overlap-batches", default="1,32")
     parser.add_argument(
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
@@ -716,16 +721,32 @@ def loop_row(
     device: str,
     clock: DeviceClock | None = None,
 ) -> dict[str, Any]:
-    """Tokens/s, acceptance length and host time per step of the second of two passes (the
-    first warms up: graph capture, and adaptive speculation's first measurements), and for
-    adaptive speculation the share of its rounds that ran each depth. With ``clock`` (the
-    engine's, from :func:`clocked`), also the rounds' device time per step and the time per
-    step the device spent outside them, waiting for the host."""
+    """Tokens/s, acceptance length and host time per step of the median of ``args.passes``
+    timed passes after a first that warms up (graph capture, and adaptive speculation's first
+    measurements), with their ``spread`` (fastest over slowest, less 1: a difference between
+    rows smaller than it is noise), and for adaptive speculation the share of that pass's
+    rounds that ran each depth. With ``clock`` (the engine's, from :func:`clocked`), also the
+    rounds' device time per step and the time per step the device spent outside them, waiting
+    for the host."""
     timed_loop(engine, prefilled(engine, batch, args, temperature, device), batch, args, device)
+    runs = [timed_pass(engine, batch, args, temperature, device, clock) for _ in range(args.passes)]
+    runs.sort(key=lambda run: run["tok/s"])
+    return {**runs[len(runs) // 2], "spread": runs[-1]["tok/s"] / runs[0]["tok/s"] - 1}
+
+
+def timed_pass(
+    engine: Engine,
+    batch: int,
+    args,
+    temperature: float,
+    device: str,
+    clock: DeviceClock | None,
+) -> dict[str, Any]:
+    """One timed pass of :func:`loop_row`'s workload, from prefill to the last token."""
     start = prefilled(engine, batch, args, temperature, device)
     counts = round_counts(engine, batch)
     if clock is not None:
-        # Forget the rounds before the timed loop: the first pass's, and those the requests
+        # Forget the rounds before the timed loop: the warm-up pass's, and those the requests
         # prefilled first ran beside the later prefills (at batch 32 they made the rounds'
         # device time exceed the loop's wall time).
         clock.seconds()
@@ -757,10 +778,8 @@ def loop_row(
 def measured_rates(engine: Engine, batch: int) -> str:
     """Adaptive speculation's goodput estimate per depth at ``batch`` when the pass ended
     (what its choice saw; "-" for a depth not measured then)."""
-    policy = AdaptivePolicy()
     goodput = engine.resources.goodput.value.goodput
-    index = adaptive.range_of(policy, batch)
-    estimates = adaptive.rates(goodput, policy, index, ADAPTIVE_STEPS)
+    estimates = adaptive.rates(goodput, AdaptivePolicy(), batch, ADAPTIVE_STEPS)
     return " ".join(
         f"{s}:{'-' if r is None else f'{r:.0f}'}" for s, r in zip(ADAPTIVE_STEPS, estimates)
     )
@@ -777,7 +796,7 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
         device,
     )
     row["plain tok/s"] = plain["tok/s"]
-    fixed = {"plain": plain["tok/s"]}
+    fixed, spreads = {"plain": plain["tok/s"]}, [plain["spread"]]
     for steps in ADAPTIVE_STEPS[1:]:
         spec = SpecOptions(num_steps=steps)
         engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
@@ -785,6 +804,7 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
         row[f"chain {steps} tok/s"] = result["tok/s"]
         row[f"chain {steps} AL"] = result["AL"]
         fixed[f"chain {steps}"] = result["tok/s"]
+        spreads.append(result["spread"])
     spec = SpecOptions(adaptive_steps=ADAPTIVE_STEPS)
     engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
     result = loop_row(engine, batch, args, temperature, device)
@@ -798,6 +818,7 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
             "/best fixed": result["tok/s"] / fixed[best],
             "depths run": result["depths run"],
             "measured tok/s": result["measured tok/s"],
+            "spread": max(*spreads, result["spread"]),
         }
     )
     return row
@@ -819,6 +840,7 @@ def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any
         "sync tok/s": sync_run["tok/s"],
         "overlap tok/s": overlapped["tok/s"],
         "speedup": overlapped["tok/s"] / sync_run["tok/s"],
+        "spread": max(sync_run["spread"], overlapped["spread"]),
         "AL": overlapped["AL"],
         "sync host ms/step": sync_run["host ms/step"],
         "overlap host ms/step": overlapped["host ms/step"],

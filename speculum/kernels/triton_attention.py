@@ -20,7 +20,8 @@ Design
 * **Batch invariance**: the online softmax rounds each tile's probabilities to V's dtype
   against the running max, so its bits depend on the tiling. Because tiles (and split chunks)
   sit at fixed cache indices and every call of up to 8 query tokens per request (decode, draft
-  steps, chain verify, small trees) of one batch takes the same tile width and split count, a
+  steps, chain verify, small trees) of one batch takes the same query block, tile width and
+  split count (the block too: a row sum's reduction order follows the block's layout), a
   token's output is the same bit for bit whether the tokens before it are prefix (a decode
   step) or tail (a chain verify); a tree node differs from its decode only in where its
   ancestors sit among the tail columns. Before this, bfloat16 speculative decoding diverged
@@ -378,7 +379,8 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     and 8 warps for prefill chunks (matrix-unit bound); 4 warps for decode, verify and draft
     steps, which are memory bound and need more programs in flight: at most 32 rows (unless one
     token's group is wider) with 128-key tiles for calls of up to ``_INVARIANT_TOKENS`` tokens,
-    up to 64 rows (then 64-key tiles) for wider trees and extend chunks.
+    all of them in blocks of one size (fixed by ``group``), up to 64 rows (then 64-key tiles)
+    for wider trees and extend chunks.
     Under the interpreter tiles are 16 wide, so that tiny test shapes still cross key-tile and
     query-block boundaries.
     """
@@ -390,11 +392,16 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     elif rows >= _PREFILL_ROWS:
         block_m, block_n = 128, 64
     else:
-        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers). Calls
-        # of up to _INVARIANT_TOKENS tokens all take them, in blocks of at most 32 rows, so that
-        # their outputs are bit-identical (see the kernel); wider ones take up to 64 rows, which
-        # reads each key tile for more queries.
-        widest = 32 if num_q <= _INVARIANT_TOKENS else 64
+        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers).
+        # Calls of up to _INVARIANT_TOKENS tokens all take them, in blocks of as many rows as
+        # the widest such call fills (at most 32), whatever their own width: the row sums'
+        # reduction order follows the block's layout, so a decode step in 16 rows and a chain
+        # of 5 in 32 differed in the last bit (see the kernel). Wider calls take up to 64 rows,
+        # which reads each key tile for more queries.
+        if num_q <= _INVARIANT_TOKENS:
+            rows, widest = _INVARIANT_TOKENS * group, 32
+        else:
+            widest = 64
         block_m = min(max(16, triton.next_power_of_2(rows)), widest)
         block_n = 128 if block_m <= 32 else 64
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program

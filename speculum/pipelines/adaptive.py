@@ -10,9 +10,9 @@ acceptance length alone. It is kept as a pure value:
   and per variant, decayed sums of the tokens its rounds emitted, of their requests' rounds,
   of the rounds and of their durations; per range, pooled over every variant that ran, the
   acceptance of each draft position and the host time between rounds. :func:`observe` folds
-  one round in; :func:`rates` reads each variant's goodput (a chain's from the pooled
-  acceptance, when the variants' depths are known; every variant's rounds charged the pooled
-  host time).
+  one round in; :func:`rates` reads each variant's goodput at a batch size: tokens per
+  request and round (a chain's from the pooled acceptance, when the variants' depths are
+  known) times the batch, over seconds per round (charged the pooled host time).
 - :func:`choose`, a pure function of that record: a variant not measured yet in the batch's
   range first (in variant order; measured means over ``samples`` requests' rounds, since one
   round's tokens vary with acceptance), otherwise the best, except that a variant within the
@@ -368,39 +368,47 @@ def host_per_round(goodput: Goodput, range_index: int) -> float:
 def rates(
     goodput: Goodput,
     policy: AdaptivePolicy,
-    range_index: int,
+    batch: int,
     depths: Sequence[int] | None = None,
 ) -> tuple[float | None, ...]:
-    """Each variant's measured goodput (tokens per second) in a range; ``None`` for a variant
-    not measured yet (warming up, or over fewer than ``samples`` requests' rounds) or whose
-    measurement is stale.
+    """Each variant's goodput (tokens per second) at a batch of ``batch`` requests, from its
+    measurements in the batch's range; ``None`` for a variant not measured yet (warming up, or
+    over fewer than ``samples`` requests' rounds) or whose measurement is stale.
+
+    A variant's goodput is ``batch`` times the tokens a request gets from one of its rounds,
+    over the seconds a round takes: a round costs what the range's CUDA-graph bucket costs,
+    however many of its rows are filled, so a variant measured while the batch was still
+    filling (requests prefilled beside the first rounds) is judged at today's batch, not at
+    the fill it was measured at (at batch 64 on the H200, read as requests per second, a chain
+    of 1 measured on 56 rows looked 23% slower than it ran, and lost to a chain of 3 for good).
+    Each measured round is charged the range's pooled host time between rounds
+    (:func:`host_per_round`) on top of its own seconds.
 
     With ``depths`` (each variant's draft tokens per round, 0 for a variant without drafts),
-    a chain's goodput is its requests' rounds per second times the acceptance length of its
-    depth under the range's pooled acceptance (:func:`acceptance_length`), not its own tokens.
-    Acceptance varies along a sequence and its variance is high, so tokens measured by each
-    chain over its own rounds compare chains over different stretches of text; pooled, every
-    chain's rounds inform every depth they reach, at the same time. A round's duration, the
-    other factor, barely varies; each measured round is charged the range's pooled host time
-    between rounds (:func:`host_per_round`) on top of it.
+    a chain's tokens per request and round are the acceptance length of its depth under the
+    range's pooled acceptance (:func:`acceptance_length`), not its own tokens. Acceptance
+    varies along a sequence and its variance is high, so tokens measured by each chain over its
+    own rounds compare chains over different stretches of text; pooled, every chain's rounds
+    inform every depth they reach, at the same time.
     """
-    row = goodput.table[range_index]
+    index = range_of(policy, batch)
+    row = goodput.table[index]
     return tuple(
         None
-        if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
-        else _rate(goodput, range_index, m, depths[v] if depths else 0)
+        if m.samples < policy.samples or _stale(goodput, policy, index, m)
+        else batch * _per_request_rate(goodput, index, m, depths[v] if depths else 0)
         for v, m in enumerate(row)
     )
 
 
-def _rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
-    """A measured variant's goodput: its own tokens per second, or for a chain (``depth >
-    0``) its requests' rounds per second times its depth's pooled acceptance length; seconds
-    are its rounds' own plus the pooled host time after each."""
-    seconds = m.seconds + m.timed_rounds * host_per_round(goodput, range_index)
+def _per_request_rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
+    """A measured variant's tokens per request over seconds per round: its own tokens per
+    request's round, or for a chain (``depth > 0``) its depth's pooled acceptance length; a
+    round's seconds are its own plus the pooled host time after it."""
+    per_round = m.seconds / m.timed_rounds + host_per_round(goodput, range_index)
     if depth == 0:
-        return m.tokens / seconds
-    return m.rows * acceptance_length(goodput, range_index, depth) / seconds
+        return m.tokens / m.rows / per_round
+    return acceptance_length(goodput, range_index, depth) / per_round
 
 
 def choose(
@@ -414,7 +422,7 @@ def choose(
     :func:`rates` (with ``depths``: chains by the pooled acceptance).
     """
     index = range_of(policy, batch)
-    measured = rates(goodput, policy, index, depths)
+    measured = rates(goodput, policy, batch, depths)
     unmeasured = [v for v, rate in enumerate(measured) if rate is None]
     if unmeasured:
         return unmeasured[0]

@@ -110,7 +110,7 @@ def test_choice_is_a_pure_function_that_respects_the_margin(policy, history, bat
         goodput = observe(goodput, policy, index, variant, sum(emitted), seconds, rows, accepted)
     chosen = choose(goodput, policy, batch, depths)
     assert choose(attrs.evolve(goodput), policy, batch, depths) == chosen
-    measured = rates(goodput, policy, adaptive.range_of(policy, batch), depths)
+    measured = rates(goodput, policy, batch, depths)
     if None in measured:
         assert chosen == measured.index(None)
         return
@@ -133,8 +133,22 @@ def test_chains_share_their_measured_acceptance():
     p = (6 / 8, 2 / 3, 1 / 2)
     lengths = (1 + p[0], 1 + p[0] + p[0] * p[1] + p[0] * p[1] * p[2])
     assert adaptive.acceptance_length(goodput, 0, 3) == pytest.approx(lengths[1])
-    assert rates(goodput, policy, 0, (1, 3)) == pytest.approx((4 * lengths[0], 4 * lengths[1] / 2))
-    assert rates(goodput, policy, 0) == (7.0, 5.0)  # without depths: each chain's own tokens
+    assert rates(goodput, policy, 4, (1, 3)) == pytest.approx((4 * lengths[0], 4 * lengths[1] / 2))
+    assert rates(goodput, policy, 4) == (7.0, 5.0)  # without depths: each chain's own tokens
+
+
+def test_a_variant_measured_while_the_batch_filled_is_judged_at_the_batch_now():
+    """Rounds cost what their CUDA-graph bucket costs, however many rows are filled: a chain
+    of 1 measured on 40 of 64 rows (prefills still adding requests) emitting 1.6 tokens per
+    request in 1.0 s a round beats a chain of 3 measured full, 2.0 tokens per request in 1.5 s,
+    at a batch of 64 (read as tokens per second over its own rows it would lose: 64 against
+    85 tokens/s)."""
+    policy = AdaptivePolicy(ranges=(64,), warmup=0, samples=1, decay=1.0)
+    goodput = adaptive.new_goodput(policy, 2)
+    goodput = observe(goodput, policy, 0, 0, 40 * 1.6, 1.0, rows=40)
+    goodput = observe(goodput, policy, 0, 1, 64 * 2.0, 1.5, rows=64)
+    assert rates(goodput, policy, 64) == pytest.approx((64 * 1.6, 64 * 2.0 / 1.5))
+    assert choose(goodput, policy, 64) == 0
 
 
 def test_observe_folds_decayed_rounds_after_the_warmup():
@@ -142,8 +156,9 @@ def test_observe_folds_decayed_rounds_after_the_warmup():
     goodput = adaptive.new_goodput(policy, 2)
     for tokens, seconds in ((10, 9.0), (8, 2.0), (6, 1.0)):  # the first is the warm-up round
         goodput = observe(goodput, policy, 1, 0, tokens, seconds)
-    assert rates(goodput, policy, 1) == ((0.5 * 8 + 6) / (0.5 * 2.0 + 1.0), None)
-    assert rates(goodput, policy, 0) == (None, None)
+    # Predicted for a batch of 2 (range 1), from rounds of one request: twice their rate.
+    assert rates(goodput, policy, 2) == (pytest.approx(2 * (0.5 * 8 + 6) / (0.5 * 2.0 + 1.0)), None)
+    assert rates(goodput, policy, 1) == (None, None)
     assert goodput.rounds == (0, 3) and goodput.table[1][0].rounds == 3
 
 
@@ -155,7 +170,7 @@ def test_a_stale_measurement_is_measured_again():
     for _ in range(3):
         assert choose(goodput, policy, 1) == 1
         goodput = observe(goodput, policy, 0, 1, 5, 1.0)
-    assert rates(goodput, policy, 0)[0] is None and choose(goodput, policy, 1) == 0
+    assert rates(goodput, policy, 1)[0] is None and choose(goodput, policy, 1) == 0
 
 
 #: Draft depths of the simulated variants.
@@ -359,7 +374,7 @@ def test_host_time_between_rounds_is_charged_to_every_round():
     timed = observe(timed, policy, 0, 1, 2.0, 1.4, host=0.4)
     timed = observe(timed, policy, 0, 1, 2.0, 1.4, host=None)  # a prefill came between
     assert adaptive.host_per_round(timed, 0) == pytest.approx(0.3)
-    assert rates(timed, policy, 0) == pytest.approx((1.5 / 1.3, 4.0 / 3.4))
+    assert rates(timed, policy, 1) == pytest.approx((1.5 / 1.3, 4.0 / 3.4))
     assert choose(timed, policy, 1) == 1
 
 
