@@ -16,12 +16,12 @@ Design
   ``BLOCK_N`` that start at multiples of ``BLOCK_N`` of the *cache index*, not of the prefix or
   tail. Each key row finds its pool slot through the page table (``page_table[b, s //
   page_size] * page_size + s % page_size``), so pages need not be contiguous and any
-  ``page_size >= 1`` works. Online softmax in base 2 with a float32 accumulator.
+  ``page_size >= 1`` works. Online softmax in base 2 with float32 accumulators; the row sums
+  too are a matrix product (``P @ ones``), whose bits do not depend on the block's layout.
 * **Batch invariance**: the online softmax rounds each tile's probabilities to V's dtype
   against the running max, so its bits depend on the tiling. Because tiles (and split chunks)
   sit at fixed cache indices and every call of up to 8 query tokens per request (decode, draft
-  steps, chain verify, small trees) of one batch takes the same query block, tile width and
-  split count (the block too: a row sum's reduction order follows the block's layout), a
+  steps, chain verify, small trees) of one batch takes the same tile width and split count, a
   token's output is the same bit for bit whether the tokens before it are prefix (a decode
   step) or tail (a chain verify); a tree node differs from its decode only in where its
   ancestors sit among the tail columns. Before this, bfloat16 speculative decoding diverged
@@ -101,8 +101,9 @@ def _attend_block(
     stride_vp,
     stride_vs,
     d_ok,
+    ones,
     m_i,
-    l_i,
+    l_acc,
     acc,
     qk_scale,
     PAGE_SIZE: tl.constexpr,
@@ -112,9 +113,15 @@ def _attend_block(
 
     Only keys with ``key_ok`` are loaded (others read as 0: they may be stale garbage, and
     ``0 * NaN`` in ``P @ V`` would be NaN); ``visible [BLOCK_M, BLOCK_N]`` masks the scores. The
-    state is (row max, row sum, unnormalised accumulator) with base-2 exponents. A row that has
+    state is (row max, row sums, unnormalised accumulator) with base-2 exponents. A row that has
     seen nothing yet keeps ``m = -inf``; its shift is taken as 0 so that ``exp2(-inf - shift)``
     gives 0 instead of ``exp2(-inf + inf) = NaN``.
+
+    The row sums are ``P @ ones`` (``ones [BLOCK_N, 16]``; every column of ``l_acc`` holds the
+    sum), on the matrix unit like ``P @ V``: a ``tl.sum`` over the tile's columns adds them in an
+    order that follows the block's layout, so a decode step in 16 rows and a chain of 5 in 32
+    rows differed in the last bit. A dot adds each element's products in the same order at any
+    block size, and sums the probabilities as rounded for ``P @ V``.
     """
     page = tl.load(page_row + (s // PAGE_SIZE) * stride_pp, mask=key_ok, other=0)
     offset = (s % PAGE_SIZE).to(tl.int64)
@@ -127,10 +134,11 @@ def _attend_block(
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - shift)
     p = tl.exp2(qk - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     v = v.to(q.dtype)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    weights = p.to(v.dtype)
+    l_acc = tl.dot(weights, ones, l_acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = tl.dot(weights, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_acc, acc
 
 
 @triton.jit
@@ -251,7 +259,8 @@ def _attention_kernel(
         other=0.0,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
+    ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     page_row = page_table_ptr + b * stride_pb
@@ -274,28 +283,30 @@ def _attention_kernel(
     for start in range(lo, prefix_tiles_end, BLOCK_N):
         s = start + keys
         key_ok = s < hi
-        m_i, l_i, acc = _attend_block(
+        m_i, l_acc, acc = _attend_block(
             q, s, key_ok, key_ok[None, :], page_row, stride_pp, k_base, stride_kp, stride_ks,
-            v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
+            v_base, stride_vp, stride_vs, d_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE,
+            DOT_PRECISION,
         )  # fmt: skip
     for start in range(prefix_tiles_end, dense_tiles_end, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
-        m_i, l_i, acc = _attend_block(
+        m_i, l_acc, acc = _attend_block(
             q, s, s < hi, visible, page_row, stride_pp, k_base, stride_kp, stride_ks, v_base,
-            stride_vp, stride_vs, d_ok, m_i, l_i, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
+            stride_vp, stride_vs, d_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
     for start in range(dense_tiles_end, hi, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
-        m_i, l_i, acc = _attend_block(
+        m_i, l_acc, acc = _attend_block(
             q, s, tl.max(visible.to(tl.int32), axis=0) > 0, visible, page_row, stride_pp,
-            k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, m_i, l_i, acc,
-            qk_scale, PAGE_SIZE, DOT_PRECISION,
+            k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, ones, m_i, l_acc,
+            acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
     # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
     acc = tl.where(row_ok[:, None], acc, 0.0)
+    l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -379,8 +390,7 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     and 8 warps for prefill chunks (matrix-unit bound); 4 warps for decode, verify and draft
     steps, which are memory bound and need more programs in flight: at most 32 rows (unless one
     token's group is wider) with 128-key tiles for calls of up to ``_INVARIANT_TOKENS`` tokens,
-    all of them in blocks of one size (fixed by ``group``), up to 64 rows (then 64-key tiles)
-    for wider trees and extend chunks.
+    up to 64 rows (then 64-key tiles) for wider trees and extend chunks.
     Under the interpreter tiles are 16 wide, so that tiny test shapes still cross key-tile and
     query-block boundaries.
     """
@@ -392,16 +402,11 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     elif rows >= _PREFILL_ROWS:
         block_m, block_n = 128, 64
     else:
-        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers).
-        # Calls of up to _INVARIANT_TOKENS tokens all take them, in blocks of as many rows as
-        # the widest such call fills (at most 32), whatever their own width: the row sums'
-        # reduction order follows the block's layout, so a decode step in 16 rows and a chain
-        # of 5 in 32 differed in the last bit (see the kernel). Wider calls take up to 64 rows,
-        # which reads each key tile for more queries.
-        if num_q <= _INVARIANT_TOKENS:
-            rows, widest = _INVARIANT_TOKENS * group, 32
-        else:
-            widest = 64
+        # 128-key tiles keep more bytes in flight (at 64 rows they would spill registers). Calls
+        # of up to _INVARIANT_TOKENS tokens all take them, in blocks of at most 32 rows, so that
+        # their outputs are bit-identical (see the kernel); wider ones take up to 64 rows, which
+        # reads each key tile for more queries.
+        widest = 32 if num_q <= _INVARIANT_TOKENS else 64
         block_m = min(max(16, triton.next_power_of_2(rows)), widest)
         block_n = 128 if block_m <= 32 else 64
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program

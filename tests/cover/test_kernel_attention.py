@@ -139,29 +139,3 @@ def test_half_precision():
     want = paged_attention(queries.float(), k_cache.float(), v_cache.float(), *args)
     assert got.dtype == torch.float16
     assert (got.float() - want).norm() / want.norm() < 1e-2
-
-
-@given(
-    tokens=st.integers(1, 8),
-    group=st.sampled_from([1, 2, 4, 8, 16]),
-    head_dim=st.sampled_from([64, 128, 256]),
-    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-)
-def test_calls_of_up_to_8_tokens_launch_like_a_decode_step(tokens, group, head_dim, dtype):
-    """On a GPU, a chain verify of up to 8 tokens gets a decode step's query block, key tile
-    and pipeline: the row sums' reduction order follows the block's layout, so one block size
-    more or less and a token's output differs from its decode step's in the last bit (seen on
-    the H200 for a chain of 5 at 4 query heads per KV head, in 32 rows against 16)."""
-    from speculum.kernels import triton_attention
-
-    real = triton_attention._INTERPRET
-    triton_attention._INTERPRET = False  # the GPU's tile rule (the interpreter's is fixed)
-    try:
-        verify = triton_attention._tiles(tokens, group, head_dim, dtype)
-        step = triton_attention._tiles(1, group, head_dim, dtype)
-        wide = triton_attention._tiles(64, group, head_dim, dtype)
-    finally:
-        triton_attention._INTERPRET = real
-    assert verify == step
-    assert step["BLOCK_M"] >= min(32, 8 * group) and step["BLOCK_M"] % group == 0
-    assert wide["BLOCK_M"] >= step["BLOCK_M"]  # wider calls are tiled for speed alone
