@@ -30,7 +30,8 @@ its acceptance length in tokens where plain decoding emits one).
   sampled at temperature 1). Each configuration runs its workload on one engine once to warm
   up (graph capture, and adaptive's first measurements), then ``--passes`` times (default 3),
   and reports the median pass; ``spread`` is the widest fastest-over-slowest ratio, less 1,
-  among the row's configurations (differences smaller than it are noise).
+  among the row's configurations (differences smaller than it are noise). The loop is
+  synchronous unless ``--adaptive-overlap`` overlaps every configuration's.
 - overlap (``--overlap``): the same loop, synchronous against overlapped
   (``EngineConfig.overlap``), for plain decoding and a chain-3 round of the controlled draft
   at batch 1 and 32 (``--overlap-batches``), with the scheduler's host time per step and the
@@ -502,6 +503,11 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="sync vs overlap only")
     parser.add_argument("--adaptive-batches", default="1,4,16,32,64")
     parser.add_argument(
+        "--adaptive-overlap",
+        action="store_true",
+        help="schedule every --adaptive configuration overlapped (default: synchronously)",
+    )
+    parser.add_argument(
         "--passes", type=int, default=3, help="timed passes per --adaptive/--overlap row (median)"
     )
     parser.add_argument("--overlap-batches", default="1,32")
@@ -789,7 +795,7 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
     """Plain, each fixed chain and adaptive speculation at ``batch``: tokens/s and acceptance."""
     row: dict[str, Any] = {"draft": label, "batch": batch}
     plain = loop_row(
-        scheduled_engine(target, head, "plain", None, batch, args, False),
+        scheduled_engine(target, head, "plain", None, batch, args, args.adaptive_overlap),
         batch,
         args,
         temperature,
@@ -799,14 +805,14 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
     fixed, spreads = {"plain": plain["tok/s"]}, [plain["spread"]]
     for steps in ADAPTIVE_STEPS[1:]:
         spec = SpecOptions(num_steps=steps)
-        engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
+        engine = scheduled_engine(target, head, algorithm, spec, batch, args, args.adaptive_overlap)
         result = loop_row(engine, batch, args, temperature, device)
         row[f"chain {steps} tok/s"] = result["tok/s"]
         row[f"chain {steps} AL"] = result["AL"]
         fixed[f"chain {steps}"] = result["tok/s"]
         spreads.append(result["spread"])
     spec = SpecOptions(adaptive_steps=ADAPTIVE_STEPS)
-    engine = scheduled_engine(target, head, algorithm, spec, batch, args, False)
+    engine = scheduled_engine(target, head, algorithm, spec, batch, args, args.adaptive_overlap)
     result = loop_row(engine, batch, args, temperature, device)
     best = max(fixed, key=fixed.__getitem__)
     row.update(

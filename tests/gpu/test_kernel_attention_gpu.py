@@ -205,7 +205,9 @@ def chains(draw: st.DrawFn) -> dict:
     return {**kc.kernel_args(inputs), "num_splits": draw(st.sampled_from([None, 1, 3]))}
 
 
-@settings(max_examples=30)
+# Each drawn chain compiles its own kernel variants (tens of seconds each on the H200): 30
+# draws did not finish in 130 s.
+@settings(max_examples=12)
 @given(chains())
 def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
     """A verify forward over a chain gives each token exactly the bits its own decode step
