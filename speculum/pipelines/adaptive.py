@@ -18,7 +18,9 @@ acceptance length alone. It is kept as a pure value:
   round's tokens vary with acceptance), otherwise the best, except that a variant within the
   exploration ``margin`` of the best that has not run for ``refresh`` rounds runs once, to keep
   its measurement fresh. It never picks a measured variant whose goodput is lower than
-  another's by more than the margin.
+  another's by more than the margin. Once some range is measured throughout, a range that is
+  not runs the best by :func:`estimates` (the unmeasured variants' goodput borrowed from the
+  nearest such range) and measures the rest one round every ``refresh`` rounds.
 - :func:`pipeline` composes the variants into one pipeline value. Its decode chooses, runs the
   chosen variant's own decode on the shared batch state and times it. Switching is choosing
   another value: nothing is backed up or restored, and every variant keeps its own CUDA graphs
@@ -90,6 +92,7 @@ __all__ = [
     "range_of",
     "observe",
     "rates",
+    "estimates",
     "choose",
     "settle",
     "decode",
@@ -391,13 +394,22 @@ def rates(
     own rounds compare chains over different stretches of text; pooled, every chain's rounds
     inform every depth they reach, at the same time.
     """
-    index = range_of(policy, batch)
-    row = goodput.table[index]
+    return _rates(goodput, policy, range_of(policy, batch), batch, depths)
+
+
+def _rates(
+    goodput: Goodput,
+    policy: AdaptivePolicy,
+    range_index: int,
+    batch: int,
+    depths: Sequence[int] | None,
+) -> tuple[float | None, ...]:
+    """:func:`rates` at a batch of ``batch`` from the measurements of range ``range_index``."""
     return tuple(
         None
-        if m.samples < policy.samples or _stale(goodput, policy, index, m)
-        else batch * _per_request_rate(goodput, index, m, depths[v] if depths else 0)
-        for v, m in enumerate(row)
+        if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
+        else batch * _per_request_rate(goodput, range_index, m, depths[v] if depths else 0)
+        for v, m in enumerate(goodput.table[range_index])
     )
 
 
@@ -411,24 +423,66 @@ def _per_request_rate(goodput: Goodput, range_index: int, m: Measured, depth: in
     return acceptance_length(goodput, range_index, depth) / per_round
 
 
+def estimates(
+    goodput: Goodput, policy: AdaptivePolicy, batch: int, depths: Sequence[int] | None = None
+) -> tuple[float | None, ...]:
+    """Each variant's goodput at a batch of ``batch`` requests as far as the record tells:
+    :func:`rates` where the batch's range has measured it, and otherwise borrowed from the
+    nearest range where every variant is measured (the larger on ties), scaled by how the
+    variants measured in both compare (its rates as they are where none is); ``None`` for
+    the variants unmeasured here while no other range is measured throughout.
+
+    A rarely visited range (the few rounds at each smaller batch while a batch drains, or fills
+    beside prefills) would otherwise take several rounds of every variant, the slowest
+    included, to measure before it could choose; borrowed, it runs what its neighbour found
+    best and measures the rest now and then (:func:`choose`).
+    """
+    measured = rates(goodput, policy, batch, depths)
+    if None not in measured:
+        return measured
+    here = range_of(policy, batch)
+    by_distance = sorted(range(len(policy.ranges)), key=lambda r: (abs(r - here), -r))
+    for other in by_distance[1:]:
+        borrowed = _rates(goodput, policy, other, batch, depths)
+        if None in borrowed:
+            continue
+        both = [v for v, rate in enumerate(measured) if rate is not None]
+        scale = sum(measured[v] for v in both) / sum(borrowed[v] for v in both) if both else 1.0
+        return tuple(
+            rate if rate is not None else scale * borrowed[v] for v, rate in enumerate(measured)
+        )
+    return measured
+
+
 def choose(
     goodput: Goodput, policy: AdaptivePolicy, batch: int, depths: Sequence[int] | None = None
 ) -> int:
     """The variant to run for a batch of ``batch`` requests: a pure function of the record.
 
-    The first variant not measured in the batch's range; otherwise the best (the lower index
-    on ties), unless a variant within ``margin`` of the best has not run for more than
-    ``refresh`` rounds, in which case the longest-idle such variant. Goodput is read by
-    :func:`rates` (with ``depths``: chains by the pooled acceptance).
+    Where the batch's range has every variant measured: the best (the lower index on ties),
+    unless a variant within ``margin`` of the best has not run for more than ``refresh``
+    rounds, in which case the longest-idle such variant. Goodput is read by :func:`rates`
+    (with ``depths``: chains by the pooled acceptance).
+
+    Where it has not: the first unmeasured variant, while no range is measured throughout;
+    otherwise the best by :func:`estimates` (borrowed from a measured neighbour), except that
+    once no unmeasured variant has run for more than ``refresh`` rounds, the longest-idle one
+    runs, so the range's own measurements build up without paying for every variant at once.
     """
     index = range_of(policy, batch)
+    row, now = goodput.table[index], goodput.rounds[index]
     measured = rates(goodput, policy, batch, depths)
     unmeasured = [v for v, rate in enumerate(measured) if rate is None]
     if unmeasured:
-        return unmeasured[0]
+        guess = estimates(goodput, policy, batch, depths)
+        if None in guess:
+            return unmeasured[0]
+        explore = min(unmeasured, key=lambda v: (row[v].last, v))
+        if now - max(row[v].last for v in unmeasured) > policy.refresh:
+            return explore
+        return max(range(len(guess)), key=lambda v: (guess[v], -v))
     best = max(range(len(measured)), key=lambda v: (measured[v], -v))
     floor = (1.0 - policy.margin) * measured[best]
-    row, now = goodput.table[index], goodput.rounds[index]
     close = [v for v, rate in enumerate(measured) if rate >= floor]
     idle = min(close, key=lambda v: (row[v].last, v))
     return idle if now - row[idle].last > policy.refresh else best

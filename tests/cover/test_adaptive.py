@@ -112,7 +112,11 @@ def test_choice_is_a_pure_function_that_respects_the_margin(policy, history, bat
     assert choose(attrs.evolve(goodput), policy, batch, depths) == chosen
     measured = rates(goodput, policy, batch, depths)
     if None in measured:
-        assert chosen == measured.index(None)
+        guess = adaptive.estimates(goodput, policy, batch, depths)
+        if None in guess:  # nothing to go on: measure, in variant order
+            assert chosen == measured.index(None)
+        else:  # a measured neighbour's estimates, or measuring this range's own
+            assert measured[chosen] is None or guess[chosen] == max(guess)
         return
     assert all(measured[chosen] >= (1 - policy.margin) * rate for rate in measured)
 
@@ -149,6 +153,27 @@ def test_a_variant_measured_while_the_batch_filled_is_judged_at_the_batch_now():
     goodput = observe(goodput, policy, 0, 1, 64 * 2.0, 1.5, rows=64)
     assert rates(goodput, policy, 64) == pytest.approx((64 * 1.6, 64 * 2.0 / 1.5))
     assert choose(goodput, policy, 64) == 0
+
+
+def test_a_range_not_yet_measured_borrows_from_the_nearest_measured_one():
+    """Range 16 has every variant measured (the chain of 3 the best); range 4 has seen only the
+    chain of 1, at half range 16's per-round rate. Range 4 runs the chain of 3 on range 16's
+    word, scaled by what the chain of 1 measured in both, and measures each variant it lacks
+    one round every ``refresh`` rounds (the longest-idle first) instead of all at once."""
+    policy = AdaptivePolicy(ranges=(4, 16), warmup=0, samples=1, decay=1.0, refresh=3)
+    goodput = adaptive.new_goodput(policy, 3)
+    for variant, tokens_per_request, seconds in ((0, 1.0, 1.0), (1, 1.5, 1.0), (2, 2.5, 1.0)):
+        goodput = observe(goodput, policy, 1, variant, 16 * tokens_per_request, seconds, 16)
+    goodput = observe(goodput, policy, 0, 1, 4 * 1.5, 2.0, 4)  # half the per-round rate
+    assert rates(goodput, policy, 4) == (None, pytest.approx(3.0), None)
+    assert adaptive.estimates(goodput, policy, 4) == pytest.approx((2.0, 3.0, 5.0))
+    ran = []
+    for _ in range(8):
+        variant = choose(goodput, policy, 4)
+        ran.append(variant)
+        goodput = observe(goodput, policy, 0, variant, 4 * (1.0, 1.5, 2.5)[variant], 2.0, 4)
+    assert ran == [2, 2, 2, 0, 2, 2, 2, 2]  # one round of plain after 3 idle: now measured
+    assert None not in rates(goodput, policy, 4)
 
 
 def test_observe_folds_decayed_rounds_after_the_warmup():
