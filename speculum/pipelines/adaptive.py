@@ -382,8 +382,9 @@ def rates(
     over the seconds a round takes: a round costs what the range's CUDA-graph bucket costs,
     however many of its rows are filled, so a variant measured while the batch was still
     filling (requests prefilled beside the first rounds) is judged at today's batch, not at
-    the fill it was measured at (at batch 64 on the H200, read as requests per second, a chain
-    of 1 measured on 56 rows looked 23% slower than it ran, and lost to a chain of 3 for good).
+    the fill it was measured at (at batch 64 on the H200, read as tokens per second over its
+    own rows, a chain of 1 measured so read 23% below what it ran, and lost to a chain of 3 for
+    good).
     Each measured round is charged the range's pooled host time between rounds
     (:func:`host_per_round`) on top of its own seconds.
 
