@@ -32,6 +32,8 @@ its acceptance length in tokens where plain decoding emits one).
   and reports the median pass; ``spread`` is the widest fastest-over-slowest ratio, less 1,
   among the row's configurations (differences smaller than it are noise). The loop is
   synchronous unless ``--adaptive-overlap`` overlaps every configuration's.
+  ``--host-profile`` prints, per row, the host's functions by their own time (cProfile) over
+  one more pass of the chain-3 engine and of the adaptive one.
 - overlap (``--overlap``): the same loop, synchronous against overlapped
   (``EngineConfig.overlap``), for plain decoding and a chain-3 round of the controlled draft
   at batch 1 and 32 (``--overlap-batches``), with the scheduler's host time per step and the
@@ -52,10 +54,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
+import io
 import itertools
 import math
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -508,6 +513,11 @@ def main() -> None:
         help="schedule every --adaptive configuration overlapped (default: synchronously)",
     )
     parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="with --adaptive: cProfile one more pass of the chain-3 and adaptive engines",
+    )
+    parser.add_argument(
         "--passes", type=int, default=3, help="timed passes per --adaptive/--overlap row (median)"
     )
     parser.add_argument("--overlap-batches", default="1,32")
@@ -811,9 +821,15 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
         row[f"chain {steps} AL"] = result["AL"]
         fixed[f"chain {steps}"] = result["tok/s"]
         spreads.append(result["spread"])
+        if args.host_profile and steps == 3:
+            print(f"\n## host profile, chain 3, {label} draft, batch {batch}\n")
+            print(host_profile(engine, batch, args, temperature, device), flush=True)
     spec = SpecOptions(adaptive_steps=ADAPTIVE_STEPS)
     engine = scheduled_engine(target, head, algorithm, spec, batch, args, args.adaptive_overlap)
     result = loop_row(engine, batch, args, temperature, device)
+    if args.host_profile:
+        print(f"\n## host profile, adaptive, {label} draft, batch {batch}\n")
+        print(host_profile(engine, batch, args, temperature, device), flush=True)
     best = max(fixed, key=fixed.__getitem__)
     row.update(
         {
@@ -828,6 +844,21 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
         }
     )
     return row
+
+
+def host_profile(engine: Engine, batch: int, args, temperature: float, device: str) -> str:
+    """The host's functions by their own time over one more timed pass of ``engine``
+    (cProfile, from the prefilled state to the last token). Profiling slows every Python call
+    alike, so compare two engines' tables, not their seconds with the unprofiled rows."""
+    start = prefilled(engine, batch, args, temperature, device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, _, final, _ = timed_loop(engine, start, batch, args, device)
+    profiler.disable()
+    text = io.StringIO()
+    text.write(f"{final.num_steps - start.num_steps} scheduler steps\n")
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    return text.getvalue()
 
 
 def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any]:
