@@ -438,7 +438,17 @@ def estimates(
     included, to measure before it could choose; borrowed, it runs what its neighbour found
     best and measures the rest now and then (:func:`choose`).
     """
-    measured = rates(goodput, policy, batch, depths)
+    return _estimates(goodput, policy, batch, depths, rates(goodput, policy, batch, depths))
+
+
+def _estimates(
+    goodput: Goodput,
+    policy: AdaptivePolicy,
+    batch: int,
+    depths: Sequence[int] | None,
+    measured: tuple[float | None, ...],
+) -> tuple[float | None, ...]:
+    """:func:`estimates` from the batch's own ``measured`` rates (:func:`rates`)."""
     if None not in measured:
         return measured
     here = range_of(policy, batch)
@@ -475,12 +485,11 @@ def choose(
     measured = rates(goodput, policy, batch, depths)
     unmeasured = [v for v, rate in enumerate(measured) if rate is None]
     if unmeasured:
-        guess = estimates(goodput, policy, batch, depths)
+        guess = _estimates(goodput, policy, batch, depths, measured)
         if None in guess:
             return unmeasured[0]
-        explore = min(unmeasured, key=lambda v: (row[v].last, v))
         if now - max(row[v].last for v in unmeasured) > policy.refresh:
-            return explore
+            return min(unmeasured, key=lambda v: (row[v].last, v))  # the longest idle
         return max(range(len(guess)), key=lambda v: (guess[v], -v))
     best = max(range(len(measured)), key=lambda v: (measured[v], -v))
     floor = (1.0 - policy.margin) * measured[best]
