@@ -704,24 +704,29 @@ class DeviceClock:
 
     decode: Callable[[Any, Any], Any]
     laps: list[Any] = attrs.field(factory=list)
+    #: Host seconds spent inside the decode calls (queueing the round) since :meth:`seconds`.
+    calls: float = 0.0
 
     def __call__(self, resources: Any, state: Any) -> Any:
         """Run the round between two marks."""
+        begin = time.perf_counter()
         if state.kv.seq_lens.device.type != "cuda":
-            begin = time.perf_counter()
             out = self.decode(resources, state)
             self.laps.append(time.perf_counter() - begin)
+            self.calls += time.perf_counter() - begin
             return out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = self.decode(resources, state)
         end.record()
         self.laps.append((start, end))
+        self.calls += time.perf_counter() - begin
         return out
 
     def seconds(self) -> float:
-        """Device seconds of the rounds since the last call (waits for them), and forget them."""
-        laps, self.laps = self.laps, []
+        """Device seconds of the rounds since the last call (waits for them), and forget them
+        and the host seconds of their calls."""
+        laps, self.laps, self.calls = self.laps, [], 0.0
         if any(isinstance(lap, tuple) for lap in laps):
             torch.cuda.synchronize()
         return sum(
@@ -784,6 +789,7 @@ def timed_pass(
         "hidden ms/step": (final.hidden_seconds - start.hidden_seconds) / steps * 1e3,
     }
     if clock is not None:
+        row["decode call ms/step"] = clock.calls / steps * 1e3
         row["device ms/step"] = clock.seconds() / steps * 1e3
         row["idle ms/step"] = row["ms/step"] - row["device ms/step"]
     if counts is not None:
@@ -850,13 +856,15 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
 
 
 #: What :func:`host_profile` reports of its unprofiled pass.
-CLOCKED_KEYS = ("ms/step", "device ms/step", "idle ms/step", "host ms/step")
+CLOCKED_KEYS = ("ms/step", "device ms/step", "idle ms/step", "host ms/step", "decode call ms/step")
 
 
 def host_profile(engine: Engine, batch: int, args, temperature: float, device: str) -> str:
     """The host's functions by their own time over one more timed pass of ``engine``
     (cProfile, from the prefilled state to the last token), after an unprofiled pass with the
-    decode timed on the device (:class:`DeviceClock`): its device and idle time per step. Profiling
+    decode timed on the device (:class:`DeviceClock`): its device and idle time per step, and
+    the host's time inside the decode calls (queueing each round: the adaptive layer's choice
+    is there, the scheduler's collection is not). Profiling
     slows every Python call alike, so compare two engines' tables, not their seconds with the
     unprofiled rows."""
     timed, clock = clocked(engine)
