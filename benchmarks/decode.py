@@ -864,9 +864,8 @@ def host_profile(engine: Engine, batch: int, args, temperature: float, device: s
     (cProfile, from the prefilled state to the last token), after an unprofiled pass with the
     decode timed on the device (:class:`DeviceClock`): its device and idle time per step, and
     the host's time inside the decode calls (queueing each round: the adaptive layer's choice
-    is there, the scheduler's collection is not). Profiling
-    slows every Python call alike, so compare two engines' tables, not their seconds with the
-    unprofiled rows."""
+    is there, the scheduler's collection is not). Profiling slows every Python call alike, so
+    compare two engines' tables, not their seconds with the unprofiled rows."""
     timed, clock = clocked(engine)
     laps = timed_pass(timed, batch, args, temperature, device, clock)
     start = prefilled(engine, batch, args, temperature, device)
