@@ -27,10 +27,12 @@ its acceptance length in tokens where plain decoding emits one).
   (greedy; it accepts nothing) and a draft of controlled acceptance (``markov_models``: a
   target whose next token follows a fixed permutation of the last one with probability about
   ``--acceptance`` at temperature 1, and an EAGLE-1 head that drafts that permutation;
-  sampled at temperature 1). Each configuration runs its workload on one engine once to warm
-  up (graph capture, and adaptive's first measurements), then ``--passes`` times (default 3),
-  and reports the median pass; ``spread`` is the widest fastest-over-slowest ratio, less 1,
-  among the row's configurations (differences smaller than it are noise). The loop is
+  sampled at temperature 1). A row's prompts are prefilled in one chunk, so its requests
+  decode together in full rounds to the end. Each configuration runs its workload on one
+  engine once to warm up (graph capture, and adaptive's first measurements), then
+  ``--passes`` times (default 3), and reports the median pass; ``spread`` is the widest
+  fastest-over-slowest ratio, less 1, among the row's configurations (differences smaller
+  than it are noise). The loop is
   synchronous unless ``--adaptive-overlap`` overlaps every configuration's.
   ``--host-profile`` prints, per row, the host's functions by their own time (cProfile) over
   one more pass of the plain, the chain-3 and the adaptive engine, each after a pass with its
