@@ -714,8 +714,9 @@ class DeviceClock:
         begin = time.perf_counter()
         if state.kv.seq_lens.device.type != "cuda":
             out = self.decode(resources, state)
-            self.laps.append(time.perf_counter() - begin)
-            self.calls += time.perf_counter() - begin
+            elapsed = time.perf_counter() - begin
+            self.laps.append(elapsed)
+            self.calls += elapsed
             return out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -869,7 +870,7 @@ def host_profile(engine: Engine, batch: int, args, temperature: float, device: s
     is there, the scheduler's collection is not). Profiling slows every Python call alike, so
     compare two engines' tables, not their seconds with the unprofiled rows."""
     timed, clock = clocked(engine)
-    laps = timed_pass(timed, batch, args, temperature, device, clock)
+    unprofiled = timed_pass(timed, batch, args, temperature, device, clock)
     start = prefilled(engine, batch, args, temperature, device)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -878,7 +879,7 @@ def host_profile(engine: Engine, batch: int, args, temperature: float, device: s
     text = io.StringIO()
     text.write(
         "unprofiled pass, decode timed on the device: "
-        + ", ".join(f"{key} {laps[key]:.3f}" for key in CLOCKED_KEYS)
+        + ", ".join(f"{key} {unprofiled[key]:.3f}" for key in CLOCKED_KEYS)
         + f"\n{final.num_steps - start.num_steps} scheduler steps profiled\n"
     )
     stats = pstats.Stats(profiler, stream=text)

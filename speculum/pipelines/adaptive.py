@@ -482,7 +482,7 @@ def choose(
     """
     index = range_of(policy, batch)
     row, now = goodput.table[index], goodput.rounds[index]
-    measured = rates(goodput, policy, batch, depths)
+    measured = _rates(goodput, policy, index, batch, depths)
     unmeasured = [v for v, rate in enumerate(measured) if rate is None]
     if unmeasured:
         guess = _estimates(goodput, policy, batch, depths, measured)
