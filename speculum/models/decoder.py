@@ -37,6 +37,7 @@ __all__ = [
     "FusedLinear",
     "fuse_projections_",
     "fused_linear",
+    "holds",
     "rope_inv_freq",
 ]
 
@@ -114,15 +115,22 @@ def fused_linear(*linears: nn.Linear) -> FusedLinear:
     return FusedLinear(*fused)
 
 
+def holds(fused: FusedLinear | None, first: nn.Linear) -> bool:
+    """Whether ``fused`` still holds the storage of its projections, ``first`` the first of
+    them (a later ``.to()`` gives each parameter a copy of its own)."""
+    return (
+        fused is not None
+        and fused.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
+    )
+
+
 def fused_weights(fused: FusedLinear | None, first: nn.Linear) -> FusedLinear | None:
-    """``fused`` when it may stand in for its projections: it still holds their storage (a
-    later ``.to()`` gives each parameter a copy of its own) and no gradient is wanted (the fused
-    tensor is not a parameter). ``None`` sends the caller down the separate projections."""
-    if fused is None or (torch.is_grad_enabled() and first.weight.requires_grad):
+    """``fused`` when it may stand in for its projections: it still holds their storage
+    (:func:`holds`) and no gradient is wanted (the fused tensor is not a parameter). ``None``
+    sends the caller down the separate projections."""
+    if torch.is_grad_enabled() and first.weight.requires_grad:
         return None
-    if fused.weight.untyped_storage().data_ptr() != first.weight.untyped_storage().data_ptr():
-        return None
-    return fused
+    return fused if holds(fused, first) else None
 
 
 def fuse_projections_(module: nn.Module) -> nn.Module:
@@ -134,6 +142,9 @@ def fuse_projections_(module: nn.Module) -> nn.Module:
     another launch. Values are unchanged: a fused output row is each projection's, concatenated
     (bit for bit up to the matmul library's choice of kernel). Fuse after the model is on its
     device and in its dtype; a later ``.to()`` quietly falls back to the separate projections.
+    Fusing a fused model again keeps its fused tensors: every engine built over a model fuses
+    it, and the CUDA graphs an earlier engine captured read those tensors (replaced, they would
+    be freed under the graphs).
     """
     for sub in module.modules():
         if isinstance(sub, (Attention, MLP)):
@@ -170,7 +181,8 @@ class Attention(nn.Module):
         """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
         a no-op for attention without its own K/V projections."""
         if all(hasattr(self, name) for name in ("q_proj", "k_proj", "v_proj")):
-            self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+            if not holds(self.qkv, self.q_proj):
+                self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
 
     def queries(
         self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
@@ -314,7 +326,8 @@ class MLP(nn.Module):
 
     def fuse_(self) -> None:
         """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`)."""
-        self.gate_up = fused_linear(self.gate_proj, self.up_proj)
+        if not holds(self.gate_up, self.gate_proj):
+            self.gate_up = fused_linear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
         """``down(silu(gate(x)) * up(x))``: gate and up in one matmul when fused."""

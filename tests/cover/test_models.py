@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel, dense_batch, float32_logits, fuse_projections_
-from speculum.models.loading import CheckpointError, load_model, save_model
+from speculum.models.draft import random_draft
+from speculum.models.loading import CheckpointError, load_model, random_model, save_model
 from speculum.models.tokenizer import (
     BOS,
     EOS,
@@ -30,6 +31,8 @@ from speculum.models.tokenizer import (
     load_tokenizer,
     save_tokenizer,
 )
+from speculum.runtime.default_model import TINY_CONFIG
+from speculum.runtime.engine import engine_from_model
 from speculum.spec.paged import extend_batch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 
@@ -279,6 +282,33 @@ def test_fused_projections_change_no_weight_and_no_output(case: str, tmp_path: P
     wide = model.to(torch.float64)
     (moved,) = run_in_steps(wide, [prompt], [[len(prompt)]], table, 4, (0,))
     torch.testing.assert_close(moved.float(), separate, rtol=1e-4, atol=1e-5)
+
+
+def test_engines_built_over_one_model_keep_its_fused_tensors() -> None:
+    """Every engine fuses the models it is built over; a second engine over the same target
+    and draft keeps the fused tensors the first one's CUDA graphs read (fused anew, the old
+    tensors would be freed under those graphs: an illegal memory access on the H200, or
+    garbage weights once the memory is reused). After ``.to()`` gives the projections copies
+    of their own, fusing again fuses them."""
+    target = random_model(TINY_CONFIG, seed=0, std=0.1)
+    draft = random_draft(target, "eagle3", seed=1, std=0.1)
+
+    def fused() -> list[torch.Tensor]:
+        blocks = [*target.modules(), *draft.modules()]
+        return [m.qkv.weight for m in blocks if getattr(m, "qkv", None) is not None] + [
+            m.gate_up.weight for m in blocks if getattr(m, "gate_up", None) is not None
+        ]
+
+    engine_from_model(target, algorithm="eagle3", draft=draft, max_context=64)
+    first = fused()
+    assert len(first) == 2 * TINY_CONFIG.num_layers + 2
+    engine_from_model(target, algorithm="eagle3", draft=draft, max_context=64)
+    engine_from_model(target, max_context=64)
+    assert all(a is b for a, b in zip(first, fused(), strict=True))
+    target.to(torch.float64)
+    fuse_projections_(target)
+    moved = fused()[: TINY_CONFIG.num_layers]
+    assert all(w.dtype == torch.float64 and w is not old for w, old in zip(moved, first))
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
