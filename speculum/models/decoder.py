@@ -180,9 +180,9 @@ class Attention(nn.Module):
     def fuse_(self) -> None:
         """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
         a no-op for attention without its own K/V projections."""
-        if all(hasattr(self, name) for name in ("q_proj", "k_proj", "v_proj")):
-            if not holds(self.qkv, self.q_proj):
-                self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        projections = all(hasattr(self, name) for name in ("q_proj", "k_proj", "v_proj"))
+        if projections and not holds(self.qkv, self.q_proj):
+            self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
 
     def queries(
         self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor
