@@ -121,6 +121,8 @@ class AdaptivePolicy:
     nothing reads as slower than plain decoding, and judged on it alone the best chain would
     be shut out; a large batch's round averages over its rows and is enough alone.
     ``decay``: the weight earlier rounds keep each time a variant's new round is folded in.
+    ``prior``: requests' rounds of weight with which each draft token's pooled acceptance
+    leans toward the token before it's (:func:`acceptance_length`).
     ``refresh``: a variant inside the margin that has not run for this many rounds of its range
     runs once. ``expire``: a measurement this many rounds of its range old counts as none, so
     the variant is measured again (a variant once below the margin gets another chance).
@@ -132,6 +134,7 @@ class AdaptivePolicy:
     warmup: int = 2
     samples: int = 16
     decay: float = 0.97
+    prior: float = 4.0
     refresh: int = 32
     expire: int = 1024
     clock: Callable[[], float] = time.perf_counter
@@ -234,6 +237,8 @@ def validate_policy(policy: AdaptivePolicy) -> None:
         problems.append(f"margin={policy.margin!r} must lie in [0, 1] (a fraction of the best)")
     if not 0 <= policy.decay <= 1:
         problems.append(f"decay={policy.decay!r} must lie in [0, 1]")
+    if not policy.prior >= 0:
+        problems.append(f"prior={policy.prior!r} must be >= 0 (requests' rounds; 0: no lean)")
     for name, least in (("warmup", 0), ("samples", 1), ("refresh", 0), ("expire", 1)):
         value = getattr(policy, name)
         if not isinstance(value, int) or value < least:
@@ -349,15 +354,32 @@ def accepted_per_draft_token(emitted: Sequence[int], depth: int) -> list[int]:
     return [sum(n >= i + 2 for n in emitted) for i in range(depth)]
 
 
-def acceptance_length(goodput: Goodput, range_index: int, depth: int) -> float:
+def acceptance_length(
+    goodput: Goodput, policy: AdaptivePolicy, range_index: int, depth: int
+) -> float:
     """Tokens per request a chain of ``depth`` draft tokens emits per round, from the range's
-    pooled acceptance: ``1 + sum over k <= depth of prod over i < k of p_i``, where ``p_i``
-    is the share of requests reaching draft token ``i + 1`` that accepted it (0 where none
-    reached it yet)."""
+    pooled acceptance: ``1 + sum over k <= depth of prod over i < k of p_i``. ``p_0`` is the
+    share of requests that accepted draft token 1 (0 while none tried it); each later ``p_i``
+    is the share of those reaching draft token ``i + 1`` that accepted it, leaning toward
+    ``p_{i-1}`` with the weight of ``policy.prior`` requests' rounds:
+    ``(accepted_i + prior p_{i-1}) / (tried_i + prior)``.
+
+    Why lean: only chains that reach a draft token measure it, so while a shallower chain
+    runs, the deeper tokens' counts decay and their share stays where the deeper chain left
+    it, usually a stretch of low acceptance, which is why it stopped running. On the H200 at
+    batch 1 the share of draft token 2 froze at 0.19 from about two requests' rounds, against
+    0.5 for token 1, and the chain of 3, the best by 7%, never ran again. Leaning, a share
+    whose counts have decayed follows the token before it, which every chain keeps measuring.
+    """
     tried, taken = goodput.tried[range_index], goodput.accepted[range_index]
-    length, reach = 1.0, 1.0
+    length, reach, share = 1.0, 1.0, 0.0
     for i in range(depth):
-        reach *= taken[i] / tried[i] if i < len(tried) and tried[i] > 0 else 0.0
+        reached = tried[i] if i < len(tried) else 0.0
+        accepted = taken[i] if i < len(taken) else 0.0
+        lean = policy.prior if i > 0 else 0.0
+        weight = reached + lean
+        share = (accepted + lean * share) / weight if weight > 0 else 0.0
+        reach *= share
         length += reach
     return length
 
@@ -409,19 +431,21 @@ def _rates(
     return tuple(
         None
         if m.samples < policy.samples or _stale(goodput, policy, range_index, m)
-        else batch * _per_request_rate(goodput, range_index, m, depths[v] if depths else 0)
+        else batch * _per_request_rate(goodput, policy, range_index, m, depths[v] if depths else 0)
         for v, m in enumerate(goodput.table[range_index])
     )
 
 
-def _per_request_rate(goodput: Goodput, range_index: int, m: Measured, depth: int) -> float:
+def _per_request_rate(
+    goodput: Goodput, policy: AdaptivePolicy, range_index: int, m: Measured, depth: int
+) -> float:
     """A measured variant's tokens per request over seconds per round: its own tokens per
     request's round, or for a chain (``depth > 0``) its depth's pooled acceptance length; a
     round's seconds are its own plus the pooled host time after it."""
     per_round = m.seconds / m.timed_rounds + host_per_round(goodput, range_index)
     if depth == 0:
         return m.tokens / m.rows / per_round
-    return acceptance_length(goodput, range_index, depth) / per_round
+    return acceptance_length(goodput, policy, range_index, depth) / per_round
 
 
 def estimates(
@@ -550,11 +574,12 @@ def _timed(
         seconds = clock() - begin
         tokens = to_host(output.num_tokens)
         return state, output, Lap(**where, tokens=tokens, seconds=seconds)
+    stream = torch.cuda.current_stream()  # looked up once for both events
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start.record(stream)
     state, output = run(resources, state)
     tokens = to_host(output.num_tokens)
-    end.record()
+    end.record(stream)
     return state, output, Lap(**where, tokens=tokens, events=(start, end))
 
 
@@ -570,13 +595,18 @@ def decode(
     ``resources.goodput``, which gain the round's lap (``depths``: see :func:`pipeline`)."""
     cell = _measurements_cell(resources)
     started = policy.clock()
-    measurements = settle(close_lap(cell.value, started), policy, depths)
     # Every variant's state pages its cache; reading the size there skips a pass over the
     # state's leaves (~0.1 ms of host time per round, which all variants would pay).
     batch = state.kv.seq_lens.shape[0]
-    index, variant = range_of(policy, batch), choose(measurements.goodput, policy, batch, depths)
+    index = range_of(policy, batch)
+    variant = choose(cell.value.goodput, policy, batch, depths)
     where = {"range_index": index, "variant": variant, "rows": batch, "started": started}
     state, output, lap = _timed(variants[variant].decode, resources, state, policy.clock, where)
+    # The last round's lap is folded in once this round is queued, while the device runs it:
+    # before the launch, as at first, the bookkeeping delayed every round (on the H200 at batch
+    # 1, a single-variant adaptive pipeline ran 0.2 ms per round behind its fixed pipeline).
+    # The choice therefore reads the record up to the round before the last.
+    measurements = close_lap(cell.value, started)
     cell.value = settle(attrs.evolve(measurements, laps=(*measurements.laps, lap)), policy, depths)
     return state, output
 
