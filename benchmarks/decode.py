@@ -28,11 +28,12 @@ its acceptance length in tokens where plain decoding emits one).
   target whose next token follows a fixed permutation of the last one with probability about
   ``--acceptance`` at temperature 1, and an EAGLE-1 head that drafts that permutation;
   sampled at temperature 1). A row's prompts are prefilled in one chunk, so its requests
-  decode together in full rounds to the end. Each configuration runs its workload on one
-  engine once to warm up (graph capture, and adaptive's first measurements), then
-  ``--passes`` times (default 3), and reports the median pass; ``spread`` is the widest
-  fastest-over-slowest ratio, less 1, among the row's configurations (differences smaller
-  than it are noise). The loop is
+  decode together in full rounds to the end. Each configuration runs its workload on its
+  own engine once to warm up (graph capture, and adaptive's first measurements), then
+  ``--passes`` times (default 3), the row's engines taking turns pass by pass (the GPU's
+  speed drifts), and reports the median pass; ``spread`` is the widest fastest-over-slowest
+  ratio, less 1, among the row's configurations (differences smaller than it are noise).
+  ``--adaptive-drafts`` picks the drafts whose rows run (default both). The loop is
   synchronous unless ``--adaptive-overlap`` overlaps every configuration's.
   ``--host-profile`` prints, per row, the host's functions by their own time (cProfile) over
   one more pass of the plain, the chain-3 and the adaptive engine, each after a pass with its
@@ -511,6 +512,11 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="sync vs overlap only")
     parser.add_argument("--adaptive-batches", default="1,4,16,32,64")
     parser.add_argument(
+        "--adaptive-drafts",
+        default="markov,random",
+        help="with --adaptive: the drafts whose rows to run (markov, random or both)",
+    )
+    parser.add_argument(
         "--adaptive-overlap",
         action="store_true",
         help="schedule every --adaptive configuration overlapped (default: synchronously)",
@@ -743,25 +749,37 @@ def clocked(engine: Engine) -> tuple[Engine, DeviceClock]:
     return attrs.evolve(engine, pipeline=attrs.evolve(engine.pipeline, decode=clock)), clock
 
 
-def loop_row(
-    engine: Engine,
+def loop_rows(
+    engines: dict[Any, tuple[Engine, DeviceClock | None]],
     batch: int,
     args,
     temperature: float,
     device: str,
-    clock: DeviceClock | None = None,
-) -> dict[str, Any]:
-    """Tokens/s, acceptance length and host time per step of the median of ``args.passes``
-    timed passes after a first that warms up (graph capture, and adaptive speculation's first
-    measurements), with their ``spread`` (fastest over slowest, less 1: a difference between
-    rows smaller than it is noise), and for adaptive speculation the share of that pass's
-    rounds that ran each depth. With ``clock`` (the engine's, from :func:`clocked`), also the
-    rounds' device time per step and the time per step the device spent outside them, waiting
-    for the host."""
-    timed_loop(engine, prefilled(engine, batch, args, temperature, device), batch, args, device)
-    runs = [timed_pass(engine, batch, args, temperature, device, clock) for _ in range(args.passes)]
-    runs.sort(key=lambda run: run["tok/s"])
-    return {**runs[len(runs) // 2], "spread": runs[-1]["tok/s"] / runs[0]["tok/s"] - 1}
+) -> dict[str, dict[str, Any]]:
+    """Per engine (with its :class:`DeviceClock` or ``None``): tokens/s, acceptance length and
+    host time per step of the median of ``args.passes`` timed passes after a first that warms
+    up (graph capture, and adaptive speculation's first measurements), with their ``spread``
+    (fastest over slowest, less 1: a difference between rows smaller than it is noise), and
+    for adaptive speculation the share of that pass's rounds that ran each depth. With a clock
+    (from :func:`clocked`), also the rounds' device time per step and the time per step the
+    device spent outside them, waiting for the host.
+
+    The engines' passes interleave, one pass of each in turn: the GPU's speed drifts over
+    minutes (plain decoding at batch 64 moved 12% between processes), and engines timed one
+    after another would compare different stretches of that drift."""
+    for engine, _ in engines.values():
+        start = prefilled(engine, batch, args, temperature, device)
+        timed_loop(engine, start, batch, args, device)
+    runs: dict[Any, list[dict[str, Any]]] = {name: [] for name in engines}
+    for _ in range(args.passes):
+        for name, (engine, clock) in engines.items():
+            runs[name].append(timed_pass(engine, batch, args, temperature, device, clock))
+    rows = {}
+    for name, passes in runs.items():
+        passes.sort(key=lambda run: run["tok/s"])
+        spread = passes[-1]["tok/s"] / passes[0]["tok/s"] - 1
+        rows[name] = {**passes[len(passes) // 2], "spread": spread}
+    return rows
 
 
 def timed_pass(
@@ -772,7 +790,7 @@ def timed_pass(
     device: str,
     clock: DeviceClock | None,
 ) -> dict[str, Any]:
-    """One timed pass of :func:`loop_row`'s workload, from prefill to the last token."""
+    """One timed pass of :func:`loop_rows`' workload, from prefill to the last token."""
     start = prefilled(engine, batch, args, temperature, device)
     counts = round_counts(engine, batch)
     if clock is not None:
@@ -823,36 +841,44 @@ def adaptive_row(target, head, algorithm, label, batch, args, temperature, devic
             print(f"\n## host profile, {name}, {label} draft, batch {batch}\n")
             print(host_profile(engine, batch, args, temperature, device), flush=True)
 
-    engine = scheduled_engine(target, head, "plain", None, batch, args, args.adaptive_overlap)
-    plain = loop_row(engine, batch, args, temperature, device)
-    profiled(engine, "plain")
-    row["plain tok/s"] = plain["tok/s"]
-    fixed, spreads = {"plain": plain["tok/s"]}, [plain["spread"]]
+    specs = {
+        "plain": None,
+        **{f"chain {steps}": SpecOptions(num_steps=steps) for steps in ADAPTIVE_STEPS[1:]},
+        "adaptive": SpecOptions(adaptive_steps=ADAPTIVE_STEPS),
+    }
+    engines = {
+        name: scheduled_engine(
+            target,
+            head,
+            "plain" if spec is None else algorithm,
+            spec,
+            batch,
+            args,
+            args.adaptive_overlap,
+        )
+        for name, spec in specs.items()
+    }
+    results = loop_rows(
+        {n: (e, None) for n, e in engines.items()}, batch, args, temperature, device
+    )
+    for name in ("plain", "chain 3", "adaptive"):
+        profiled(engines[name], name)
+    fixed = {name: results[name]["tok/s"] for name in specs if name != "adaptive"}
+    row["plain tok/s"] = fixed["plain"]
     for steps in ADAPTIVE_STEPS[1:]:
-        spec = SpecOptions(num_steps=steps)
-        engine = scheduled_engine(target, head, algorithm, spec, batch, args, args.adaptive_overlap)
-        result = loop_row(engine, batch, args, temperature, device)
-        row[f"chain {steps} tok/s"] = result["tok/s"]
-        row[f"chain {steps} AL"] = result["AL"]
-        fixed[f"chain {steps}"] = result["tok/s"]
-        spreads.append(result["spread"])
-        if steps == 3:
-            profiled(engine, "chain 3")
-    spec = SpecOptions(adaptive_steps=ADAPTIVE_STEPS)
-    engine = scheduled_engine(target, head, algorithm, spec, batch, args, args.adaptive_overlap)
-    result = loop_row(engine, batch, args, temperature, device)
-    profiled(engine, "adaptive")
-    best = max(fixed, key=fixed.__getitem__)
+        row[f"chain {steps} tok/s"] = results[f"chain {steps}"]["tok/s"]
+        row[f"chain {steps} AL"] = results[f"chain {steps}"]["AL"]
+    result, best = results["adaptive"], max(fixed, key=fixed.__getitem__)
     row.update(
         {
             "adaptive tok/s": result["tok/s"],
             "adaptive AL": result["AL"],
-            "/plain": result["tok/s"] / plain["tok/s"],
+            "/plain": result["tok/s"] / fixed["plain"],
             "best fixed": best,
             "/best fixed": result["tok/s"] / fixed[best],
             "depths run": result["depths run"],
             "measured tok/s": result["measured tok/s"],
-            "spread": max(*spreads, result["spread"]),
+            "spread": max(r["spread"] for r in results.values()),
         }
     )
     return row
@@ -893,12 +919,11 @@ def host_profile(engine: Engine, batch: int, args, temperature: float, device: s
 def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any]:
     """The same workload scheduled synchronously and overlapped."""
     algorithm = "plain" if spec is None else "eagle"
-    runs = {}
-    for overlap in (False, True):
-        engine, clock = clocked(
-            scheduled_engine(target, head, algorithm, spec, batch, args, overlap)
-        )
-        runs[overlap] = loop_row(engine, batch, args, 1.0, device, clock)
+    engines = {
+        overlap: clocked(scheduled_engine(target, head, algorithm, spec, batch, args, overlap))
+        for overlap in (False, True)
+    }
+    runs = loop_rows(engines, batch, args, 1.0, device)
     sync_run, overlapped = runs[False], runs[True]
     return {
         "round": label,
@@ -929,8 +954,12 @@ def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, ar
     print(f"device: {name}; torch {torch.__version__}; acceptance {args.acceptance}", flush=True)
     begin, rows, overlaps = time.perf_counter(), [], []
     markov = markov_models(config, device, dtype, args.acceptance)
-    if args.adaptive:
-        batches = [int(b) for b in args.adaptive_batches.split(",")]
+    batches = [int(b) for b in args.adaptive_batches.split(",")]
+    drafts = args.adaptive_drafts.split(",") if args.adaptive else []
+    unknown = sorted(set(drafts) - {"markov", "random"})
+    if unknown:
+        raise SystemExit(f"--adaptive-drafts: unknown drafts {unknown}; use markov, random or both")
+    if "markov" in drafts:
         for batch in batches:
             rows.append(adaptive_row(*markov, "eagle", "markov", batch, args, 1.0, device))
             print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
@@ -940,11 +969,12 @@ def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, ar
                 overlaps.append(overlap_row(*markov, label, spec, batch, args, device))
                 print(table(overlaps[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
     del markov
-    if args.adaptive:
+    if "random" in drafts:
         random_pair = build_models(config, device, dtype)
         for batch in batches:
             rows.append(adaptive_row(*random_pair, "eagle3", "random", batch, args, 0.0, device))
             print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    if rows:
         print("\n## adaptive speculation vs plain and fixed chains, decode tokens/s\n")
         print(table(rows))
     if overlaps:
