@@ -121,8 +121,8 @@ class AdaptivePolicy:
     nothing reads as slower than plain decoding, and judged on it alone the best chain would
     be shut out; a large batch's round averages over its rows and is enough alone.
     ``decay``: the weight earlier rounds keep each time a variant's new round is folded in.
-    ``prior``: requests' rounds of weight with which each draft token's pooled acceptance
-    leans toward the token before it's (:func:`acceptance_length`).
+    ``prior``: the weight, in requests' rounds, with which each later draft token's pooled
+    acceptance leans toward the acceptance of the token before it (:func:`acceptance_length`).
     ``refresh``: a variant inside the margin that has not run for this many rounds of its range
     runs once. ``expire``: a measurement this many rounds of its range old counts as none, so
     the variant is measured again (a variant once below the margin gets another chance).
@@ -368,8 +368,9 @@ def acceptance_length(
     runs, the deeper tokens' counts decay and their share stays where the deeper chain left
     it, usually a stretch of low acceptance, which is why it stopped running. On the H200 at
     batch 1 the share of draft token 2 froze at 0.19 from about two requests' rounds, against
-    0.5 for token 1, and the chain of 3, the best by 7%, never ran again. Leaning, a share
-    whose counts have decayed follows the token before it, which every chain keeps measuring.
+    0.5 for token 1, and the chain of 3, the best by 7%, did not run again for three passes.
+    Leaning, a share whose counts have decayed follows the token before it, which every chain
+    keeps measuring.
     """
     tried, taken = goodput.tried[range_index], goodput.accepted[range_index]
     length, reach, share = 1.0, 1.0, 0.0
