@@ -755,7 +755,7 @@ def loop_rows(
     args,
     temperature: float,
     device: str,
-) -> dict[str, dict[str, Any]]:
+) -> dict[Any, dict[str, Any]]:
     """Per engine (with its :class:`DeviceClock` or ``None``): tokens/s, acceptance length and
     host time per step of the median of ``args.passes`` timed passes after a first that warms
     up (graph capture, and adaptive speculation's first measurements), with their ``spread``

@@ -249,16 +249,20 @@ def expected_round(batch: int, steps: int, acceptance: float) -> tuple[float, fl
     return tokens, (1 + 0.15 * steps) * (1 + batch * (steps + 1) / 32)
 
 
+def drawn_tokens(steps: int, acceptance: float, rng: random.Random) -> int:
+    """Tokens one request emits from a chain round of ``steps`` draft tokens, each next one
+    accepted with probability ``acceptance``: the bonus token and those accepted."""
+    return 1 + next((k for k in range(steps) if rng.random() >= acceptance), steps)
+
+
 def simulated_round(
     batch: int, steps: int, acceptance: float, rng: random.Random
 ) -> tuple[float, float]:
     """One round drawn: each row accepts each next draft token with probability
     ``acceptance``, and the round's time varies by 2%."""
     _, seconds = expected_round(batch, steps, acceptance)
-    accepted = sum(
-        next((k for k in range(steps) if rng.random() >= acceptance), steps) for _ in range(batch)
-    )
-    return batch + accepted, seconds * rng.lognormvariate(0, 0.02)
+    tokens = sum(drawn_tokens(steps, acceptance, rng) for _ in range(batch))
+    return tokens, seconds * rng.lognormvariate(0, 0.02)
 
 
 def simulated_ratios(
@@ -395,11 +399,7 @@ def after_warm_up_ratio(policy: AdaptivePolicy, seed: int, acceptance: float = 0
             tokens = seconds = 0.0
         variant = choose(goodput, policy, 1, SIMULATED_STEPS)
         depth = SIMULATED_STEPS[variant]
-        emitted = (
-            6
-            if depth == 0
-            else 1 + next((k for k in range(depth) if rng.random() >= acceptance), depth)
-        )
+        emitted = 6 if depth == 0 else drawn_tokens(depth, acceptance, rng)
         took = H200_BATCH_1_MS[variant] / 1e3 * rng.lognormvariate(0, 0.02)
         accepted = adaptive.accepted_per_draft_token([emitted], depth)
         goodput = observe(goodput, policy, 0, variant, emitted, took, 1, accepted, 0.0)
