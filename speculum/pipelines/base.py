@@ -17,9 +17,11 @@ from jaxtyping import Int
 from torch import Tensor
 
 from speculum.models.decoder import DecoderModel
+from speculum.spec.sampling import first_fault
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, record, static
 from speculum.state.sampling import SamplingParams
+from speculum.state.tree import Verified
 
 __all__ = [
     "Cell",
@@ -27,7 +29,8 @@ __all__ = [
     "PrefillChunk",
     "StepOutput",
     "Pipeline",
-    "first_token_output",
+    "one_token_output",
+    "verified_output",
     "prefill",
     "step",
 ]
@@ -100,12 +103,17 @@ class PrefillChunk:
 class StepOutput:
     """Tokens a decoding round emits per request: ``tokens[b, :num_tokens[b]]``, the rest -1.
 
-    ``plain_steps`` marks a round made of plain decoding steps, one target forward per token
-    (adaptive speculation's depth 0): statistics count each of its tokens as a round of its own.
+    ``faults[b]`` is request ``b``'s fault status (``spec.sampling.Fault`` bits): nonzero when
+    its logits could not be sampled (NaN, an overflow, nothing to draw). Its tokens are then
+    meaningless, and a scheduler finishes that request alone with an error; every other row's
+    tokens are exactly what they would be without it. ``plain_steps`` marks a round made of
+    plain decoding steps, one target forward per token (adaptive speculation's depth 0):
+    statistics count each of its tokens as a round of its own.
     """
 
     tokens: Int[Tensor, "batch max_tokens"]
     num_tokens: Int[Tensor, " batch"]
+    faults: Int[Tensor, " batch"]
     plain_steps: bool = static(default=False)
 
 
@@ -129,9 +137,23 @@ class Pipeline:
     host_work: bool = static(default=False)
 
 
-def first_token_output(first: Int[Tensor, " batch"]) -> StepOutput:
-    """The one-token output of a prefill: the token sampled after each row's chunk."""
-    return make(StepOutput, tokens=first[:, None], num_tokens=torch.ones_like(first))
+def one_token_output(tokens: Int[Tensor, " batch"], faults: Int[Tensor, " batch"]) -> StepOutput:
+    """The output of a step that samples one token per row (a prefill's first token, a plain
+    decoding step), with the faults of the distributions they were drawn from: a faulty row
+    emits nothing."""
+    num_tokens, faults = first_fault(faults[:, None], torch.ones_like(tokens))
+    return make(StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults)
+
+
+def verified_output(verified: Verified) -> StepOutput:
+    """What a verified round emits: the accepted tokens and the bonus token, cut before the
+    first one decided by a faulty distribution (``spec.sampling.first_fault``), whose faults
+    it reports. Token ``d`` was decided by the distribution at the path's node of depth ``d``;
+    faulty nodes off the path decided nothing emitted."""
+    acc = verified.accepted
+    on_path = verified.faults.gather(1, acc.path.clamp(min=0))
+    num_tokens, faults = first_fault(on_path, acc.num_accepted + 1)
+    return make(StepOutput, tokens=acc.emitted, num_tokens=num_tokens, faults=faults)
 
 
 def prefill(

@@ -33,7 +33,8 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    first_token_output,
+    one_token_output,
+    verified_output,
 )
 from speculum.spec.block import plan_verify, propose_block, write_accepted_context
 from speculum.spec.paged import extend_batch
@@ -81,7 +82,7 @@ def prefill(
     state = make(
         BlockState, kv=out.kv, root_tokens=first, survival=survival, sampling=chunk.sampling
     )
-    return state, first_token_output(first)
+    return state, one_token_output(first, out.faults)
 
 
 def decode(
@@ -108,7 +109,7 @@ def decode(
     write_accepted_context(resources, state.kv, verified)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     new_state = replace(state, kv=kv, root_tokens=bonus, survival=survival)
-    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+    return new_state, verified_output(verified)
 
 
 def round_config(

@@ -43,12 +43,13 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    first_token_output,
+    one_token_output,
+    verified_output,
 )
 from speculum.spec.draft import draft_extend, extend_draft, propose
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import sample
+from speculum.spec.sampling import guard_logits, sample
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -108,7 +109,7 @@ def prefill(
     state = make(
         EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling
     )
-    return state, first_token_output(first)
+    return state, one_token_output(first, out.faults)
 
 
 def verify(
@@ -172,7 +173,7 @@ def _caught_up(
     prediction = draft_extend(resources, state, verified, config)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     new_state = replace(state, kv=kv, root_tokens=bonus, prediction=prediction)
-    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+    return new_state, verified_output(verified)
 
 
 def plain_round(
@@ -190,14 +191,18 @@ def plain_round(
     """
     ones = torch.ones_like(state.kv.seq_lens)
     capture = resources.draft.capture_layers
-    token, tokens, hiddens, captures = state.root_tokens, [], [], []
+    token, tokens, hiddens, captures, faults = state.root_tokens, [], [], [], []
     for step in range(num_tokens):
         kv = replace(state.kv, seq_lens=state.kv.seq_lens + step)
         hidden, captured = resources.target(
             extend_batch(kv, token[:, None], ones), resources.target_pool, capture
         )
-        token = sample(resources.target.logits(hidden[:, 0]), state.sampling, kv.seq_lens + 1)
+        logits, fault = guard_logits(
+            resources.target.logits(hidden[:, 0]), state.sampling.temperature
+        )
+        token = sample(logits, state.sampling, kv.seq_lens + 1)
         tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]
+        faults.append(fault)
     # The steps' tokens as an accepted chain: node d is the token fed at step d, whose hidden
     # state the draft pairs with the token sampled after it.
     path = torch.arange(num_tokens, device=ones.device).expand(ones.shape[0], num_tokens)
@@ -212,6 +217,7 @@ def plain_round(
         accepted=accepted,
         final_hidden=torch.cat(hiddens, dim=1),
         captured=tuple(torch.cat(layer, dim=1) for layer in zip(*captures)),
+        faults=torch.stack(faults, dim=1),  # step d's distribution decided token d
     )
     # Each step wrote its K/V at its own committed position: nothing to move.
     kv = replace(state.kv, seq_lens=state.kv.seq_lens + num_tokens)

@@ -38,7 +38,8 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    first_token_output,
+    one_token_output,
+    verified_output,
 )
 from speculum.spec import draft as spec_draft
 from speculum.spec.paged import extend_batch
@@ -120,7 +121,7 @@ def prefill(
         seed=_seed(resources, out.first_tokens, out.hidden, out.captured, last),
         sampling=chunk.sampling,
     )
-    return state, first_token_output(out.first_tokens)
+    return state, one_token_output(out.first_tokens, out.faults)
 
 
 def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> DraftPrediction:
@@ -179,8 +180,7 @@ def decode(
     verified = eagle.verify(resources, state, tree, config, draft_probs)
     kv = eagle.commit(resources, state, verified.accepted)
     new_state = replace(state, kv=kv, seed=draft_extend(resources, verified))
-    acc = verified.accepted
-    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+    return new_state, verified_output(verified)
 
 
 def pipeline(**options: Any) -> Pipeline:

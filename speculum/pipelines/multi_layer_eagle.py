@@ -50,7 +50,8 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    first_token_output,
+    one_token_output,
+    verified_output,
 )
 from speculum.spec.draft import gather_nodes, last_valid
 from speculum.spec.paged import extend_batch
@@ -157,6 +158,7 @@ def prefill(
         chunk.sampling,
     )
     hidden, first, seq_lens = out.hidden, out.first_tokens, out.kv.seq_lens
+    faults = out.faults
     q, width = chunk.q_lens, chunk.tokens.shape[1]
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
     # stream[:, i] = t_{S + i}: the chunk, the token after it, then d_1, d_2, ...
@@ -185,7 +187,7 @@ def prefill(
         carried=carried,
         sampling=chunk.sampling,
     )
-    return state, first_token_output(first)
+    return state, one_token_output(first, faults)
 
 
 def draft(state: MultiLayerState) -> DraftTree:
@@ -253,7 +255,7 @@ def decode(
     acc = verified.accepted
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     new_state = replace(state, kv=kv, root_tokens=bonus, carried=carried)
-    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+    return new_state, verified_output(verified)
 
 
 def pipeline(

@@ -45,7 +45,13 @@ from jaxtyping import Int
 from torch import Tensor
 
 from speculum.pipelines import plain
-from speculum.pipelines.base import Pipeline, PrefillChunk, Resources, StepOutput
+from speculum.pipelines.base import (
+    Pipeline,
+    PrefillChunk,
+    Resources,
+    StepOutput,
+    verified_output,
+)
 from speculum.spec.ngram import (
     CorpusIndex,
     NgramConfig,
@@ -225,7 +231,8 @@ def decode(
 ) -> tuple[NgramState, StepOutput]:
     """One round: match, verify, accept, commit, record the emitted tokens."""
     drafted = draft(resources, state, config, corpus)
-    acc = verify(resources, state, drafted, config).accepted
+    verified = verify(resources, state, drafted, config)
+    acc = verified.accepted
     kv = commit_path(resources.target_pool, state.kv, acc)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     packed = torch.cat([acc.num_accepted[:, None], acc.emitted], dim=1).cpu()  # one copy
@@ -246,7 +253,7 @@ def decode(
         history_len=history_len,
         stored_len=stored_len,
     )
-    return new_state, make(StepOutput, tokens=acc.emitted, num_tokens=acc.num_accepted + 1)
+    return new_state, verified_output(verified)
 
 
 def pipeline(

@@ -14,11 +14,11 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    first_token_output,
+    one_token_output,
 )
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import sample
+from speculum.spec.sampling import guard_logits, sample
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams
@@ -50,7 +50,7 @@ def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, Step
         chunk.sampling,
     )
     state = make(PlainState, kv=out.kv, next_tokens=out.first_tokens, sampling=chunk.sampling)
-    return state, first_token_output(out.first_tokens)
+    return state, one_token_output(out.first_tokens, out.faults)
 
 
 def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:
@@ -59,9 +59,10 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
     batch = extend_batch(state.kv, state.next_tokens[:, None], ones)
     hidden, _ = resources.target(batch, resources.target_pool)
     seq_lens = state.kv.seq_lens + 1
-    tokens = sample(resources.target.logits(hidden[:, 0]), state.sampling, seq_lens)
+    logits, faults = guard_logits(resources.target.logits(hidden[:, 0]), state.sampling.temperature)
+    tokens = sample(logits, state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)
-    return new_state, make(StepOutput, tokens=tokens[:, None], num_tokens=ones)
+    return new_state, one_token_output(tokens, faults)
 
 
 def pipeline() -> Pipeline:

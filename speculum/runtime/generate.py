@@ -30,13 +30,16 @@ class Generation:
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
     ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
     and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
-    ``finish_reason``.
+    ``finish_reason``. A prompt the engine could not decode (its logits turned NaN, say) ends
+    with ``finish_reason == "error"``, the tokens decoded before that, and ``error`` saying why;
+    the other prompts are unaffected.
     """
 
     token_ids: tuple[int, ...]
     text: str | None
     finish_reason: str
     stats: dict[str, float | int | str]
+    error: str | None = None
 
 
 def run_to_completion(
@@ -199,6 +202,7 @@ def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]
             "finish_reason": request.finish_reason or "length",
             **acceptance_stats(request.round_lengths),
         },
+        error=request.error,
     )
 
 

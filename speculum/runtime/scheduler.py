@@ -30,6 +30,7 @@ import torch
 
 from speculum.pipelines.base import PrefillChunk, StepOutput
 from speculum.runtime.engine import Engine
+from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
 from speculum.state.host import HostCopy, to_device, to_host
 from speculum.state.kv import (
@@ -79,7 +80,9 @@ class Request:
     """One request's host-side record: what it asked for and what it has so far.
 
     ``round_lengths[k]`` counts the decoding rounds that emitted ``k`` tokens (bonus included,
-    before any stop condition cut the round short): the acceptance-length histogram.
+    before any stop condition cut the round short): the acceptance-length histogram. A request
+    the engine could not decode finishes with ``finish_reason == "error"`` and ``error`` saying
+    why (its id and the cause).
     """
 
     rid: int
@@ -94,6 +97,7 @@ class Request:
     num_forwards: int = 0
     round_lengths: tuple[int, ...] = ()
     finish_reason: str | None = None
+    error: str | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -103,19 +107,22 @@ class Request:
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request (``error``: why it could not be decoded, when
+    ``finish_reason == "error"``)."""
 
     rid: int
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
     request: Request
+    error: str | None = None
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Launched:
     """Device work launched and not collected yet: the ids of the requests of its rows, in row
-    order, and each row's ``[num_tokens, tokens...]`` on its way to the host. ``decode`` marks a
+    order, and each row's ``[num_tokens, faults, tokens...]`` on its way to the host (one copy:
+    the fault status travels with the tokens, costing no sync of its own). ``decode`` marks a
     decoding round (a prefill chunk emits each row's first token), ``plain_steps`` a round of
     plain steps (``StepOutput.plain_steps``: a round per token in the statistics).
     ``launched_at`` and ``blocked_before`` (the state's ``blocked_seconds`` then) date the
@@ -377,8 +384,9 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
 def _launched(
     state: SchedulerState, rids: tuple[int, ...], output: StepOutput, decode: bool
 ) -> Launched:
-    """A launch's record: its rows' emitted tokens queued to the host in one packed copy."""
-    packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1)
+    """A launch's record: its rows' emitted tokens and fault status queued to the host in one
+    packed copy."""
+    packed = torch.cat([output.num_tokens[:, None], output.faults[:, None], output.tokens], dim=1)
     return Launched(
         rids=rids,
         tokens=to_host(packed),
@@ -391,10 +399,10 @@ def _launched(
 
 def _emitted(
     state: SchedulerState, launched: Launched, first: bool
-) -> tuple[SchedulerState, list[list[int]]]:
-    """Each row's emitted tokens, waiting for them if they are still on their way. The first
-    launch a step collects dates the host work it overlapped: everything since it launched
-    (waits excluded) ran while the device computed it, if it is found unfinished."""
+) -> tuple[SchedulerState, list[tuple[list[int], int]]]:
+    """Each row's emitted tokens and fault status, waiting for them if they are still on their
+    way. The first launch a step collects dates the host work it overlapped: everything since
+    it launched (waits excluded) ran while the device computed it, if it is found unfinished."""
     ready = launched.tokens.ready()
     begin = time.perf_counter()
     packed = launched.tokens.get().tolist()
@@ -408,7 +416,7 @@ def _emitted(
         blocked_seconds=state.blocked_seconds + waited,
         hidden_seconds=state.hidden_seconds + hidden,
     )
-    return state, [row[1 : 1 + row[0]] for row in packed]
+    return state, [(row[2 : 2 + row[0]], row[1]) for row in packed]
 
 
 def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Request, tuple[int, ...]]:
@@ -421,6 +429,17 @@ def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Reques
             break
     kept = tuple(output[len(request.output) :])
     return attrs.evolve(request, output=tuple(output), finish_reason=reason), kept
+
+
+def _failed(request: Request, faults: int) -> Request:
+    """``request`` finished because its next token could not be decoded: ``error`` names the
+    request, how far it got and the cause."""
+    error = (
+        f"request {request.rid} could not be decoded after {len(request.output)} tokens: "
+        f"{describe_faults(faults)}; it was finished with finish_reason 'error' and the other "
+        "requests decode on"
+    )
+    return attrs.evolve(request, finish_reason="error", error=error)
 
 
 def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str | None:
@@ -495,11 +514,15 @@ def _collect(
         state, emitted = _emitted(state, launched, first=number == 0)
         at = {r.rid: i for i, r in enumerate(state.running)}
         running, finished = list(state.running), []
-        for rid, tokens in zip(launched.rids, emitted):
+        for rid, (tokens, faults) in zip(launched.rids, emitted):
             if rid not in at:
                 continue
+            # A faulty row's tokens are those decided before its fault: a stop condition
+            # among them still finishes the request normally, as it would have alone.
             request, kept = _extend(engine, running[at[rid]], tokens)
-            if launched.decode:
+            if faults and not request.finish_reason:
+                request = _failed(request, faults)
+            if launched.decode and tokens:
                 # Plain steps count as plain decoding's would: a round per token kept.
                 lengths = [1] * len(kept) if launched.plain_steps else [len(tokens)]
                 request = attrs.evolve(
@@ -532,6 +555,7 @@ def _output(request: Request, kept: tuple[int, ...]) -> RequestOutput:
         finished=request.finish_reason is not None,
         finish_reason=request.finish_reason,
         request=request,
+        error=request.error,
     )
 
 

@@ -69,8 +69,13 @@ def paged_attention(
     # instead (nan_to_num would also hide a real NaN coming out of the model).
     has_key = visible.any(-1)[:, None, :, None]
     probs = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
-    # Weight 0 times a stale NaN/inf in a slot nobody sees would still be NaN: zero those values.
-    seen = visible.any(1)[:, :, None, None]
-    out = torch.einsum("bhqs,bshd->bqhd", probs, torch.where(seen, values, 0.0))
+    # Weight 0 times a NaN/inf value would still be NaN, so each query's output must depend on
+    # the values it sees alone: not on a stale slot, a padded query's column, or a tree node
+    # off its path. Non-finite values are zeroed for the product, and a query that does see one
+    # gets NaN, as exact arithmetic would give it.
+    finite = values.isfinite().all(-1)  # [batch, seq, head]
+    out = torch.einsum("bhqs,bshd->bqhd", probs, torch.where(finite[..., None], values, 0.0))
+    sees_non_finite = (visible[:, :, :, None] & ~finite[:, None]).any(2)  # [batch, q, head]
+    out = out.masked_fill(sees_non_finite[..., None], float("nan"))
     valid = torch.arange(q.shape[1], device=q.device)[None, :] < q_lens[:, None]
     return torch.where(valid[:, :, None, None], out, 0.0).to(q.dtype)

@@ -41,7 +41,13 @@ from torch import Tensor
 
 from speculum.spec.draft import gather_nodes
 from speculum.spec.paged import extend_batch, tail_batch
-from speculum.spec.sampling import Stream, filtered_probs, sample_from_probs, uniforms
+from speculum.spec.sampling import (
+    Stream,
+    draft_logits_guarded,
+    filtered_probs,
+    sample_from_probs,
+    uniforms,
+)
 from speculum.state.block import BlockConfig, BlockProposal, BlockState
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import PagedKV
@@ -113,7 +119,7 @@ def propose_block(
     hidden = head(batch, resources.draft_pool)
     hidden = hidden[:, config.first_slot : config.first_slot + config.num_drafts]
     positions = kv.seq_lens[:, None] + torch.arange(1, config.num_drafts + 1, device=hidden.device)
-    base = head.logits(hidden)
+    base = draft_logits_guarded(head.logits(hidden), state.sampling.temperature)
     if not hasattr(head, "step_logits"):
         tokens, q = _draw(base, state.sampling, positions, config.sample_drafts)
         proposal = make(BlockProposal, tokens=tokens, confidence=_top_probability(base))
@@ -122,6 +128,7 @@ def propose_block(
     tokens, qs, confidences = [], [], []
     for k in range(config.num_drafts):
         logits, recurrent = head.step_logits(base[:, k], previous, hidden[:, k], recurrent)
+        logits = draft_logits_guarded(logits, state.sampling.temperature)
         if getattr(head, "confidence_head", None) is not None:
             confidences.append(head.confidence(hidden[:, k], previous))
         else:

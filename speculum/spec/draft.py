@@ -22,11 +22,18 @@ from torch import Tensor
 
 from speculum.spec.paged import extend_batch, tail_batch
 from speculum.spec.prefill import last_valid
-from speculum.spec.sampling import Stream, filtered_probs, sample_from_probs, uniforms
+from speculum.spec.sampling import (
+    Stream,
+    draft_logits_guarded,
+    filtered_probs,
+    sample_from_probs,
+    uniforms,
+)
 from speculum.spec.tree import select_frontier
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
+from speculum.state.sampling import SamplingParams
 from speculum.state.tree import DraftCandidates, Verified
 
 __all__ = [
@@ -65,9 +72,9 @@ def top_children(
     """
     reduced = getattr(draft, "draft_logits", None)
     if reduced is None:
-        top = torch.softmax(draft.logits(hidden), dim=-1).topk(topk, dim=-1)
+        top = torch.softmax(draft_logits_guarded(draft.logits(hidden)), dim=-1).topk(topk, dim=-1)
         return top.values, top.indices
-    top = torch.softmax(reduced(hidden), dim=-1).topk(topk, dim=-1)
+    top = torch.softmax(draft_logits_guarded(reduced(hidden)), dim=-1).topk(topk, dim=-1)
     return top.values, draft.target_ids[top.indices]
 
 
@@ -190,6 +197,16 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     )
 
 
+def _sampled_probs(
+    resources: DraftResources,
+    hidden: Float[Tensor, "batch width hidden"],
+    sampling: SamplingParams,
+) -> Float[Tensor, "batch width vocab"]:
+    """The draft's filtered distribution at ``hidden``, each request's own settings applied."""
+    logits = draft_logits_guarded(resources.draft.logits(hidden), sampling.temperature)
+    return filtered_probs(logits, sampling)
+
+
 def draft_sampled(
     resources: DraftResources, state: EagleState, config: EagleConfig
 ) -> tuple[DraftCandidates, Float[Tensor, "batch num_candidates vocab"]]:
@@ -205,7 +222,7 @@ def draft_sampled(
     k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
     kv = draft_kv(resources, state)
     hidden = pred.hidden[:, None, :].expand(-1, k, -1)
-    q = filtered_probs(resources.draft.logits(hidden), state.sampling)
+    q = _sampled_probs(resources, hidden, state.sampling)
     ancestors = no_ancestors(kv, k)
     tokens, qs = [], []
     for step in range(1, config.num_steps + 1):
@@ -216,7 +233,7 @@ def draft_sampled(
         if step == config.num_steps:
             break
         hidden, ancestors = draft_forward(resources, kv, step, drawn, hidden, ancestors)
-        q = filtered_probs(resources.draft.logits(hidden), state.sampling)
+        q = _sampled_probs(resources, hidden, state.sampling)
     chain = torch.arange(k, device=seq_lens.device)
     parents = [torch.full_like(tokens[0], -1)] + [
         ((step - 1) * k + chain).expand_as(tokens[0]) for step in range(1, config.num_steps)

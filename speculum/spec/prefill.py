@@ -9,7 +9,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.spec.paged import extend_batch
-from speculum.spec.sampling import sample
+from speculum.spec.sampling import guard_logits, sample
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams
@@ -20,13 +20,15 @@ __all__ = ["TargetPrefill", "prefill_target", "last_valid"]
 @record
 class TargetPrefill:
     """What a prompt chunk leaves behind: the target's features over the chunk, the cache
-    extended by it, and the token sampled after each row's last chunk token (meaningful only
-    for rows whose chunk ends their prompt)."""
+    extended by it, and the token sampled after each row's last chunk token with its fault
+    status (``spec.sampling.Fault`` bits; both meaningful only for rows whose chunk ends their
+    prompt)."""
 
     hidden: Float[Tensor, "batch q hidden"]
     captured: tuple[Float[Tensor, "batch q hidden"], ...]
     kv: PagedKV
     first_tokens: Int[Tensor, " batch"]
+    faults: Int[Tensor, " batch"]
 
 
 def last_valid(x: Tensor, lengths: Int[Tensor, " batch"]) -> Tensor:
@@ -51,11 +53,12 @@ def prefill_target(
     """
     hidden, captured = target(extend_batch(kv, tokens, q_lens), pool, capture_layers)
     seq_lens = kv.seq_lens + q_lens
-    first = sample(target.logits(last_valid(hidden, q_lens)), sampling, seq_lens)
+    logits, faults = guard_logits(target.logits(last_valid(hidden, q_lens)), sampling.temperature)
     return make(
         TargetPrefill,
         hidden=hidden,
         captured=captured,
         kv=replace(kv, seq_lens=seq_lens),
-        first_tokens=first,
+        first_tokens=sample(logits, sampling, seq_lens),
+        faults=faults,
     )

@@ -26,6 +26,12 @@ from speculum.state.sampling import SamplingParams
 
 __all__ = [
     "Stream",
+    "Fault",
+    "describe_faults",
+    "logit_faults",
+    "guard_logits",
+    "first_fault",
+    "draft_logits_guarded",
     "counter_uniforms",
     "uniforms",
     "filtered_probs",
@@ -50,6 +56,97 @@ class Stream(enum.IntEnum):
     DRAFT = 1  # drawing draft tokens
     ACCEPT = 2  # accept/reject coin flips
     RESAMPLE = 3  # the bonus token: residual after a rejection, or after the last accepted node
+
+
+class Fault(enum.IntFlag):
+    """Why a request's logits cannot be sampled: the bits of its per-round fault status.
+
+    Decoding rounds report them per request instead of raising, so a scheduler can finish the
+    one request that cannot be decoded and keep every other row of the batch going
+    (``docs/embedding.md``, failure isolation).
+    """
+
+    NAN = 1  # a logit is NaN
+    POSINF = 2  # a logit is +inf once divided by the temperature
+    NO_TOKEN = 4  # every logit is -inf: nothing to draw
+
+
+_FAULT_CAUSES = {
+    Fault.NAN: "the model's logits contain NaN (its weights or activations for this request's "
+    "tokens are not finite)",
+    Fault.POSINF: "a logit overflows to +inf (in the model, or divided by a temperature too "
+    "small for float32)",
+    Fault.NO_TOKEN: "every logit is -inf, so no token can be drawn",
+}
+
+
+def describe_faults(faults: int) -> str:
+    """The causes named by a fault status (an int of :class:`Fault` bits), joined by "; "."""
+    return "; ".join(cause for bit, cause in _FAULT_CAUSES.items() if faults & bit)
+
+
+def logit_faults(
+    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
+) -> Int[Tensor, " batch *rows"]:
+    """The :class:`Fault` bits of every distribution row of ``logits`` (0: it can be sampled).
+
+    With ``temperature``, the logits are divided by it first (greedy rows, ``temperature <=
+    0``, by 1) in float32, exactly as :func:`filtered_probs` divides them, so an overflow that
+    sampling would meet is found here. Pure tensor code with no host sync: it runs inside
+    compiled and captured rounds.
+    """
+    x = logits.float()
+    if temperature is not None:
+        t = temperature.float()
+        x = x / torch.where(t > 0, t, 1.0).reshape(t.shape + (1,) * (x.ndim - 1))
+    nan = x.isnan().any(-1)
+    posinf = x.isposinf().any(-1)
+    no_token = (x == float("-inf")).all(-1)
+    return nan * int(Fault.NAN) + posinf * int(Fault.POSINF) + no_token * int(Fault.NO_TOKEN)
+
+
+def guard_logits(
+    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
+) -> tuple[Float[Tensor, "batch *rows vocab"], Int[Tensor, " batch *rows"]]:
+    """``logits`` with every faulty row replaced by zeros, and each row's faults.
+
+    A faulty row becomes a uniform distribution, so everything computed from it (draws, trees,
+    acceptance) stays finite and defined; what it decides is meaningless, and its faults say
+    so. Every other row passes unchanged, bit for bit: a tree node whose logits are NaN (a draft
+    token with a broken embedding row, say) spoils only what that node decides.
+    """
+    faults = logit_faults(logits, temperature)
+    return logits.masked_fill((faults != 0)[..., None], 0.0), faults
+
+
+def first_fault(
+    faults: Int[Tensor, "batch steps"], num_tokens: Int[Tensor, " batch"]
+) -> tuple[Int[Tensor, " batch"], Int[Tensor, " batch"]]:
+    """Cut a round's emission at its first faulty step.
+
+    ``faults[b, d]`` are the faults of the distribution that decided token ``d`` of row ``b``'s
+    emission (``d < num_tokens[b]``; later columns are ignored). Tokens before the first faulty
+    one were decided by usable distributions, exactly as one-token-at-a-time decoding would
+    decide them, so they are kept. Returns the number of tokens kept and that step's faults (0
+    for a row without any).
+    """
+    steps = torch.arange(faults.shape[1], device=faults.device)
+    bad = (faults != 0) & (steps < num_tokens[:, None])
+    first = torch.where(bad.any(1), bad.int().argmax(1), num_tokens)
+    at = first.clamp(max=faults.shape[1] - 1)[:, None]
+    return first, torch.where(bad.any(1), faults.gather(1, at)[:, 0], 0)
+
+
+def draft_logits_guarded(
+    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
+) -> Float[Tensor, "batch *rows vocab"]:
+    """:func:`guard_logits` for a draft: a faulty row drafts from a uniform distribution.
+
+    A draft's faults are not reported: its tokens are proposals that the target verifies, and
+    the distribution a proposal was drawn from (uniform, here) is what the verifier is given,
+    so a broken draft lowers acceptance but never changes the output.
+    """
+    return guard_logits(logits, temperature)[0]
 
 
 def _mul32(x, c: int):

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from speculum.spec.accept import accept
 from speculum.spec.paged import cache_slots, slots_at, tail_batch
-from speculum.spec.sampling import filtered_probs
+from speculum.spec.sampling import filtered_probs, guard_logits
 from speculum.spec.tree import tree_mask
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
@@ -45,13 +45,16 @@ def verify_tree(
     distribution after each node decides acceptance (``spec.accept``); ``draft_probs`` is
     ``None`` for deterministically chosen drafts. ``verify_lens`` (chains only: node ``i`` at
     depth ``i``) verifies the first ``verify_lens[b]`` draft nodes of row ``b`` in the same
-    forward: the rest are padding rows of the batch (ragged verify).
+    forward: the rest are padding rows of the batch (ragged verify). A node whose target
+    logits cannot be sampled is reported in ``faults`` (``spec.sampling.guard_logits``) rather
+    than raised, so the rest of the batch, and the rest of the tree, decode on.
     """
     positions = kv.seq_lens[:, None] + tree.depths
     q_lens = None if verify_lens is None else verify_lens + 1
     batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree), q_lens=q_lens)
     hidden, captured = target(batch, pool, capture_layers)
-    target_probs = filtered_probs(target.logits(hidden), sampling)
+    logits, faults = guard_logits(target.logits(hidden), sampling.temperature)
+    target_probs = filtered_probs(logits, sampling)
     accepted = accept(
         tree,
         target_probs,
@@ -62,7 +65,7 @@ def verify_tree(
         max_children=max_children,
         verify_lens=verify_lens,
     )
-    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured)
+    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured, faults=faults)
 
 
 def commit_path(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> PagedKV:

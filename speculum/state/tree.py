@@ -60,8 +60,12 @@ class AcceptResult:
 
 @record
 class Verified:
-    """The target's view of a tree: its features at every node and its acceptance decision."""
+    """The target's view of a tree: its features at every node, its acceptance decision, and
+    the fault status of its distribution at every node (``spec.sampling.Fault`` bits, 0 where
+    the logits were usable). What a faulty node decides is meaningless; only faults on the
+    accepted path spoil the emission (``pipelines.base.verified_output``)."""
 
     accepted: AcceptResult
     final_hidden: Float[Tensor, "batch num_nodes hidden"]
     captured: tuple[Float[Tensor, "batch num_nodes hidden"], ...]
+    faults: Int[Tensor, "batch num_nodes"]

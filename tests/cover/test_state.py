@@ -135,10 +135,11 @@ def test_make_fills_defaults_inside_compiled_code_as_eagerly():
 
     @torch.compile(fullgraph=True, backend="eager")
     def output(tokens: torch.Tensor) -> StepOutput:
-        return make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0])
+        return make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0], faults=tokens[:, 1])
 
     tokens = torch.arange(6).view(3, 2)
-    compiled, eager = output(tokens), make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0])
+    eager = make(StepOutput, tokens=tokens, num_tokens=tokens[:, 0], faults=tokens[:, 1])
+    compiled = output(tokens)
     assert compiled.plain_steps is False and tree_equal(compiled, eager)
 
 
