@@ -127,7 +127,7 @@ class DecoderConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=_head_dim(raw, hidden, heads, where),
-            rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+            rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, "1e-6"),
             rope_theta=rope[0],
             rope_scaling=rope[1],
             max_position_embeddings=_integer(
@@ -216,7 +216,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``, or a :class:`CheckpointError` naming the file and why it
     cannot be read (missing, not UTF-8, not JSON, or JSON that is not an object)."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259)
     except (OSError, ValueError) as err:  # ValueError: JSONDecodeError and UnicodeDecodeError
         raise CheckpointError(
             f"cannot read {path}: {err}; fix the file (it must hold one JSON object)"
@@ -243,14 +243,14 @@ def _integer(
     return int(value)
 
 
-def _positive(value: Any, key: str, where: str) -> float:
-    """``value`` as a finite float above zero, else a :class:`CheckpointError` naming ``key``."""
+def _positive(value: Any, key: str, where: str, typical: str) -> float:
+    """``value`` as a finite float above zero, else a :class:`CheckpointError` naming ``key``
+    and a ``typical`` value."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not math.isfinite(value) or value <= 0:
         raise CheckpointError(
-            f"{where}: {key} is {value!r}; it must be a number above zero (the checkpoint's "
-            f"training value, e.g. 10000.0 for rope_theta or 1e-6 for rms_norm_eps): fix {key} "
-            "in the file"
+            f"{where}: {key} is {value!r}; it must be a number above zero, the value the model "
+            f"was trained with (typically {typical}): fix {key} in the file"
         )
     return float(value)
 
@@ -300,7 +300,7 @@ def _rope_theta(raw: dict[str, Any], params: dict[str, Any], where: str) -> floa
     """``rope_theta`` from ``rope_parameters`` (transformers 5) or the top level (transformers
     4), 10000 when neither has one; when both do they must agree, as each reader sees one."""
     given = {
-        key: _positive(value, key, where)
+        key: _positive(value, key, where, "10000.0 or more")
         for key, value in (
             ("rope_parameters.rope_theta", params.get("rope_theta")),
             ("rope_theta", raw.get("rope_theta")),
