@@ -3,8 +3,9 @@
 Every weight the decoder declares must be in the checkpoint, with the shape ``config.json``
 gives it and a floating-point dtype (an integer or bool tensor would be cast silently), and
 every tensor in the checkpoint must be one the decoder declares; otherwise loading fails naming
-the keys. An attention projection whose width disagrees with ``num_attention_heads`` (or
-``num_key_value_heads``) times ``head_dim`` is reported as the ``head_dim`` mismatch it is.
+the keys. A q/k/v projection whose rows disagree with ``num_attention_heads`` (or
+``num_key_value_heads``) times ``head_dim`` is reported as the ``head_dim`` (or
+``num_key_value_heads``) mismatch it is.
 The only tolerated extras are a tied ``lm_head.weight`` (some exporters write it), rotary
 ``inv_freq`` buffers (older exporters wrote them), neither of which carries information the
 config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` after the ``L``
@@ -177,12 +178,11 @@ def check_keys(
         raise CheckpointError(f"{where}: weight shapes disagree with config.json: {wrong}")
 
 
-#: attention weight -> (axis of width heads × head_dim, config field of heads, its JSON key)
-_HEAD_AXES = {
-    "self_attn.q_proj.weight": (0, "num_heads", "num_attention_heads"),
-    "self_attn.k_proj.weight": (0, "num_kv_heads", "num_key_value_heads"),
-    "self_attn.v_proj.weight": (0, "num_kv_heads", "num_key_value_heads"),
-    "self_attn.o_proj.weight": (1, "num_heads", "num_attention_heads"),
+#: attention projection -> the config field and JSON key of its head count
+_HEAD_COUNTS = {
+    "self_attn.q_proj.weight": ("num_heads", "num_attention_heads"),
+    "self_attn.k_proj.weight": ("num_kv_heads", "num_key_value_heads"),
+    "self_attn.v_proj.weight": ("num_kv_heads", "num_key_value_heads"),
 }
 
 
@@ -197,28 +197,31 @@ def _check_head_dim(
     where: str,
     layer: DecoderConfig,
 ) -> None:
-    """Raise :class:`CheckpointError` for an attention projection whose heads × head_dim
-    axis alone disagrees with ``layer``: the weights decide ``head_dim`` (Qwen3 sets one other
-    than hidden_size / num_attention_heads), so say which value they imply."""
+    """Raise :class:`CheckpointError` for a q/k/v projection whose rows (heads × head_dim)
+    alone disagree with ``layer``, naming the config value the weights contradict: the weights
+    decide ``head_dim`` (Qwen3 sets one other than hidden_size / num_attention_heads), so a
+    q_proj of other rows means ``head_dim``, and k_proj or v_proj of other rows (q_proj being
+    right, as it is checked first) means ``num_key_value_heads``."""
     for key, shape in expected.items():
-        suffix = next((s for s in _HEAD_AXES if key.endswith(s)), None)
-        if suffix is None or found[key].shape == shape or len(found[key].shape) != len(shape):
-            continue
-        axis, field, json_key = _HEAD_AXES[suffix]
-        others = [n for i, n in enumerate(found[key].shape) if i != axis]
-        if others != [n for i, n in enumerate(shape) if i != axis]:
-            continue  # another axis is off too: not a head_dim problem alone
-        width, heads = found[key].shape[axis], getattr(layer, field)
+        suffix = next((s for s in _HEAD_COUNTS if key.endswith(s)), None)
+        got = found[key].shape
+        if suffix is None or got == shape or len(got) != len(shape) or got[1:] != shape[1:]:
+            continue  # not a projection, right, or off on another axis too (a generic mismatch)
+        field, json_key = _HEAD_COUNTS[suffix]
+        rows, heads, head_dim = got[0], getattr(layer, field), layer.head_dim
+        if field == "num_heads":
+            culprit, value, (implied, rest) = "head_dim", head_dim, divmod(rows, heads)
+        else:
+            culprit, value, (implied, rest) = json_key, heads, divmod(rows, head_dim)
         fix = (
-            f"set head_dim to {width // heads} in config.json"
-            if width % heads == 0
-            else f"{width} is no multiple of {json_key} {heads}: fix {json_key} in config.json "
-            "or re-export the weights"
+            f"set {culprit} to {implied} in config.json"
+            if rest == 0
+            else f"fix {json_key} or head_dim in config.json, or re-export the weights"
         )
         raise CheckpointError(
-            f"{where}: head_dim {layer.head_dim} in config.json disagrees with the weights: "
-            f"{key!r} in {_file_of(found[key], where)} is {width} wide on axis {axis}, but "
-            f"{json_key} {heads} × head_dim {layer.head_dim} = {heads * layer.head_dim}; {fix}"
+            f"{where}: {culprit} {value} in config.json disagrees with the weights: {key!r} in "
+            f"{_file_of(found[key], where)} has {rows} rows, but {json_key} {heads} × head_dim "
+            f"{head_dim} = {heads * head_dim}; {fix}"
         )
 
 

@@ -142,6 +142,19 @@ def test_head_dim_inconsistent_with_the_weights_is_named(checkpoint: Path) -> No
     assert message.endswith("set head_dim to 8 in config.json")
 
 
+def test_kv_heads_inconsistent_with_the_weights_are_named(checkpoint: Path) -> None:
+    """K/V projections of other rows than num_key_value_heads × head_dim, q_proj being right,
+    name num_key_value_heads and the value the weights imply (not head_dim)."""
+    edit_json(checkpoint / "config.json", set_keys(num_key_value_heads=1))
+    message = refused(
+        lambda: load_model(checkpoint),
+        str(checkpoint / "model.safetensors"),
+        "model.layers.0.self_attn.k_proj.weight",
+        "num_key_value_heads 1",
+    )
+    assert message.endswith("set num_key_value_heads to 2 in config.json")
+
+
 def test_an_explicit_head_dim_the_weights_have_loads(tmp_path: Path) -> None:
     """Qwen3 sets a head_dim other than hidden_size / num_attention_heads: when the weights
     have it, the checkpoint loads."""
@@ -200,6 +213,16 @@ def test_draft_with_an_integer_weight_is_refused(eagle3_draft: Path, tiny_model)
         "fc.weight",
         "I32",
     )
+
+
+def test_reference_draft_with_a_bool_weight_is_refused(tmp_path: Path, tiny_model) -> None:
+    """The EAGLE reference's pytorch_model.bin is checked too (its d2t and t2d, integer and
+    bool by design, still load)."""
+    folder = save_random_draft(tiny_model, "eagle3", tmp_path, layout="eagle3-reference")
+    path = folder / "pytorch_model.bin"
+    tensors = torch.load(path, weights_only=True)
+    torch.save({**tensors, "norm.weight": tensors["norm.weight"].bool()}, path)
+    refused(lambda: load_draft(folder, tiny_model, "eagle3"), str(folder), "norm.weight", "bool")
 
 
 @pytest.mark.parametrize(
