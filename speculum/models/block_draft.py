@@ -69,10 +69,10 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from speculum import kernels
-from speculum.models.config import DecoderConfig, UnsupportedModel
+from speculum.models.config import DecoderConfig, UnsupportedModel, read_json_object
 from speculum.models.decoder import DecoderLayer, DecoderModel, RMSNorm, rope_inv_freq
 from speculum.models.draft import pool_for
-from speculum.models.draft_loading import DraftTargetMismatch, _read_json, materialize
+from speculum.models.draft_loading import DraftTargetMismatch, materialize
 from speculum.models.loading import (
     DTYPES,
     CheckpointError,
@@ -514,10 +514,7 @@ def _parse(raw: dict[str, Any], algorithm: str, target: DecoderConfig, where: st
         )
     layer_raw = {**raw, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
     layer_raw["attention_bias"] = bool(raw.get("attention_bias", False))
-    try:
-        layer = DecoderConfig.from_dict(layer_raw)
-    except UnsupportedModel as err:
-        raise UnsupportedModel(f"{where}: {err}") from err
+    layer = DecoderConfig.from_dict(layer_raw, str(Path(where) / "config.json"))
     layer = attrs.evolve(layer, sliding_window=None, eos_token_ids=(), num_nextn_predict_layers=0)
     if raw.get("layer_types") and set(raw["layer_types"]) != {"full_attention"}:
         raise UnsupportedModel(
@@ -600,7 +597,7 @@ def load_block_draft(
     where = str(folder)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json; pass a {algorithm} draft folder")
-    config = _parse(_read_json(folder / "config.json"), algorithm, target.config, where)
+    config = _parse(read_json_object(folder / "config.json"), algorithm, target.config, where)
     found = load_state_dict(folder)
     # SGLang's loader accepts a "model." prefix on every key; so does this one.
     if found and all(k.startswith("model.") for k in found):
@@ -613,7 +610,7 @@ def load_block_draft(
         for k in found
         if k.endswith("rotary_emb.inv_freq") or k.split(".")[0] in ("embed_tokens", "lm_head")
     )
-    check_keys(expected, found, where, tolerated)
+    check_keys(expected, found, where, tolerated, config.layer)
     names = {name: name for name in expected}
     head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     return head.eval().requires_grad_(False)

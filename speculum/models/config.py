@@ -4,17 +4,30 @@ One config covers the Llama family as transformers writes it: ``LlamaForCausalLM
 3.1 ``rope_scaling``), ``Qwen2ForCausalLM`` (q/k/v bias), ``Qwen3ForCausalLM`` (q/k RMSNorm) and
 ``MistralForCausalLM``. Both spellings of the rotary settings are read: ``rope_theta`` plus
 ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+
+Values no model can run with are refused here, naming the file, the key and the value: sizes
+that are not positive integers, attention heads that do not group evenly over the KV heads, a
+``head_dim`` the rotary embedding cannot rotate, ``rope_theta`` or ``rms_norm_eps`` not above
+zero, EOS ids outside the vocabulary, and an unreadable ``generation_config.json``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["DecoderConfig", "UnsupportedModel", "SUPPORTED_ARCHITECTURES", "ROPE_TYPES"]
+__all__ = [
+    "CheckpointError",
+    "DecoderConfig",
+    "UnsupportedModel",
+    "SUPPORTED_ARCHITECTURES",
+    "ROPE_TYPES",
+    "read_json_object",
+]
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -34,6 +47,11 @@ _REQUIRED = (
 
 class UnsupportedModel(ValueError):
     """A checkpoint whose architecture or settings this decoder does not implement."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: files or weights missing, extra, or of the
+    wrong shape or dtype, or a config value no model can run with."""
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -66,72 +84,83 @@ class DecoderConfig:
     num_nextn_predict_layers: int = 0
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
-        """Parse a ``config.json`` dictionary, rejecting what this decoder cannot run."""
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> DecoderConfig:
+        """Parse a ``config.json`` dictionary, rejecting what this decoder cannot run.
+
+        ``where`` names the file (and the section of it ``raw`` is) in error messages. Raises
+        :class:`UnsupportedModel` for an architecture or setting speculum does not implement
+        and :class:`CheckpointError` for a value no model can run with (see the module
+        docstring)."""
         if not isinstance(raw, dict):
-            raise UnsupportedModel(f"config.json must hold a JSON object, not {type(raw).__name__}")
-        missing = [k for k in _REQUIRED if k not in raw]
+            raise UnsupportedModel(f"{where} must hold a JSON object, not {type(raw).__name__}")
+        missing = [k for k in _REQUIRED if raw.get(k) is None]
         if missing:
-            raise UnsupportedModel(f"config.json lacks required keys {missing}")
+            raise UnsupportedModel(f"{where} lacks required keys {missing}")
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(
-                f"architecture {arch!r} is not supported; speculum runs "
+                f"{where}: architecture {arch!r} is not supported; speculum runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if raw.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
-        rope = _rope_settings(raw)
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
+            raise UnsupportedModel(
+                f"{where}: hidden_act {raw['hidden_act']!r}: only 'silu' is supported"
+            )
+        rope = _rope_settings(raw, where)
+        size = {key: _integer(raw, key, where, minimum=1) for key in _REQUIRED}
+        heads, hidden = size["num_attention_heads"], size["hidden_size"]
+        kv_heads = _integer(raw, "num_key_value_heads", where, minimum=1, default=heads)
+        _check_head_groups(heads, kv_heads, where)
         qwen2 = arch == "Qwen2ForCausalLM"
         qwen3 = arch == "Qwen3ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        window = raw.get("sliding_window")
-        if (qwen2 or qwen3) and not raw.get("use_sliding_window", False):
-            window = None
+        eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
+        uses_window = not (qwen2 or qwen3) or raw.get("use_sliding_window", False)
+        window = _integer(raw, "sliding_window", where, minimum=1) if uses_window else None
         return cls(
             architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=size["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=size["intermediate_size"],
+            num_layers=size["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=_head_dim(raw, hidden, heads, where),
+            rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, "1e-6"),
             rope_theta=rope[0],
             rope_scaling=rope[1],
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_integer(
+                raw, "max_position_embeddings", where, minimum=1, default=2048
+            ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=qwen3,
-            sliding_window=None if window is None else int(window),
+            sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            num_nextn_predict_layers=_integer(
+                raw, "num_nextn_predict_layers", where, minimum=0, default=0
+            ),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> DecoderConfig:
-        """Read ``config.json`` (and extra EOS ids from a sibling ``generation_config.json``)."""
+        """Read ``config.json`` (and extra EOS ids from a sibling ``generation_config.json``).
+
+        Raises :class:`CheckpointError` naming either file when it is unreadable or holds a
+        value no model can run with, :class:`UnsupportedModel` for what speculum does not
+        implement."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UnsupportedModel(f"cannot read model config {path}: {err}") from err
-        config = cls.from_dict(raw)
+        config = cls.from_dict(read_json_object(path), str(path))
         gen_path = path.with_name("generation_config.json")
         if gen_path.exists():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            extra = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
-            merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
+            gen = read_json_object(gen_path)
+            extra = _token_ids(gen, "eos_token_id", str(gen_path), config.vocab_size)
+            merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
             config = attrs.evolve(config, eos_token_ids=merged)
         return config
 
@@ -183,16 +212,120 @@ def _arch_from_model_type(model_type: str | None) -> str:
     }.get(model_type or "", f"<model_type {model_type!r}>")
 
 
-def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or a :class:`CheckpointError` naming the file and why it
+    cannot be read (missing, not UTF-8, not JSON, or JSON that is not an object)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259)
+    except (OSError, ValueError) as err:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(
+            f"cannot read {path}: {err}; fix the file (it must hold one JSON object)"
+        ) from err
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def _integer(
+    raw: dict[str, Any], key: str, where: str, *, minimum: int, default: int | None = None
+) -> int | None:
+    """``raw[key]`` as an ``int`` of at least ``minimum`` (``default`` when absent or null);
+    an integral float such as ``4096.0`` counts as the integer it is."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < minimum:
+        raise CheckpointError(
+            f"{where}: {key} is {value!r}; it must be an integer of at least {minimum}: fix "
+            f"{key} in the file"
+        )
+    return int(value)
+
+
+def _positive(value: Any, key: str, where: str, typical: str) -> float:
+    """``value`` as a finite float above zero, else a :class:`CheckpointError` naming ``key``
+    and a ``typical`` value."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(
+            f"{where}: {key} is {value!r}; it must be a number above zero, the value the model "
+            f"was trained with (typically {typical}): fix {key} in the file"
+        )
+    return float(value)
+
+
+def _check_head_groups(heads: int, kv_heads: int, where: str) -> None:
+    """Grouped-query attention shares each KV head among ``heads / kv_heads`` query heads."""
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads}, so the query heads cannot share the KV heads evenly: fix "
+            "num_key_value_heads (or num_attention_heads) in the file"
+        )
+
+
+def _head_dim(raw: dict[str, Any], hidden: int, heads: int, where: str) -> int:
+    """``head_dim`` as given (Qwen3 sets one other than ``hidden / heads``; the weights then
+    decide, see ``loading.check_keys``), else ``hidden / heads``; even, as RoPE rotates pairs."""
+    head_dim = _integer(raw, "head_dim", where, minimum=1)
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(
+                f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                f"{heads} and no head_dim is given: set head_dim in the file"
+            )
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise CheckpointError(
+            f"{where}: head_dim {head_dim} (given, or hidden_size / num_attention_heads) is "
+            "odd; the rotary embedding rotates pairs of dimensions: fix head_dim in the file"
+        )
+    return head_dim
+
+
+def _token_ids(raw: dict[str, Any], key: str, where: str, vocab_size: int) -> tuple[int, ...]:
+    """``raw[key]``, a token id or a list of them (none when absent), each in the vocabulary."""
+    value = raw.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise CheckpointError(
+            f"{where}: {key} is {value!r}; it must be a token id or a list of token ids in "
+            f"0 .. {vocab_size - 1} (vocab_size {vocab_size}): fix {key} in the file"
+        )
+    return tuple(ids)
+
+
+def _rope_theta(raw: dict[str, Any], params: dict[str, Any], where: str) -> float:
+    """``rope_theta`` from ``rope_parameters`` (transformers 5) or the top level (transformers
+    4), 10000 when neither has one; when both do they must agree, as each reader sees one."""
+    given = {
+        key: _positive(value, key, where, "10000.0 or more")
+        for key, value in (
+            ("rope_parameters.rope_theta", params.get("rope_theta")),
+            ("rope_theta", raw.get("rope_theta")),
+        )
+        if value is not None
+    }
+    if len(set(given.values())) > 1:
+        raise CheckpointError(
+            f"{where}: rope_parameters.rope_theta {given['rope_parameters.rope_theta']} and "
+            f"rope_theta {given['rope_theta']} disagree (transformers 5 reads the first, 4 the "
+            "second): set both to the checkpoint's training value"
+        )
+    return next(iter(given.values()), 10000.0)
+
+
+def _rope_settings(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _rope_theta(raw, params, where)
     source = dict(scaling or params)
     source.pop("rope_theta", None)
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None

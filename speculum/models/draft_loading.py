@@ -64,7 +64,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from speculum.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig, UnsupportedModel
+from speculum.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    DecoderConfig,
+    UnsupportedModel,
+    read_json_object,
+)
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft import (
     DraftConfig,
@@ -120,16 +125,6 @@ class DraftTargetMismatch(CheckpointError):
 # Reading
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read draft config {path}: {err}") from err
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return raw
-
-
 def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor | CheckpointTensor], str]:
     """All tensors of ``folder`` and the file kind (``safetensors``: read lazily, so that a
     tensor-parallel rank reads only its part; ``bin``: in memory)."""
@@ -137,7 +132,7 @@ def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor | CheckpointTens
         return open_checkpoint(folder), "safetensors"
     index = folder / "pytorch_model.bin.index.json"
     if index.exists():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        names = sorted(set(read_json_object(index).get("weight_map", {}).values()))
         files = [folder / name for name in names]
     else:
         files = [folder / "pytorch_model.bin"]
@@ -190,8 +185,9 @@ def detect_layout(raw: dict[str, Any], found: dict[str, torch.Tensor], kind: str
     return None
 
 
-def _base_layer_config(raw: dict[str, Any]) -> DecoderConfig:
-    """The draft layer's :class:`DecoderConfig`; draft architecture names map to their base."""
+def _base_layer_config(raw: dict[str, Any], where: str) -> DecoderConfig:
+    """The draft layer's :class:`DecoderConfig` (``where`` names the file in errors); draft
+    architecture names map to their base."""
     d = dict(raw)
     archs = d.get("architectures") or []
     arch = archs[0] if archs else None
@@ -204,7 +200,7 @@ def _base_layer_config(raw: dict[str, Any]) -> DecoderConfig:
         else:
             d.pop("architectures")
             d.setdefault("model_type", "llama")
-    layer = DecoderConfig.from_dict(d)
+    layer = DecoderConfig.from_dict(d, where)
     if "qkv_bias" in raw:  # the EAGLE reference's switch for Qwen2-style q/k/v biases
         layer = attrs.evolve(layer, qkv_bias=bool(raw["qkv_bias"]))
     return attrs.evolve(layer, num_nextn_predict_layers=0)
@@ -246,14 +242,15 @@ def _parse(
     (MTP) or ``""``."""
     algorithm = LAYOUTS[layout]
     prefix = ""
+    config_file = str(Path(where) / "config.json")
     if algorithm == "eagle":
-        layer = _base_layer_config(raw)
+        layer = _base_layer_config(raw, config_file)
         fields: dict[str, Any] = {"fc_bias": bool(raw.get("bias", True))}
     elif layout == "speculators-eagle3":
         inner = raw.get("transformer_layer_config")
         if not isinstance(inner, dict):
             raise CheckpointError(f"{where}: speculators config lacks transformer_layer_config")
-        layer = _base_layer_config(inner)
+        layer = _base_layer_config(inner, f"{config_file} transformer_layer_config")
         fields = {
             "capture_layers": _capture_from(
                 raw.get("eagle_aux_hidden_state_layer_ids"),
@@ -267,7 +264,7 @@ def _parse(
             "norm_before_fc": bool(raw.get("norm_before_fc", False)),
         }
     elif algorithm == "eagle3":
-        layer = _base_layer_config(raw)
+        layer = _base_layer_config(raw, config_file)
         # SGLang builds the midlayer's q/k/v without bias whatever the config says.
         layer = attrs.evolve(layer, qkv_bias=False)
         eagle_config = raw.get("eagle_config") or {}
@@ -291,7 +288,7 @@ def _parse(
                 "MTP layers; speculum's MTP head runs one (as SGLang's NEXTN does)"
             )
         prefix = f"model.layers.{layers[0]}."
-        layer = _base_layer_config(raw)
+        layer = _base_layer_config(raw, config_file)
         fields = {"own_head": f"{prefix}shared_head.head.weight" in found}
     layer = attrs.evolve(layer, num_layers=1) if algorithm == "mtp" else layer
     hidden = layer.hidden_size
@@ -409,7 +406,7 @@ def load_draft(
         raise CheckpointError(f"draft folder {folder} does not exist or is not a folder")
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass a draft checkpoint folder")
-    raw = _read_json(folder / "config.json")
+    raw = read_json_object(folder / "config.json")
     found, kind = _read_weights(folder)
     where = str(folder)
     layout = detect_layout(raw, found, kind)
@@ -449,7 +446,7 @@ def load_draft(
         # Outside the MTP layer, only the target's own weights may sit in the folder.
         target_keys = {n for n, _ in target.named_parameters()} | {"lm_head.weight"}
         tolerated |= {k for k in found if not k.startswith(prefix) and k in target_keys}
-    check_keys(expected, found, where, frozenset(tolerated))
+    check_keys(expected, found, where, frozenset(tolerated), config.layer)
 
     weight = target.model.embed_tokens.weight
     head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)

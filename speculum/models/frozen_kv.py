@@ -53,7 +53,6 @@ all of it (:class:`~speculum.models.draft_loading.DraftTargetMismatch` names wha
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from speculum.models.config import DecoderConfig, UnsupportedModel
+from speculum.models.config import DecoderConfig, UnsupportedModel, read_json_object
 from speculum.models.decoder import (
     Attention,
     DecoderLayer,
@@ -358,9 +357,11 @@ def _parse(raw: dict[str, Any], where: str) -> FrozenKVConfig:
             f"{where}: frozen_kv_source_layers must be a list of target layer indices, "
             f"got {sources!r}"
         )
+    section = f"{Path(where) / 'config.json'} transformer_layer_config"
+    layer = DecoderConfig.from_dict(raw["transformer_layer_config"], section)
     try:
         return FrozenKVConfig(
-            layer=DecoderConfig.from_dict(raw["transformer_layer_config"]),
+            layer=layer,
             source_layers=tuple(sources),
             target_num_layers=int(raw["target_num_hidden_layers"]),
             own_head=bool(raw.get("own_lm_head", False)),
@@ -385,9 +386,10 @@ def load_frozen_kv(
     target's tensor-parallel group (the head reads the target's sharded KV cache). Raises
     :class:`DraftTargetMismatch` when the draft does not fit ``target`` (vocabulary, hidden
     size, depth, a source layer out of range, K/V shape or rotary settings) and
-    ``CheckpointError`` for a missing folder or config, another architecture, or missing,
-    unexpected or mis-shaped tensors, and :class:`~speculum.models.parallel.UnsupportedSplit`
-    for a ``tp`` other than the target's.
+    ``CheckpointError`` for a missing folder or config, another architecture, a layer config
+    no model runs with, or missing, unexpected, non-float or mis-shaped tensors,
+    ``UnsupportedModel`` for a layer config speculum does not implement, and
+    :class:`~speculum.models.parallel.UnsupportedSplit` for a ``tp`` other than the target's.
     """
     if algorithm != "frozen_kv_mtp":
         raise ValueError(f"load_frozen_kv loads frozen_kv_mtp drafts, not {algorithm!r}")
@@ -395,13 +397,7 @@ def load_frozen_kv(
     where = str(folder)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json; pass a frozen-KV draft folder")
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read draft config {folder / 'config.json'}: {err}") from err
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{folder / 'config.json'} must hold a JSON object")
-    config = _parse(raw, where)
+    config = _parse(read_json_object(folder / "config.json"), where)
     check_target(config, target.config, where)
     if tp.size != target.tp.size:
         raise UnsupportedSplit(
@@ -415,7 +411,7 @@ def load_frozen_kv(
         head = FrozenKVHead(config, target)
     expected = {name: p.shape for name, p in head.named_parameters()}
     tolerated = frozenset(k for k in found if k.endswith("rotary_emb.inv_freq"))
-    check_keys(expected, found, where, tolerated)
+    check_keys(expected, found, where, tolerated, config.layer)
     names = {name: name for name in expected}
     head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     return head.eval().requires_grad_(False)

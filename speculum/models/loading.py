@@ -1,12 +1,16 @@
 """Strict Hugging Face checkpoint I/O: ``config.json`` plus one or many safetensors files.
 
-Every weight the decoder declares must be in the checkpoint and every tensor in the checkpoint
-must be one the decoder declares; otherwise loading fails naming the keys. The only tolerated
-extras are a tied ``lm_head.weight`` (some exporters write it), rotary ``inv_freq`` buffers
-(older exporters wrote them), neither of which carries information the config does not, and the
-multi-token-prediction layers ``model.layers.{L} ..`` after the ``L`` decoder layers when
-``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads those, see
-``speculum.models.draft_loading``).
+Every weight the decoder declares must be in the checkpoint, with the shape ``config.json``
+gives it and a floating-point dtype (an integer or bool tensor would be cast silently), and
+every tensor in the checkpoint must be one the decoder declares; otherwise loading fails naming
+the keys. A q/k/v projection whose rows disagree with ``num_attention_heads`` (or
+``num_key_value_heads``) times ``head_dim`` is reported as the ``head_dim`` (or
+``num_key_value_heads``) mismatch it is.
+The only tolerated extras are a tied ``lm_head.weight`` (some exporters write it), rotary
+``inv_freq`` buffers (older exporters wrote them), neither of which carries information the
+config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` after the ``L``
+decoder layers when ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads
+those, see ``speculum.models.draft_loading``).
 
 Tensors are opened lazily (:class:`CheckpointTensor`): the checks read only the files' headers,
 and a tensor-parallel rank then reads only its slice of each sharded weight.
@@ -24,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from speculum.models.config import DecoderConfig
+from speculum.models.config import CheckpointError, DecoderConfig
 from speculum.models.decoder import DecoderModel
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -46,10 +50,6 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded as it is: files or weights missing or extra."""
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -79,6 +79,13 @@ class CheckpointTensor:
     path: Path
     key: str
     shape: torch.Size
+    #: the safetensors dtype name (``F32``, ``BF16``, ``I64``, ``BOOL`` ...)
+    dtype: str
+
+    def is_floating_point(self) -> bool:
+        """Whether the tensor holds floats (as ``torch.Tensor.is_floating_point``): every
+        safetensors float dtype, and no other, is named ``F...`` or ``BF...``."""
+        return self.dtype.startswith(("F", "BF"))
 
     def read(self) -> torch.Tensor:
         """The whole tensor."""
@@ -107,8 +114,9 @@ def open_checkpoint(folder: str | Path) -> dict[str, CheckpointTensor]:
                 for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if key in tensors:
                         raise CheckpointError(f"weight {key!r} appears in two files of {folder}")
-                    shape = torch.Size(handle.get_slice(key).get_shape())
-                    tensors[key] = CheckpointTensor(path=path, key=key, shape=shape)
+                    part = handle.get_slice(key)
+                    shape, dtype = torch.Size(part.get_shape()), part.get_dtype()
+                    tensors[key] = CheckpointTensor(path=path, key=key, shape=shape, dtype=dtype)
         except CheckpointError:
             raise
         except Exception as err:  # safetensors raises several unrelated types for bad files
@@ -134,8 +142,11 @@ def check_keys(
     found: Mapping[str, torch.Tensor | CheckpointTensor],
     where: str,
     tolerated: frozenset[str] = frozenset(),
+    layer: DecoderConfig | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` naming missing, unexpected or mis-shaped weights."""
+    """Raise :class:`CheckpointError` naming missing, unexpected, non-float or mis-shaped
+    weights; ``layer``, the config the attention weights were shaped from, lets a projection
+    of the wrong width be reported as the ``head_dim`` mismatch it is."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - tolerated)
     if missing or unexpected:
@@ -148,6 +159,16 @@ def check_keys(
             f"{where}: {'; '.join(parts)}. The checkpoint does not match its config.json "
             "(wrong architecture, layer count or tying): fix the config or re-export the weights"
         )
+    not_float = [k for k in expected if not found[k].is_floating_point()]
+    if not_float:
+        named = [f"{k} ({found[k].dtype})" for k in not_float]
+        raise CheckpointError(
+            f"{_file_of(found[not_float[0]], where)}: weights {named} hold integers or bools "
+            "where floating-point weights belong (loading would cast them silently): re-export "
+            "the checkpoint with float weights"
+        )
+    if layer is not None:
+        _check_head_dim(expected, found, where, layer)
     wrong = [
         f"{k}: checkpoint {tuple(found[k].shape)} vs config {tuple(s)}"
         for k, s in expected.items()
@@ -155,6 +176,53 @@ def check_keys(
     ]
     if wrong:
         raise CheckpointError(f"{where}: weight shapes disagree with config.json: {wrong}")
+
+
+#: attention projection -> the config field and JSON key of its head count
+_HEAD_COUNTS = {
+    "self_attn.q_proj.weight": ("num_heads", "num_attention_heads"),
+    "self_attn.k_proj.weight": ("num_kv_heads", "num_key_value_heads"),
+    "self_attn.v_proj.weight": ("num_kv_heads", "num_key_value_heads"),
+}
+
+
+def _file_of(found: torch.Tensor | CheckpointTensor, where: str) -> str:
+    """The file a checkpoint tensor came from, or ``where`` for one already in memory."""
+    return str(found.path) if isinstance(found, CheckpointTensor) else where
+
+
+def _check_head_dim(
+    expected: dict[str, torch.Size],
+    found: Mapping[str, torch.Tensor | CheckpointTensor],
+    where: str,
+    layer: DecoderConfig,
+) -> None:
+    """Raise :class:`CheckpointError` for a q/k/v projection whose rows (heads × head_dim)
+    alone disagree with ``layer``, naming the config value the weights contradict: the weights
+    decide ``head_dim`` (Qwen3 sets one other than hidden_size / num_attention_heads), so a
+    q_proj of other rows means ``head_dim``, and k_proj or v_proj of other rows (q_proj being
+    right, as it is checked first) means ``num_key_value_heads``."""
+    for key, shape in expected.items():
+        suffix = next((s for s in _HEAD_COUNTS if key.endswith(s)), None)
+        got = found[key].shape
+        if suffix is None or got == shape or len(got) != len(shape) or got[1:] != shape[1:]:
+            continue  # not a projection, right, or off on another axis too (a generic mismatch)
+        field, json_key = _HEAD_COUNTS[suffix]
+        rows, heads, head_dim = got[0], getattr(layer, field), layer.head_dim
+        if field == "num_heads":
+            culprit, value, (implied, rest) = "head_dim", head_dim, divmod(rows, heads)
+        else:
+            culprit, value, (implied, rest) = json_key, heads, divmod(rows, head_dim)
+        fix = (
+            f"set {culprit} to {implied} in config.json"
+            if rest == 0
+            else f"fix {json_key} or head_dim in config.json, or re-export the weights"
+        )
+        raise CheckpointError(
+            f"{where}: {culprit} {value} in config.json disagrees with the weights: {key!r} in "
+            f"{_file_of(found[key], where)} has {rows} rows, but {json_key} {heads} × head_dim "
+            f"{head_dim} = {heads * head_dim}; {fix}"
+        )
 
 
 def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
@@ -192,7 +260,7 @@ def load_model(
     nextn = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
     prefixes = tuple(f"model.layers.{n}." for n in nextn)
     tolerated |= {k for k in found if k.startswith(prefixes)}
-    check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated))
+    check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated), config)
     shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:

@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from speculum.models.config import read_json_object
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft import DraftConfig, MTPHead, build_draft, draft_config, pool_for
 from speculum.models.draft_loading import (
@@ -35,7 +36,6 @@ from speculum.models.draft_loading import (
     _check_target,
     _key_map,
     _mtp_layers,
-    _read_json,
     _read_weights,
     _share_equal_embedding,
     materialize,
@@ -168,7 +168,7 @@ def load_multi_layer(
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass a multi-layer MTP folder")
     where = str(folder)
-    raw = _read_json(folder / "config.json")
+    raw = read_json_object(folder / "config.json")
     found, _ = _read_weights(folder)
     num_layers = int(raw.get("num_nextn_predict_layers") or 0)
     if num_layers < 1:
@@ -188,7 +188,8 @@ def load_multi_layer(
             f"{where}: num_nextn_predict_layers={num_layers} needs MTP layers {wanted} "
             f"(model.layers.N.eh_proj.weight), found {_mtp_layers(found)}"
         )
-    layer = attrs.evolve(_base_layer_config(raw), num_layers=1, num_nextn_predict_layers=0)
+    layer = _base_layer_config(raw, str(folder / "config.json"))
+    layer = attrs.evolve(layer, num_layers=1, num_nextn_predict_layers=0)
     _check_target(layer.vocab_size, layer.hidden_size, target.config, where)
     prefixes = _prefixes(base, num_layers)
     own_head = {f"{p}shared_head.head.weight" in found for p in prefixes}
@@ -213,7 +214,7 @@ def load_multi_layer(
     target_keys = {n for n, _ in target.named_parameters()} | {"lm_head.weight"}
     tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
     tolerated |= {k for k in found if k in target_keys and not k.startswith(tuple(prefixes))}
-    check_keys(expected, found, where, frozenset(tolerated))
+    check_keys(expected, found, where, frozenset(tolerated), layer)
     weight = target.model.embed_tokens.weight
     head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     for mtp in head.layers:
