@@ -2,10 +2,13 @@
 
 ``add_request``, ``cancel`` and ``step`` each take a :class:`SchedulerState` and return a new one;
 the state handed in is never changed, so a snapshot is just a kept value (plus a copy of the KV
-pages it points at, since the pool is the one owned resource). Requests wait until pages for their
-whole budget (prompt + max_new_tokens + the pipeline's lookahead) are free, are prefilled in
-chunks within a token budget per step, decode together, and leave on a stop token, a stop string,
-``max_new_tokens`` or the context limit, freeing their pages.
+pages it points at, since the pool is the one owned resource). Because the pool holds one state's
+pages, one state value at a time owns the engine and may step it (:func:`new_state`).
+
+Requests wait until pages for their whole budget (prompt + max_new_tokens + the pipeline's
+lookahead) are free, are prefilled in chunks within a token budget per step, decode together, and
+leave on a stop token, a stop string, ``max_new_tokens`` or the context limit, freeing their
+pages.
 
 A step launches device work (a decoding round, a prefill chunk) and collects what it emitted:
 the host reads the tokens, checks stop conditions and retires finished requests. Synchronously,

@@ -27,13 +27,14 @@ REFUSED = "no longer owns the engine's KV pages"
 SAMPLED = scheduler.Sampling(temperature=1.0, top_k=8, seed=5)
 
 
-def engine(**changes):
+def make_engine(**changes):
+    """A plain engine over the tiny model (``changes``: engine_from_model's arguments)."""
     return engine_from_model(MODEL, **(LIMITS | changes))
 
 
 def alone(prompt, max_new_tokens=10, sampling=SAMPLED):
     """The tokens ``prompt`` yields on a fresh engine of its own."""
-    fresh = engine()
+    fresh = make_engine()
     state, rid = scheduler.add_request(
         fresh, scheduler.new_state(fresh), prompt, sampling=sampling, max_new_tokens=max_new_tokens
     )
@@ -41,12 +42,13 @@ def alone(prompt, max_new_tokens=10, sampling=SAMPLED):
 
 
 def test_a_new_state_claims_the_engine_and_the_earlier_state_is_refused():
-    shared = engine()
+    shared = make_engine()
     first, _ = started(shared, [1, 2, 3], 2, sampling=SAMPLED, max_new_tokens=10)
     second, rid = scheduler.add_request(
         shared, scheduler.new_state(shared), [4, 5, 6], sampling=SAMPLED, max_new_tokens=10
     )
-    # Both states hold the same page ids: stepping the first would read the second's K/V.
+    # The second state hands out the first's pages again: stepping the first would then read
+    # the second's K/V.
     with pytest.raises(ValueError, match=REFUSED):
         scheduler.step(shared, first)
     with pytest.raises(ValueError, match=REFUSED):
@@ -55,7 +57,7 @@ def test_a_new_state_claims_the_engine_and_the_earlier_state_is_refused():
 
 
 def test_a_state_older_than_the_last_step_is_refused():
-    shared = engine()
+    shared = make_engine()
     state, rid = started(shared, [1, 2, 3], 1, sampling=SAMPLED, max_new_tokens=10)
     newer, _ = scheduler.step(shared, state)
     with pytest.raises(ValueError, match=REFUSED):
@@ -67,7 +69,7 @@ def test_a_state_older_than_the_last_step_is_refused():
 def test_add_request_and_cancel_keep_the_claim(stepped):
     """They do not touch the pool: the state before and after either may step, and once one
     of them has, the others are refused."""
-    shared = engine()
+    shared = make_engine()
     before, rid = started(shared, [1, 2, 3], 1, max_new_tokens=10)
     values = {
         "before": before,
@@ -81,7 +83,7 @@ def test_add_request_and_cancel_keep_the_claim(stepped):
 
 
 def test_restore_claims_the_engine_for_the_snapshots_state():
-    shared = engine()
+    shared = make_engine()
     state, rid = started(shared, [1, 2, 3], 1, sampling=SAMPLED, max_new_tokens=10)
     snap = scheduler.take_snapshot(shared, state)
     later, _ = scheduler.step(shared, state)
@@ -104,10 +106,10 @@ def test_restore_claims_the_engine_for_the_snapshots_state():
 def test_a_snapshot_from_an_engine_of_another_shape_is_refused_and_changes_nothing(
     changes, difference
 ):
-    source = engine()
+    source = make_engine()
     state, _ = started(source, [1, 2, 3], 2, sampling=SAMPLED, max_new_tokens=10)
     snap = scheduler.take_snapshot(source, state)
-    other = engine(**changes)
+    other = make_engine(**changes)
     running, rid = started(other, [9, 8, 7, 6], 1, sampling=SAMPLED, max_new_tokens=10)
     pools = [(pool.k.clone(), pool.v.clone()) for pool in other.resources.pools]
     cells = [cell.value for cell in other.resources.cells]
@@ -118,7 +120,7 @@ def test_a_snapshot_from_an_engine_of_another_shape_is_refused_and_changes_nothi
         assert torch.equal(pool.k, k) and torch.equal(pool.v, v)
     assert all(cell.value is value for cell, value in zip(other.resources.cells, cells))
     # The engine's own state still owns it and decodes what it would have without the attempt.
-    fresh = engine(**changes)
+    fresh = make_engine(**changes)
     again, _ = started(fresh, [9, 8, 7, 6], 1, sampling=SAMPLED, max_new_tokens=10)
     ours = run_to_completion(other, running)[1][rid].output
     assert ours == run_to_completion(fresh, again)[1][rid].output
@@ -127,14 +129,14 @@ def test_a_snapshot_from_an_engine_of_another_shape_is_refused_and_changes_nothi
 def ngram_engine():
     # Streams go into the store as soon as they grow by a token: most rounds replace it.
     options = NgramOptions(store_tokens=4096, flush_tokens=1)
-    return engine(algorithm="ngram", ngram=options, num_pages=None)
+    return make_engine(algorithm="ngram", ngram=options, num_pages=None)
 
 
 def adaptive_engine():
     # Every variant runs in turn, whatever the clock reads: the run's rounds are deterministic.
     policy = AdaptivePolicy(margin=1.0, refresh=0, warmup=0, samples=1)
     spec = SpecOptions(adaptive_steps=(0, 1, 2), adaptive_policy=policy)
-    return engine(algorithm="eagle3", draft=HEAD, spec=spec, num_pages=None)
+    return make_engine(algorithm="eagle3", draft=HEAD, spec=spec, num_pages=None)
 
 
 PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5])
