@@ -769,13 +769,19 @@ def _qualified_name(value: Any) -> str:
 
 
 def _shape_differences(snap: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    """``"name: snapshot X, engine Y"`` for every item of the two shapes that differs."""
+    """``"name: snapshot X, engine Y"`` for every item of the two shapes that differs, except
+    the settings of a function that differs itself (another kind's settings say nothing)."""
 
     def show(shape: dict[str, Any], key: str) -> str:
         return repr(shape[key]) if key in shape else "absent"
 
-    return [
-        f"{key}: snapshot {show(snap, key)}, engine {show(engine, key)}"
+    differing = [
+        key
         for key in dict.fromkeys([*snap, *engine])
         if key not in snap or key not in engine or snap[key] != engine[key]
+    ]
+    return [
+        f"{key}: snapshot {show(snap, key)}, engine {show(engine, key)}"
+        for key in differing
+        if not any(key.startswith((f"{other}.", f"{other}[")) for other in differing)
     ]

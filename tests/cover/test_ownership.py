@@ -100,6 +100,11 @@ def test_restore_claims_the_engine_for_the_snapshots_state():
         ({}, {"num_pages": 32}, "num_pages: snapshot 24, engine 32"),
         ({}, {"algorithm": "ngram"}, "pipeline.name: snapshot 'plain', engine 'ngram'"),
         ({}, {"max_context": 32}, "max_context: snapshot 40, engine 32"),
+        (
+            {"algorithm": "eagle3", "draft": HEAD},
+            {"algorithm": "eagle3", "draft": HEAD, "spec": SpecOptions(topk=2, num_draft_tokens=5)},
+            "pipeline.decode.config.topk: snapshot 1, engine 2",
+        ),
         ({}, {"overlap": True}, "overlap: snapshot False, engine True"),
         # A synchronous engine would never collect the round the snapshot holds in flight.
         ({"overlap": True}, {}, "overlap: snapshot True, engine False"),
