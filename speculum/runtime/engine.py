@@ -64,13 +64,20 @@ class EngineConfig:
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Engine:
-    """What the scheduler's pure functions run against (the pools are written in place)."""
+    """What the scheduler's pure functions run against (the pools are written in place).
+
+    ``owner`` holds the token of the one scheduler state that may step the engine next (the
+    pools hold one state's pages; ``scheduler.new_state`` and ``scheduler.restore`` claim
+    them, each step hands the claim on to the state it returns). An engine derived with
+    ``attrs.evolve`` shares its resources and so its owner cell.
+    """
 
     pipeline: Pipeline
     resources: Resources
     config: EngineConfig
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
+    owner: Cell = attrs.field(factory=lambda: Cell(None))
 
     @property
     def device(self) -> torch.device:

@@ -2,10 +2,13 @@
 
 ``add_request``, ``cancel`` and ``step`` each take a :class:`SchedulerState` and return a new one;
 the state handed in is never changed, so a snapshot is just a kept value (plus a copy of the KV
-pages it points at, since the pool is the one owned resource). Requests wait until pages for their
-whole budget (prompt + max_new_tokens + the pipeline's lookahead) are free, are prefilled in
-chunks within a token budget per step, decode together, and leave on a stop token, a stop string,
-``max_new_tokens`` or the context limit, freeing their pages.
+pages it points at, since the pool is the one owned resource). Because the pool holds one state's
+pages, one state value at a time owns the engine and may step it (:func:`new_state`).
+
+Requests wait until pages for their whole budget (prompt + max_new_tokens + the pipeline's
+lookahead) are free, are prefilled in chunks within a token budget per step, decode together, and
+leave on a stop token, a stop string, ``max_new_tokens`` or the context limit, freeing their
+pages.
 
 A step launches device work (a decoding round, a prefill chunk) and collects what it emitted:
 the host reads the tokens, checks stop conditions and retires finished requests. Synchronously,
@@ -21,14 +24,16 @@ Both paths run the same functions; only the moment of collection differs.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
 
-from speculum.pipelines.base import PrefillChunk, StepOutput
+from speculum.pipelines.base import Pipeline, PrefillChunk, StepOutput
 from speculum.runtime.engine import Engine
 from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
@@ -44,6 +49,10 @@ from speculum.state.kv import (
 )
 from speculum.state.record import record, snapshot, tree_map_tensors
 from speculum.state.sampling import SamplingParams
+
+#: Owner tokens (:func:`new_state`): unique in the process, so a state can only ever match the
+#: engine whose latest claim it carries.
+_TOKENS = itertools.count(1)
 
 __all__ = [
     "Sampling",
@@ -150,6 +159,9 @@ class SchedulerState:
     ``hidden_seconds``, the host work done while the device was still computing the round the
     host then waited for (a lower bound: work is counted as hidden only when the round it
     overlapped was found unfinished).
+
+    ``owner`` is the token of the engine claim this state carries (:func:`new_state`): only a
+    state whose token is the engine's may step it.
     """
 
     waiting: tuple[Request, ...]
@@ -163,21 +175,31 @@ class SchedulerState:
     host_seconds: float = 0.0
     blocked_seconds: float = 0.0
     hidden_seconds: float = 0.0
+    owner: int = 0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class Snapshot:
-    """A scheduler state plus the contents of the KV pages it points at, by value, and the
-    values of the engine's shared cells (the n-gram store; immutable, kept by reference)."""
+    """A scheduler state plus the contents of the KV pages it points at, by value, the values
+    of the engine's shared cells (the n-gram store, the adaptive measurements; immutable, kept
+    by reference) and the shape of the engine it was taken from (``(name, value)`` pairs that
+    :func:`restore` compares with its engine's)."""
 
     state: SchedulerState
     pages: torch.Tensor
     pool_pages: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    cells: tuple[Any, ...] = ()
+    cells: tuple[Any, ...]
+    shape: tuple[tuple[str, Any], ...]
 
 
 def new_state(engine: Engine) -> SchedulerState:
-    """An empty scheduler state with every KV page free."""
+    """An empty scheduler state with every KV page free.
+
+    The state claims the engine: its pools hold one state's pages, so a state made earlier
+    (and every value derived from it) can no longer step it. A step hands the claim on to the
+    state it returns; :func:`add_request` and :func:`cancel` keep it; :func:`restore` claims
+    the engine for the snapshot's state.
+    """
     return SchedulerState(
         waiting=(),
         prefilling=(),
@@ -186,7 +208,29 @@ def new_state(engine: Engine) -> SchedulerState:
         allocator=new_allocator(engine.config.num_pages),
         next_rid=0,
         num_steps=0,
+        owner=_claim(engine),
     )
+
+
+def _claim(engine: Engine) -> int:
+    """A fresh owner token, now the engine's: states carrying an older one can no longer step it."""
+    token = next(_TOKENS)
+    engine.owner.value = token
+    return token
+
+
+def _check_owner(engine: Engine, state: SchedulerState, action: str) -> None:
+    """Refuse to ``action`` a state that no longer owns the engine: the pages it points at may
+    hold another state's tokens since, and it would silently decode garbage."""
+    if state.owner != engine.owner.value:
+        raise ValueError(
+            f"cannot {action} this scheduler state: it no longer owns the engine's KV pages "
+            f"(its owner token is {state.owner}, the engine's {engine.owner.value}). A later "
+            "new_state(engine) or restore(engine, ...) claimed them, or a step of this state "
+            "or of a value derived from it has rewritten them since. Step the newest state "
+            "value; to come back to a state later, keep it with take_snapshot and bring it "
+            "back with restore"
+        )
 
 
 def pages_needed(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
@@ -566,7 +610,28 @@ def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[Re
     Synchronously, each launch is collected at once. Overlapped (``engine.config.overlap``),
     the previous step's launches are collected after this step's round is launched, and this
     step's launches are left in flight: the outputs returned are the previous step's.
+
+    ``state`` must own the engine (:func:`new_state`; a ``ValueError`` says so otherwise), and
+    the returned state takes the claim over: the state handed in can no longer step. A step
+    that raises changes nothing that could be seen: the engine's shared cells (the n-gram
+    store, the adaptive measurements) get back the values they had, the claim stays with
+    ``state``, and the KV slots the step may have written lie past what ``state`` counts as
+    written, so retrying the step writes them again.
     """
+    _check_owner(engine, state, "step")
+    entry = tuple(cell.value for cell in engine.resources.cells)
+    try:
+        state, outputs = _step(engine, state)
+    except BaseException:
+        # Rounds replace the cells' values as they go (the n-gram round inserts its streams):
+        # left behind by a failed step, a retry would insert them again.
+        _set_cells(engine, entry)
+        raise
+    return attrs.evolve(state, owner=_claim(engine)), outputs
+
+
+def _step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[RequestOutput]]:
+    """:func:`step`'s work, which may replace the cells' values before it fails."""
     begin, blocked = time.perf_counter(), state.blocked_seconds
     earlier = state.in_flight
     state, launched = _launch_decode(engine, attrs.evolve(state, in_flight=()))
@@ -613,27 +678,134 @@ def _held_pages(state: SchedulerState) -> torch.Tensor:
 
 
 def take_snapshot(engine: Engine, state: SchedulerState) -> Snapshot:
-    """The state by value: cloned tensors, and a copy of every KV page a live request holds."""
+    """The state by value: cloned tensors, a copy of every KV page a live request holds, the
+    shared cells' values and the engine's shape. ``state`` must own the engine (the pages of a
+    state that no longer does may hold another state's tokens): a ``ValueError`` says so."""
+    _check_owner(engine, state, "snapshot")
     pages = _held_pages(state)
     pool_pages = tuple(
         (pool.k[:, pages.to(pool.k.device)].clone(), pool.v[:, pages.to(pool.v.device)].clone())
         for pool in engine.resources.pools
     )
     cells = tuple(cell.value for cell in engine.resources.cells)
-    return Snapshot(state=snapshot(state), pages=pages, pool_pages=pool_pages, cells=cells)
+    return Snapshot(
+        state=snapshot(state),
+        pages=pages,
+        pool_pages=pool_pages,
+        cells=cells,
+        shape=_engine_shape(engine),
+    )
 
 
 def restore(engine: Engine, snap: Snapshot) -> SchedulerState:
     """Write the snapshot's KV pages back into the pools, its values back into the shared
-    cells, and return its state.
+    cells, and return its state, which now owns the engine (:func:`new_state`).
 
     Pages freed and reused after the snapshot was taken get their old contents back, so the
-    restored state decodes exactly as it would have at snapshot time.
+    restored state decodes exactly as it would have at snapshot time. A snapshot taken from an
+    engine of another shape (device, KV pages and their size, context and batch limits,
+    overlap, shared cells, the pipeline's kind and static config) is refused with a
+    ``ValueError`` naming each difference, before anything is written: the engine is unchanged.
     """
+    differences = _shape_differences(dict(snap.shape), dict(_engine_shape(engine)))
+    if differences:
+        raise ValueError(
+            "the snapshot was taken from an engine of another shape, whose state and pages do "
+            f"not fit this one: {'; '.join(differences)}. Restore it into an engine built with "
+            "the same settings"
+        )
     for pool, (k, v) in zip(engine.resources.pools, snap.pool_pages):
         index = snap.pages.to(pool.k.device)
         pool.k[:, index] = k
         pool.v[:, index] = v
-    for cell, value in zip(engine.resources.cells, snap.cells):
-        cell.value = value
+    _set_cells(engine, snap.cells)
+    # The snapshot's own token: every value of the state it was taken of owns the pages again.
+    engine.owner.value = snap.state.owner
     return snapshot(snap.state)
+
+
+def _set_cells(engine: Engine, values: tuple[Any, ...]) -> None:
+    for cell, value in zip(engine.resources.cells, values):
+        cell.value = value
+
+
+def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
+    """What a snapshot's state and pages must match to be restored into ``engine``, as
+    ``(name, value)`` pairs of plain values: where the pools live and their sizes, the limits
+    that shape a state (page-table width, batch), overlap (an overlapped state holds a round in
+    flight), the shared cells, and the pipeline's kind and static config."""
+    config, resources = engine.config, engine.resources
+    # Pools are [layer, page, page_size, kv_head, head_dim]; pages are compared on their own.
+    pools = tuple(
+        (name, (pool.k.shape[0], *pool.k.shape[3:], str(pool.k.dtype)))
+        for name, pool in zip(("target_pool", "draft_pool"), resources.pools)
+    )
+    return (
+        ("device", str(engine.device)),
+        ("num_pages", config.num_pages),
+        ("page_size", config.page_size),
+        ("max_context", config.max_context),
+        ("max_batch", config.max_batch),
+        ("overlap", config.overlap),
+        *pools,
+        ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
+        *_static_items("pipeline", engine.pipeline),
+    )
+
+
+def _static_items(path: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``value``'s static config flattened to ``(path, plain value)`` pairs: a pipeline by its
+    kind, round shape and decode, a ``functools.partial`` by its function and keywords, a
+    record by its fields, a tensor by its shape and dtype, any other object by its type."""
+    if isinstance(value, Pipeline):
+        for name in ("name", "max_tokens_per_step", "kv_lookahead", "host_work"):
+            yield f"{path}.{name}", getattr(value, name)
+        yield from _static_items(f"{path}.decode", value.decode)
+    elif _plain(value) or isinstance(value, tuple) and all(map(_plain, value)):
+        yield path, value
+    elif isinstance(value, functools.partial):
+        yield path, _qualified_name(value.func)
+        for key, item in sorted(value.keywords.items()):
+            yield from _static_items(f"{path}.{key}", item)
+    elif callable(getattr(value, "decode", None)):
+        # A wrapper (CUDA graphs, a timer) runs the round it wraps; its caches are no config.
+        yield from _static_items(path, value.decode)
+    elif isinstance(value, tuple):
+        for index, item in enumerate(value):
+            yield from _static_items(f"{path}[{index}]", item)
+    elif isinstance(value, torch.Tensor):
+        yield path, (tuple(value.shape), str(value.dtype))
+    elif attrs.has(type(value)):
+        for field in attrs.fields(type(value)):
+            yield from _static_items(f"{path}.{field.name}", getattr(value, field.name))
+    else:
+        yield path, _qualified_name(value)
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _qualified_name(value: Any) -> str:
+    """A function's or class's dotted name; for any other object, its class's."""
+    named = value if hasattr(value, "__qualname__") else type(value)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def _shape_differences(snap: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    """``"name: snapshot X, engine Y"`` for every item of the two shapes that differs, except
+    the settings of a function that differs itself (another kind's settings say nothing)."""
+
+    def show(shape: dict[str, Any], key: str) -> str:
+        return repr(shape[key]) if key in shape else "absent"
+
+    differing = [
+        key
+        for key in dict.fromkeys([*snap, *engine])
+        if key not in snap or key not in engine or snap[key] != engine[key]
+    ]
+    return [
+        f"{key}: snapshot {show(snap, key)}, engine {show(engine, key)}"
+        for key in differing
+        if not any(key.startswith((f"{other}.", f"{other}[")) for other in differing)
+    ]

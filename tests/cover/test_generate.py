@@ -259,8 +259,9 @@ def test_snapshot_restore_replays_sampled_decoding_even_after_pages_are_reused(t
     _, finished = run_to_completion(engine, state)
     original = finished[rid].output
 
-    # Cancel it, and let another request take (and overwrite) the same pages.
-    state = scheduler.cancel(engine, state, rid)
+    # Back to the snapshot (the run above stepped the engine on), cancel the request, and let
+    # another request take (and overwrite) the same pages.
+    state = scheduler.cancel(engine, scheduler.restore(engine, snap), rid)
     state, _ = scheduler.add_request(engine, state, [9] * 12, max_new_tokens=9)
     state, _ = run_to_completion(engine, state)
 

@@ -1,9 +1,11 @@
 """The scheduler as a state machine: add / step / cancel / snapshot / restore, checked after every
-rule against a plain Python model of what each request must produce."""
+rule against a plain Python model of what each request must produce; a state value a later step
+replaced is refused, and trying it changes nothing."""
 
 from __future__ import annotations
 
 import attrs
+import pytest
 from conftest import tiny_config
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -62,6 +64,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS)
         self.state = scheduler.new_state(self.engine)
         self.model: dict[int, Expected] = {}
+        # The state value the last step replaced (its pages have been written since).
+        self.replaced: scheduler.SchedulerState | None = None
 
     def live(self) -> list[int]:
         return [rid for rid, e in self.model.items() if not e.done]
@@ -83,6 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        self.replaced = self.state
         self.state, outputs = scheduler.step(self.engine, self.state)
         for out in outputs:
             expected = self.model[out.rid]
@@ -111,6 +116,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state = scheduler.restore(self.engine, snap)
         assert tree_equal(self.state, snap.state)
         self.model = {rid: attrs.evolve(e) for rid, e in model_copy.items()}
+        # The snapshot may be of that very value: restoring makes it the owner again.
+        self.replaced = None
+
+    @precondition(lambda self: self.replaced is not None)
+    @rule()
+    def step_a_replaced_state(self):
+        """Refused, and the engine unchanged: the next steps still match the model."""
+        for use in (scheduler.step, scheduler.take_snapshot):
+            with pytest.raises(ValueError, match="no longer owns the engine's KV pages"):
+                use(self.engine, self.replaced)
 
     @invariant()
     def pages_are_neither_leaked_nor_shared(self):
