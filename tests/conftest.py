@@ -74,6 +74,22 @@ def tiny_model():
     return random_model(tiny_config(), seed=0, std=0.3)
 
 
+class ManualClock:
+    """A stand-in for the ``time`` module whose clock moves only when ``sleep`` is called, so
+    that timings measured under it are exact: the same on a loaded machine as on an idle one."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        """The seconds slept so far."""
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` without waiting."""
+        self.now += seconds
+
+
 def started(engine, prompt, rounds, **options):
     """A scheduler state after prefilling ``prompt`` alone and ``rounds`` decoding rounds."""
     from speculum.runtime import scheduler
