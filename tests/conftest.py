@@ -7,7 +7,8 @@ os.environ.setdefault("SPECULUM_TYPECHECK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import settings  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), so their parity
 # tests against the spec twins run in CI too. Triton reads this when a kernel is decorated, i.e.
@@ -15,8 +16,20 @@ from hypothesis import settings  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-settings.register_profile("ci", deadline=None, print_blob=True)
-settings.load_profile("ci")
+# Hypothesis profiles. "ci" (where CI=true, as CI runs .ci/run) is derandomized with no example
+# database: every CI run draws the same examples, so a red run is red again and a green one does
+# not turn red by chance. "dev" (elsewhere) draws afresh each run, so local runs keep exploring,
+# and replays failures kept in .hypothesis/ first. Both print a failure's reproduction blob
+# (@reproduce_failure) and have no deadline or too-slow health check, which time the machine.
+# HYPOTHESIS_PROFILE=ci or dev (or pytest's --hypothesis-profile) picks one explicitly. "dev"
+# names its randomness and database because Hypothesis loads its own derandomized "ci" profile
+# on import wherever CI is set, and new settings inherit the loaded profile's.
+_untimed = settings(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", _untimed, derandomize=True, database=None)
+_examples = DirectoryBasedExampleDatabase(".hypothesis/examples")
+settings.register_profile("dev", _untimed, derandomize=False, database=_examples)
+_in_ci = os.environ.get("CI", "").lower() in ("true", "1")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _in_ci else "dev"))
 # Tiny test models run fastest single-threaded; thread hand-offs cost more than the math.
 torch.set_num_threads(1)
 
@@ -59,6 +72,22 @@ def tiny_model():
     from speculum.models.loading import random_model
 
     return random_model(tiny_config(), seed=0, std=0.3)
+
+
+class ManualClock:
+    """A stand-in for the ``time`` module whose clock moves only when ``sleep`` is called, so
+    that timings measured under it are exact: the same on a loaded machine as on an idle one."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        """The seconds slept so far."""
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` without waiting."""
+        self.now += seconds
 
 
 def started(engine, prompt, rounds, **options):

@@ -391,7 +391,8 @@ def run_paged(
         q_lens = [s[step] if step < len(s) else 0 for s in schedule]
         q = max(q_lens)
         step_ids = torch.full((batch, q), VOCAB - 1)
-        step_hidden = torch.randn(batch, q, width) * 100
+        garbage = torch.Generator().manual_seed(step)  # seeded: a failure replays alone
+        step_hidden = torch.randn(batch, q, width, generator=garbage) * 100
         for b, n in enumerate(q_lens):
             start = int(seq_lens[b])
             step_ids[b, :n] = ids[b][start : start + n]
@@ -502,7 +503,7 @@ def test_eagle3_logits_live_in_the_draft_vocabulary(written: dict, target: Decod
     """Target ids outside the draft vocabulary get -inf; draft id i lands on i + d2t[i]."""
     folder, case = written["eagle3-reference"]
     head = load_draft(folder, target, "eagle3")
-    hidden = torch.randn(5, HIDDEN)
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, small = head.logits(hidden), head.draft_logits(hidden)
     ids = torch.arange(40) + case.tensors["d2t"]
@@ -663,7 +664,7 @@ def test_save_draft_round_trips(written: dict, tmp_path: Path, target, name: str
         torch.tensor([[5, 6, 7]]),
         torch.tensor([3]),
     )
-    hidden = torch.randn(1, 3, case.shape.hidden)
+    hidden = torch.randn(1, 3, case.shape.hidden, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = head.logits(head(batch, head.new_pool(3, 4), hidden))
     for layout in (k for k, v in LAYOUTS.items() if v == case.algorithm):
@@ -700,7 +701,8 @@ def test_random_draft_runs(target: DecoderModel) -> None:
             torch.tensor([2]),
         )
         with torch.no_grad():
-            out = head(batch, head.new_pool(2, 4), torch.randn(1, 2, HIDDEN))
+            hidden = torch.randn(1, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
+            out = head(batch, head.new_pool(2, 4), hidden)
         assert out.shape == (1, 2, HIDDEN) and head.logits(out).isfinite().all()
 
 

@@ -6,10 +6,9 @@ request that finished runs one extra round inside its own pages; host time is ac
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from conftest import tiny_config
+from conftest import ManualClock, tiny_config
 from heads import agreeing_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,20 +202,32 @@ test_overlapped_scheduler_state_machine = OverlapMachine.TestCase
 
 
 class SlowEvent:
-    """A device event that fires 2 ms after the host first waits on it."""
+    """A device event that fires 2 ms (on ``clock``) after the host first waits on it."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
 
     def query(self) -> bool:
         return False
 
     def synchronize(self) -> None:
-        time.sleep(0.002)
+        self.clock.sleep(0.002)
 
 
 def test_host_time_is_hidden_only_when_overlapped(monkeypatch):
     """With device results that take a while to arrive, the synchronous scheduler waits for
     each and hides nothing; the overlapped one does its host work while they are on their way
-    and waits about as long as the device takes."""
-    monkeypatch.setattr(scheduler, "to_host", lambda x: HostCopy(x.cpu(), SlowEvent()))
+    and waits about as long as the device takes. The scheduler reads a manual clock that moves
+    5 ms per launch (the host's work of a round) and 2 ms per wait, so a loaded machine cannot
+    shift the figures."""
+    clock = ManualClock()
+
+    def slow_copy(x):
+        clock.sleep(0.005)
+        return HostCopy(x.cpu(), SlowEvent(clock))
+
+    monkeypatch.setattr(scheduler, "time", clock)
+    monkeypatch.setattr(scheduler, "to_host", slow_copy)
     stats = {}
     for overlap in (False, True):
         (result, _) = generate(

@@ -123,7 +123,9 @@ def test_joint_distribution_of_positions_and_streams():
         assert_matches_distribution(tokens, joint_p)
 
 
-@settings(max_examples=15, deadline=None)
+# Derandomized: each example is a 1e-12 statistical check, so the same 15 (fixed by the test's
+# source) run everywhere rather than new ones each run, like the fixed seeds above.
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     logits=st.lists(st.integers(-8, 8).map(lambda i: i * 0.5), min_size=3, max_size=12),
     temperature=st.sampled_from([0.3, 0.7, 1.0, 2.0]),
