@@ -59,6 +59,8 @@ def test_python_block_runs_as_written(name, index, line, code, tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if k != "SPECULUM_TYPECHECK"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    # The folders an example makes with tempfile go under pytest's, which cleans them up.
+    env["TMPDIR"] = str(tmp_path)
     done = subprocess.run(
         [sys.executable, str(script)],
         cwd=work,
