@@ -244,7 +244,17 @@ def _add_training_options(
         help="store the finished weights in this dtype (default: as trained, float32)",
     )
     command.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="no status line on stderr"
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="save a resumable checkpoint every N steps (default: after the first step ending "
+        "a minute after the last save, so that an interrupt loses about a minute)",
+    )
+    command.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no phase lines or progress bar on stderr",
     )
 
 
@@ -423,9 +433,32 @@ def _print_metrics(metrics: dict[str, object]) -> None:
     )
 
 
+def _interrupted(out_dir: Path) -> int:
+    """Tell where a rerun of an interrupted training command for ``out_dir`` starts, as the
+    checkpoint on disk says; the exit status (130, as for a shell's Ctrl-C)."""
+    from speculum.training.loop import saved_progress
+    from speculum.training.target import checkpoint_file
+
+    path = checkpoint_file(out_dir)
+    try:
+        saved = saved_progress(path)
+    except ValueError as err:  # a damaged checkpoint: the rerun will refuse it too
+        print(f"\nspeculum: interrupted; {err}", file=sys.stderr)
+        return 130
+    if saved is None:
+        told = "no checkpoint was saved yet, so rerunning the same command starts from step 0"
+    else:
+        told = (
+            f"rerun the same command to resume from step {saved[0]} of {saved[1]} "
+            f"(the checkpoint in {path})"
+        )
+    print(f"\nspeculum: interrupted; {told}", file=sys.stderr)
+    return 130
+
+
 def _train_target(args: argparse.Namespace) -> int:
     """``speculum train-target``: train, save, print the losses; the exit status."""
-    from speculum.training.target import train_target, work_dir
+    from speculum.training.target import train_target
 
     try:
         result = train_target(
@@ -443,17 +476,13 @@ def _train_target(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=args.progress,
             save_dtype=args.save_dtype,
+            checkpoint_every=args.checkpoint_every,
         )
     except _TRAINING_ERRORS as err:
         print(f"speculum: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            f"\nspeculum: interrupted; rerun the same command to resume from the last "
-            f"checkpoint in {work_dir(Path(args.out_dir))}",
-            file=sys.stderr,
-        )
-        return 130
+        return _interrupted(Path(args.out_dir))
     _print_metrics(
         {
             "model": args.out_dir,
@@ -496,11 +525,14 @@ def _train_draft(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=args.progress,
             save_dtype=args.save_dtype,
+            checkpoint_every=args.checkpoint_every,
             **options,
         )
     except _TRAINING_ERRORS as err:
         print(f"speculum: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(Path(args.out_dir))
     _print_metrics(metrics)
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ __all__ = [
     "MIN_VOCAB_SIZE",
     "TRAIN_FILE",
     "TokenSplit",
+    "announce",
     "heldout_windows",
     "load_split",
     "prepare_corpus",
@@ -75,6 +77,13 @@ class TokenSplit:
 
     train: np.ndarray
     heldout: np.ndarray
+
+
+def announce(message: str, *, enabled: bool) -> None:
+    """Print ``message`` as one line on stderr when ``enabled``: the training commands name
+    each long phase before it starts, so that no stretch of a run is silent."""
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
 
 
 def train_tokenizer(files: Sequence[Path], vocab_size: int, out_dir: Path) -> Tokenizer:
@@ -242,6 +251,7 @@ def prepare_corpus(
     vocab_size: int,
     seed: int,
     files: Sequence[Path] | None = None,
+    progress: bool = False,
 ) -> tuple[Tokenizer, TokenSplit]:
     """The tokenizer and token split of a corpus folder, built on first use and reused after.
 
@@ -249,7 +259,8 @@ def prepare_corpus(
     to ``max_bytes`` with ``seed`` (:func:`~speculum.training.corpus.sample_files`). The
     tokenizer is trained on the training side only when ``out_dir/tokenizer.json`` is missing,
     else loaded; the arrays are tokenized and cached when missing, else loaded. A folder built
-    with other options is refused rather than silently reused.
+    with other options is refused rather than silently reused. ``progress`` names each phase
+    on stderr (:func:`announce`).
     """
     out_dir = Path(out_dir)
     options: dict[str, Any] = {
@@ -272,13 +283,19 @@ def prepare_corpus(
             )
     sample: list[Path] | None = None
     if not (out_dir / TOKENIZER_FILE).is_file():
-        sample = _sample(files, max_bytes, seed)
+        sample = _sample(files, max_bytes, seed, progress)
         train_files, _ = split_files(sample)
+        announce(
+            f"training a {vocab_size}-id tokenizer on {len(train_files or sample)} files...",
+            enabled=progress,
+        )
         train_tokenizer(train_files or sample, vocab_size, out_dir)
     tokenizer = load_tokenizer(out_dir)
     if (out_dir / TRAIN_FILE).is_file() and (out_dir / HELDOUT_FILE).is_file():
+        announce(f"reusing the tokenized corpus in {out_dir}", enabled=progress)
         return tokenizer, load_split(out_dir)
-    sample = sample if sample is not None else _sample(files, max_bytes, seed)
+    sample = sample if sample is not None else _sample(files, max_bytes, seed, progress)
+    announce(f"tokenizing {len(sample)} files...", enabled=progress)
     split = tokenize_split(tokenizer, sample, special_id(tokenizer, EOS), seed)
     _save_array(split.train, out_dir / TRAIN_FILE)
     _save_array(split.heldout, out_dir / HELDOUT_FILE)
@@ -296,7 +313,12 @@ def prepare_corpus(
     return tokenizer, split
 
 
-def _sample(files: Sequence[Path] | None, max_bytes: int, seed: int) -> list[Path]:
+def _sample(files: Sequence[Path] | None, max_bytes: int, seed: int, progress: bool) -> list[Path]:
+    """The corpus sample of :func:`prepare_corpus`, announced first (reading it takes a while)."""
+    described = "the .py files installed with this Python" if files is None else "the files given"
+    announce(
+        f"reading the corpus: up to {max_bytes / 1e6:.3g} MB of {described}...", enabled=progress
+    )
     return sample_files(installed_python_files() if files is None else files, max_bytes, seed)
 
 

@@ -9,7 +9,8 @@ speculum's loader and measures its acceptance length by greedy speculative gener
 held-out prompts (:func:`measure_acceptance`).
 
 While training, the resumable checkpoint lives in the sibling work folder ``OUT_DIR.work``
-(rerunning the same command resumes). The finished draft is written to the hidden sibling
+(saved about every minute, or every ``checkpoint_every`` steps; rerunning the same command
+resumes). The finished draft is written to the hidden sibling
 ``.OUT_DIR.staging`` and renamed to ``OUT_DIR`` at the very end, then the work folder is
 removed: an interrupted run never leaves a folder that looks like a finished draft. Besides the
 algorithm's checkpoint files (see ``docs/training_drafts.md``) the folder holds the target's
@@ -21,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -45,6 +45,7 @@ from speculum.training.data import (
     HELDOUT_FILE,
     TRAIN_FILE,
     TokenSplit,
+    announce,
     heldout_windows,
     load_split,
     random_windows,
@@ -53,7 +54,7 @@ from speculum.training.data import (
 )
 from speculum.training.loop import fit
 from speculum.training.recipes import DraftOptions, Recipe, recipe
-from speculum.training.target import claim_work_dir, work_dir
+from speculum.training.target import checkpoint_file, claim_work_dir, work_dir
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -93,6 +94,7 @@ def train_draft(
     chain_hidden: bool = True,
     save_dtype: str | None = None,
     block_size: int | None = None,
+    checkpoint_every: int | None = None,
 ) -> dict[str, float]:
     """Train an ``algorithm`` draft for the target in ``target_dir`` and save it as ``out_dir``.
 
@@ -105,7 +107,10 @@ def train_draft(
     (DFLASH and DSPARK: the block width the draft is trained and measured with). ``files``
     replaces the corpus (see the module docstring). Recipes marked ``on_policy`` (DFLASH,
     DSPARK) train on the target's greedy continuations of prompts from the corpus instead
-    (:func:`target_split`), held-out side included.
+    (:func:`target_split`), held-out side included. A resumable checkpoint is saved every
+    ``checkpoint_every`` steps, by default about once a minute
+    (:func:`~speculum.training.loop.fit`). ``progress`` names each phase on stderr and shows a
+    progress bar while training.
 
     Returns the metrics, also written to ``out_dir/training.json``: ``acceptance_length``
     (tokens per verify step, bonus token included, greedy chains of ``num_steps``),
@@ -150,7 +155,7 @@ def train_draft(
             f"target's {target.config.max_position_embeddings} positions"
         )
     _check_out_dir(chosen, out_dir, target_dir, target, overwrite)
-    split = _corpus(target_dir, target, files, seed)
+    split = _corpus(target_dir, target, files, seed, progress)
     work = work_dir(out_dir)
     claim_work_dir(
         work,
@@ -162,12 +167,11 @@ def train_draft(
     )
     if chosen.on_policy:
         split = target_split(target, split, steps * batch_size, length, seed, progress)
-    if progress:
-        print(
-            f"training a {chosen.name} draft for {target_dir} on {split.train.size} tokens "
-            f"({split.heldout.size} held out)",
-            file=sys.stderr,
-        )
+    announce(
+        f"training a {chosen.name} draft for {target_dir} on {split.train.size:,} tokens "
+        f"({split.heldout.size:,} held out)",
+        enabled=progress,
+    )
     head = chosen.build(target, options, split)
     result = fit(
         head,
@@ -180,7 +184,8 @@ def train_draft(
         warmup=min(100, max(1, steps // 10)),
         device=device,
         seed=seed,
-        checkpoint=work / "checkpoint.pt",
+        checkpoint=checkpoint_file(out_dir),
+        checkpoint_every=checkpoint_every,
         eval_every=min(200, steps),
         progress=progress,
     )
@@ -206,6 +211,12 @@ def train_draft(
         saved = chosen.load(staging, target)
         start = time.perf_counter()
         prompts = _prompts(split, target)
+        shapes = "chains, then trees" if chosen.name == "eagle3" else "chains"
+        announce(
+            f"measuring acceptance: {len(prompts)} held-out prompts, {NEW_TOKENS} greedy tokens "
+            f"each, drafted as {shapes}...",
+            enabled=progress,
+        )
         spec = SpecOptions(num_steps=num_steps, chain_hidden=chain_hidden)
         metrics |= measure_acceptance(target, saved, chosen.name, prompts, spec)
         if chosen.name == "eagle3":
@@ -233,9 +244,8 @@ def train_draft(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(work)
-    if progress:
-        described = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-        print(f"saved {out_dir}: {described}", file=sys.stderr)
+    described = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    announce(f"saved {out_dir}: {described}", enabled=progress)
     return metrics
 
 
@@ -276,11 +286,10 @@ def target_split(
     about a quarter of the windows the run draws, at most :data:`MAX_CONTINUATIONS`)."""
     train = min(MAX_CONTINUATIONS, max(8, windows // 4))
     heldout = max(8, train // 8)
-    if progress:
-        print(
-            f"generating {train + heldout} greedy continuations of {length} tokens with the target",
-            file=sys.stderr,
-        )
+    announce(
+        f"generating {train + heldout} greedy continuations of {length} tokens with the target...",
+        enabled=progress,
+    )
     return TokenSplit(
         train=target_continuations(target, split.train, train, length, seed),
         heldout=target_continuations(target, split.heldout, heldout, length, seed + 1),
@@ -372,13 +381,18 @@ def _check_out_dir(
 
 
 def _corpus(
-    target_dir: Path, target: DecoderModel, files: Sequence[str | Path] | None, seed: int
+    target_dir: Path,
+    target: DecoderModel,
+    files: Sequence[str | Path] | None,
+    seed: int,
+    progress: bool,
 ) -> TokenSplit:
     """The token split to train on: ``files``, else the target's own ``corpus/`` (the exact
     tokens it was trained on), else a sample of the installed ``.py`` files, tokenized with the
     target's tokenizer; checked against the target's vocabulary."""
     own = target_dir / "corpus"
     if files is None and (own / TRAIN_FILE).is_file() and (own / HELDOUT_FILE).is_file():
+        announce(f"reading the target's corpus in {own}", enabled=progress)
         split = load_split(own)
     else:
         if not (target_dir / TOKENIZER_FILE).is_file():
@@ -390,6 +404,10 @@ def _corpus(
         tokenizer = load_tokenizer(target_dir)
         eos = target.config.eos_token_ids
         separator = eos[0] if eos else special_id(tokenizer, EOS)
+        described = "the installed .py files" if files is None else f"{len(files)} files"
+        announce(
+            f"reading and tokenizing {described} with the target's tokenizer...", enabled=progress
+        )
         chosen = (
             sample_files(installed_python_files(), DEFAULT_MAX_BYTES, seed)
             if files is None

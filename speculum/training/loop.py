@@ -2,8 +2,9 @@
 
 Training is the one place where speculum mutates a module in place: ``fit`` updates the given
 module's parameters and returns a :class:`TrainResult` value describing the run. Everything that
-decides the run's numbers (the seed's window stream, the optimizer state, the step) goes into
-the checkpoint, so an interrupted run resumed from it ends where an uninterrupted one would.
+decides the run's numbers (the seed's window stream, the optimizer state, the step, the training
+loss summed since the last evaluation) goes into the checkpoint, so an interrupted run resumed
+from it ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import attrs
 import torch
 from jaxtyping import Int
 from torch import Tensor, nn
+from tqdm import tqdm
 
-from speculum.training.data import TokenSplit, heldout_windows, random_windows
+from speculum.training.data import TokenSplit, announce, heldout_windows, random_windows
 
-__all__ = ["LossFn", "TrainResult", "fit", "learning_rate"]
+__all__ = ["CHECKPOINT_SECONDS", "LossFn", "TrainResult", "fit", "learning_rate", "saved_progress"]
 
 #: ``loss_fn(windows) -> (scalar loss, metrics)``; windows are int64 ``[batch, length]`` ids on
 #: the training device. Metrics are averaged over the held-out windows at each evaluation.
@@ -61,6 +63,11 @@ class TrainResult:
 #: kernel autotuning, first-call compilation).
 UNTIMED_STEPS = 5
 
+#: Without ``checkpoint_every``, a checkpoint is saved after the first update that ends this many
+#: seconds after the last save (or the run's start): an interrupt loses about a minute at most,
+#: whatever a step costs.
+CHECKPOINT_SECONDS = 60.0
+
 
 def _synchronize(device: str) -> None:
     """Wait for queued device work, so that a host clock reading means it is done."""
@@ -91,11 +98,13 @@ def fit(
     device: str = "cpu",
     seed: int = 0,
     checkpoint: Path | None = None,
+    checkpoint_every: int | None = None,
     eval_every: int = 200,
     eval_batches: int = 8,
     progress: bool = True,
     grad_clip: float = 1.0,
     autocast: torch.dtype | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> TrainResult:
     """Train ``module`` in place for ``steps`` AdamW updates of ``loss_fn`` on windows of
     ``split.train``; return the run's :class:`TrainResult`.
@@ -108,11 +117,15 @@ def fit(
     loss is the mean of ``loss_fn`` over the first ``eval_batches`` batches of
     :func:`heldout_windows`, without gradients and with the module in eval mode.
 
-    With ``checkpoint``, the module, optimizer, step, window generator and history are saved
-    there at every evaluation (written to a temporary file, then renamed), and a run that finds
-    the file resumes from it; a checkpoint written with other options is refused. ``autocast``
-    runs ``loss_fn`` under ``torch.autocast`` with that dtype. ``progress`` prints a status line
-    to stderr.
+    With ``checkpoint``, the module, optimizer, step, window generator, history and the
+    training loss summed since the last evaluation are saved there (written to a temporary
+    file, then renamed) every ``checkpoint_every`` updates, or with ``None`` after the first
+    update ending :data:`CHECKPOINT_SECONDS` of ``clock`` after the last save, and after the
+    last update. A run that finds the file resumes from it; a checkpoint written with other
+    options is refused (``checkpoint_every`` is not one of them: it changes no number).
+    ``autocast`` runs ``loss_fn`` under ``torch.autocast`` with that dtype. ``progress`` shows a
+    progress bar with the losses and the time left on stderr, after a ``resuming from step N``
+    line when the run resumes.
     """
     options = {
         "steps": steps,
@@ -127,6 +140,13 @@ def fit(
         "grad_clip": grad_clip,
     }
     _validate(options, device)
+    if checkpoint_every is not None and (
+        not isinstance(checkpoint_every, int) or checkpoint_every < 1
+    ):
+        raise ValueError(
+            f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}; leave it out "
+            f"to save every {CHECKPOINT_SECONDS:.0f} s"
+        )
     started = time.perf_counter()
     module.to(device)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -167,6 +187,9 @@ def fit(
         return total / count, {name: value / count for name, value in sums.items()}
 
     step, history, heldout_history = 0, [], []
+    # The training loss summed over the updates since the last evaluation, and their count.
+    # Accumulated on the device: reading the loss every step would sync a GPU every step.
+    running, interval = torch.zeros((), device=device), 0
     if checkpoint is not None and Path(checkpoint).is_file():
         state = _load(Path(checkpoint), options, device)
         module.load_state_dict(state["module"])
@@ -175,60 +198,87 @@ def fit(
         step = state["step"]
         history = [tuple(h) for h in state["history"]]
         heldout_history = [tuple(h) for h in state["heldout_history"]]
+        # A checkpoint written before these were saved was written at an evaluation, where
+        # the sum is empty.
+        running = state.get("running", running).to(device)
+        interval = state.get("interval", 0)
+        announce(f"resuming from step {step} of {steps} ({checkpoint})", enabled=progress)
     module.train()
     metrics: dict[str, float] | None = None
-    if not heldout_history:
-        heldout_history.append((0, evaluate()[0]))
     resumed = step
-    bar = _Progress(steps, enabled=progress)
-    bar.show(resumed, history, heldout_history)
-    running = torch.zeros((), device=device)
-    interval = 0
     timed_from = resumed + UNTIMED_STEPS  # the clock starts when this update has finished
     clock_start, paused = None, 0.0
-    for step in range(resumed + 1, steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps=steps, lr=lr, warmup=warmup)
-        loss, _ = run_loss(random_windows(split.train, batch_size, length, generator))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
-        # Accumulated on the device: reading the loss every step would sync a GPU every step.
-        running += loss.detach().float()
-        interval += 1
-        if step == timed_from:
-            _synchronize(device)
-            clock_start = time.perf_counter()
-        if step % eval_every == 0 or step == steps:
-            train_loss = float(running) / interval  # waits for the updates so far
-            pause = time.perf_counter()
-            if not math.isfinite(train_loss):
-                raise RuntimeError(
-                    f"the training loss became {train_loss} by step {step}; lower the learning "
-                    f"rate (now {lr}) or raise the warmup (now {warmup})"
+    saved_at = clock()
+    with tqdm(
+        total=steps,
+        initial=resumed,
+        desc="training",
+        unit="step",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
+        if not heldout_history:
+            bar.set_postfix_str("held-out loss before training...")
+            heldout_history.append((0, evaluate()[0]))
+        bar.set_postfix_str(_losses(history, heldout_history))
+        for step in range(resumed + 1, steps + 1):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, steps=steps, lr=lr, warmup=warmup)
+            loss, _ = run_loss(random_windows(split.train, batch_size, length, generator))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optimizer.step()
+            running += loss.detach().float()
+            interval += 1
+            if step == timed_from:
+                _synchronize(device)
+                clock_start = time.perf_counter()
+            evaluating = step % eval_every == 0 or step == steps
+            saving = checkpoint is not None and (
+                step == steps
+                or (
+                    step % checkpoint_every == 0
+                    if checkpoint_every is not None
+                    else clock() - saved_at >= CHECKPOINT_SECONDS
                 )
-            held, metrics = evaluate()
-            history.append((step, train_loss))
-            heldout_history.append((step, held))
-            running.zero_()
-            interval = 0
-            if checkpoint is not None:
-                _save(
-                    Path(checkpoint),
-                    module,
-                    optimizer,
-                    generator,
-                    step,
-                    options,
-                    history,
-                    heldout_history,
-                )
-            if clock_start is not None:
-                paused += time.perf_counter() - pause
-        bar.show(step, history, heldout_history)
-    bar.close()
+            )
+            if evaluating or saving:
+                # The updates so far count as update time; evaluating and saving do not.
+                _synchronize(device)
+                pause = time.perf_counter()
+                if evaluating:
+                    train_loss = float(running) / interval
+                    if not math.isfinite(train_loss):
+                        raise RuntimeError(
+                            f"the training loss became {train_loss} by step {step}; lower the "
+                            f"learning rate (now {lr}) or raise the warmup (now {warmup})"
+                        )
+                    held, metrics = evaluate()
+                    history.append((step, train_loss))
+                    heldout_history.append((step, held))
+                    running.zero_()
+                    interval = 0
+                    bar.set_postfix_str(_losses(history, heldout_history), refresh=False)
+                if saving:
+                    _save(
+                        Path(checkpoint),
+                        module,
+                        optimizer,
+                        generator,
+                        step,
+                        options,
+                        history,
+                        heldout_history,
+                        running,
+                        interval,
+                    )
+                    saved_at = clock()
+                if clock_start is not None:
+                    paused += time.perf_counter() - pause
+            bar.update()
     step_seconds = 0.0
     if clock_start is not None and steps > timed_from:
         _synchronize(device)
@@ -266,6 +316,13 @@ def _validate(options: dict[str, Any], device: str) -> None:
         raise ValueError("device cuda needs a CUDA GPU and none is visible; use --device cpu")
 
 
+def _losses(history: list, heldout_history: list) -> str:
+    """The progress bar's note: the latest training and held-out losses."""
+    train = f"{history[-1][1]:.4f}" if history else "-"
+    held = f"{heldout_history[-1][1]:.4f}" if heldout_history else "-"
+    return f"train loss {train}, held-out loss {held}"
+
+
 def _save(
     path: Path,
     module: nn.Module,
@@ -275,6 +332,8 @@ def _save(
     options: dict[str, Any],
     history: list,
     heldout_history: list,
+    running: Tensor,
+    interval: int,
 ) -> None:
     """Write the resumable state to ``path`` atomically (temporary file, then rename)."""
     state = {
@@ -285,6 +344,8 @@ def _save(
         "options": options,
         "history": history,
         "heldout_history": heldout_history,
+        "running": running,
+        "interval": interval,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -292,14 +353,31 @@ def _save(
     os.replace(partial, path)
 
 
-def _load(path: Path, options: dict[str, Any], device: str) -> dict[str, Any]:
-    """The state saved at ``path``, refused if it was written with other ``options``."""
+def _read(path: Path, device: str, *, mmap: bool = False) -> dict[str, Any]:
+    """The state saved at ``path``, its tensors on ``device`` (with ``mmap``, CPU tensors
+    mapped from the file and read only when touched)."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises several unrelated types for damaged files
         raise ValueError(
             f"cannot read checkpoint {path}: {err}; delete it to start training over"
         ) from err
+
+
+def saved_progress(path: Path) -> tuple[int, int] | None:
+    """``(step, steps)`` of the checkpoint at ``path``: the update a rerun resumes after, of
+    how many; ``None`` when there is no checkpoint yet. Cheap: the file is memory-mapped and
+    its weights are not read."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    state = _read(path, "cpu", mmap=True)
+    return state["step"], state["options"]["steps"]
+
+
+def _load(path: Path, options: dict[str, Any], device: str) -> dict[str, Any]:
+    """The state saved at ``path``, refused if it was written with other ``options``."""
+    state = _read(path, device)
     saved = state["options"]
     changed = [
         f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in options.items() if saved.get(k) != v
@@ -311,43 +389,3 @@ def _load(path: Path, options: dict[str, Any], device: str) -> dict[str, Any]:
         )
     state["rng"] = state["rng"].cpu()
     return state
-
-
-class _Progress:
-    """A one-line status on stderr, redrawn in place with a carriage return."""
-
-    def __init__(self, steps: int, *, enabled: bool) -> None:
-        self.steps = steps
-        self.enabled = enabled
-        self.start = time.perf_counter()
-        self.first_step: int | None = None
-        self.last_draw = 0.0
-        self.width = 0
-
-    def show(self, step: int, history: list, heldout_history: list) -> None:
-        """Redraw the line (at most five times a second, and always at an evaluation)."""
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if self.first_step is None:
-            self.first_step, self.start = step, now
-        evaluated = bool(history) and history[-1][0] == step
-        if now - self.last_draw < 0.2 and not evaluated and step != self.steps:
-            return
-        self.last_draw = now
-        rate = (step - self.first_step) / max(now - self.start, 1e-9)
-        done = int(20 * step / self.steps)
-        train = f"{history[-1][1]:.4f}" if history else "-"
-        held = f"{heldout_history[-1][1]:.4f}" if heldout_history else "-"
-        line = (
-            f"\r[{'#' * done}{'.' * (20 - done)}] {step}/{self.steps}  {rate:.2f} steps/s  "
-            f"train loss {train}  held-out loss {held}"
-        )
-        # Padding blanks out the tail of a longer previous line.
-        print(line.ljust(self.width), end="", file=sys.stderr, flush=True)
-        self.width = len(line)
-
-    def close(self) -> None:
-        """End the status line."""
-        if self.enabled:
-            print(file=sys.stderr, flush=True)

@@ -15,7 +15,8 @@ While training, everything lives in the sibling work folder ``OUT_DIR.work`` (th
 ``corpus/`` unless ``corpus_dir`` says otherwise, the resumable ``checkpoint.pt``). The finished
 model is written to a hidden sibling and renamed to ``OUT_DIR`` at the very end, then the work
 folder is removed: an interrupted run never leaves a folder that looks like a model, and
-rerunning the same command resumes from the last checkpoint.
+rerunning the same command resumes from the last checkpoint (saved about every minute, or every
+``checkpoint_every`` steps).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from speculum.models.config import DecoderConfig
 from speculum.models.decoder import DecoderModel, dense_batch
 from speculum.models.loading import DTYPES, cast_weights, save_model
 from speculum.models.tokenizer import BOS, EOS, TOKENIZER_FILE, Tokenizer
-from speculum.training.data import prepare_corpus, special_id
+from speculum.training.data import announce, prepare_corpus, special_id
 from speculum.training.loop import TrainResult, fit
 
 __all__ = [
     "SIZES",
+    "checkpoint_file",
     "claim_work_dir",
     "init_model",
     "next_token_loss",
@@ -154,6 +156,11 @@ def work_dir(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".work")
 
 
+def checkpoint_file(out_dir: Path) -> Path:
+    """Where a training run for ``out_dir`` keeps its resumable checkpoint until it is done."""
+    return work_dir(out_dir) / "checkpoint.pt"
+
+
 def train_target(
     out_dir: Path,
     *,
@@ -175,6 +182,7 @@ def train_target(
     weight_decay: float = 0.1,
     eval_every: int = 200,
     save_dtype: str | None = None,
+    checkpoint_every: int | None = None,
 ) -> TrainResult:
     """Train a target model of preset ``size`` and save it, complete, as ``out_dir``.
 
@@ -186,9 +194,12 @@ def train_target(
     built, or reused if already there. See the module docstring for the files written.
 
     With ``resume`` (the default) a checkpoint left by an interrupted run with the same options
-    is continued; ``resume=False`` starts over. ``out_dir`` must not hold a finished model
-    unless ``overwrite``. ``save_dtype`` (e.g. ``"bfloat16"``) stores the finished weights in
-    that dtype; ``config.json`` keeps float32, the dtype loaders compute in by default.
+    is continued; ``resume=False`` starts over. Checkpoints are saved every ``checkpoint_every``
+    steps, by default about once a minute (:func:`~speculum.training.loop.fit`). ``progress``
+    names each phase on stderr and shows a progress bar while training. ``out_dir`` must not
+    hold a finished model unless ``overwrite``. ``save_dtype`` (e.g. ``"bfloat16"``) stores the
+    finished weights in that dtype; ``config.json`` keeps float32, the dtype loaders compute in
+    by default.
     """
     if save_dtype is not None and save_dtype not in DTYPES:
         raise ValueError(f"save_dtype {save_dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -210,7 +221,12 @@ def train_target(
     claim_work_dir(work, options)
     corpus = work / "corpus" if corpus_dir is None else Path(corpus_dir)
     tokenizer, split = prepare_corpus(
-        corpus, max_bytes=max_bytes, vocab_size=vocab_size, seed=seed, files=files
+        corpus,
+        max_bytes=max_bytes,
+        vocab_size=vocab_size,
+        seed=seed,
+        files=files,
+        progress=progress,
     )
     config = target_config(size, tokenizer)
     if not 2 <= length <= config.max_position_embeddings + 1:
@@ -220,6 +236,11 @@ def train_target(
             f"{config.max_position_embeddings + 1}"
         )
     model = init_model(config, seed=seed)
+    announce(
+        f"training a {size} model of {sum(p.numel() for p in model.parameters()):,} parameters "
+        f"on {split.train.size:,} tokens ({split.heldout.size:,} held out)",
+        enabled=progress,
+    )
     result = fit(
         model,
         partial(next_token_loss, model),
@@ -232,7 +253,8 @@ def train_target(
         weight_decay=weight_decay,
         device=device,
         seed=seed,
-        checkpoint=work / "checkpoint.pt",
+        checkpoint=checkpoint_file(out_dir),
+        checkpoint_every=checkpoint_every,
         eval_every=eval_every,
         progress=progress,
     )

@@ -19,6 +19,7 @@ from speculum.models.draft_loading import DraftTargetMismatch, save_random_draft
 from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import CheckpointError, load_model, random_model, save_model
 from speculum.models.tokenizer import byte_level_tokenizer, save_tokenizer
+from speculum.runtime import cli
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
 from speculum.spec.paged import extend_batch
@@ -29,6 +30,7 @@ from speculum.training.draft import train_draft
 from speculum.training.recipes import RECIPES, DraftOptions, recipe, run_target
 from speculum.training.recipes.eagle3 import frequent_tokens, ttt_forward, ttt_mask
 from speculum.training.recipes.frozen_kv_mtp import dense_forward, target_kv
+from speculum.training.target import checkpoint_file
 
 VOCAB = 258  # the byte-level tokenizer's ids; 256 is <s>, 257 is </s>
 LETTERS = torch.arange(ord("a"), ord("z") + 1)
@@ -326,3 +328,34 @@ def test_an_interrupted_run_leaves_no_finished_looking_folder(
     assert not out_dir.exists()
     # Only the resumable checkpoint is left, in the work folder.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.work"]
+
+
+def test_cli_interrupted_while_measuring_resumes_after_training(
+    target_dir, corpus, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C while acceptance is measured, after training: the message says the rerun resumes
+    from the last step, and the rerun says so, does no update and saves the draft."""
+    measure = training_draft.measure_acceptance
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training_draft, "measure_acceptance", interrupted)
+    out_dir = tmp_path / "draft"
+    argv = ["train-draft", str(out_dir), "--target", str(target_dir), "--algorithm", "mtp"]
+    argv += ["--steps", "3", "--batch-size", "4", "--length", "32", "--files", *map(str, corpus)]
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "training a mtp draft" in err and "measuring acceptance" in err
+    checkpoint = checkpoint_file(out_dir)
+    assert err.endswith(
+        "speculum: interrupted; rerun the same command to resume from step 3 of 3 (the "
+        f"checkpoint in {checkpoint})\n"
+    )
+    monkeypatch.setattr(training_draft, "measure_acceptance", measure)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"resuming from step 3 of 3 ({checkpoint})" in err
+    assert "3/3 [" in err  # the bar starts where the run stopped: no update is left
+    assert json.loads((out_dir / "training.json").read_text())["options"]["steps"] == 3
+    assert not checkpoint.exists()

@@ -269,9 +269,11 @@ def test_saved_model_loads_in_speculum_and_transformers(trained) -> None:
 
 
 def test_interrupted_run_resumes_to_the_same_parameters(text_files, tmp_path, monkeypatch):
-    """Killed at step 25 (checkpoint at 20): no model folder appears, and rerunning the same
-    call ends with exactly the parameters and losses of an uninterrupted run. Changed options
-    are refused rather than mixed into the checkpoint."""
+    """Killed at step 25 (checkpoints every 8 steps, the last at 24, between evaluations at 20
+    and 30): no model folder appears, and rerunning the same call ends with exactly the
+    parameters and losses of an uninterrupted run, the training loss of steps 21 to 24 counted
+    in the one reported at 30. Changed options are refused rather than mixed into the
+    checkpoint."""
     options = {
         **_RUN,
         "files": text_files,
@@ -279,6 +281,7 @@ def test_interrupted_run_resumes_to_the_same_parameters(text_files, tmp_path, mo
         "steps": 30,
         "lr": 3e-3,
         "eval_every": 10,
+        "checkpoint_every": 8,
         "progress": False,
     }
     whole = target.train_target(tmp_path / "whole", **options)
@@ -305,7 +308,7 @@ def test_interrupted_run_resumes_to_the_same_parameters(text_files, tmp_path, mo
 
     steps, die_at = 0, None
     resumed = target.train_target(out, **options)
-    assert steps == 10  # steps 21 to 30: it resumed rather than started over
+    assert steps == 6  # steps 25 to 30: it resumed rather than started over
     assert resumed.heldout_history == whole.heldout_history
     assert resumed.history == whole.history
     expected = load_file(tmp_path / "whole" / "model.safetensors")
@@ -314,6 +317,123 @@ def test_interrupted_run_resumes_to_the_same_parameters(text_files, tmp_path, mo
     for name, tensor in expected.items():
         assert torch.equal(found[name], tensor), name
     assert not target.work_dir(out).exists()
+
+
+def test_time_based_checkpoints_save_about_every_minute(tmp_path: Path) -> None:
+    """Without ``checkpoint_every``, a checkpoint is saved after the first update ending
+    ``CHECKPOINT_SECONDS`` after the last save: with updates of 25 s (a fake clock), at steps 3
+    and 6, so an interrupt at step 8 leaves step 6. With ``checkpoint_every`` the steps decide
+    instead, and an impossible value is refused by name."""
+    split = data.TokenSplit(train=np.arange(100, dtype=np.int32), heldout=np.arange(50))
+    module = torch.nn.Linear(2, 2)
+    now = 0.0
+
+    def slow_loss(windows):
+        nonlocal now
+        if module.training:
+            now += 25.0
+            if now == 8 * 25.0:
+                raise KeyboardInterrupt
+        return module.weight.sum() * windows.float().mean(), {}
+
+    path = tmp_path / "checkpoint.pt"
+    options = {"batch_size": 2, "length": 8, "lr": 1e-3, "progress": False, "checkpoint": path}
+    assert loop.CHECKPOINT_SECONDS == 60.0
+    with pytest.raises(KeyboardInterrupt):
+        loop.fit(module, slow_loss, split, steps=20, clock=lambda: now, **options)
+    assert loop.saved_progress(path) == (6, 20)
+
+    path.unlink()
+    now = 0.0
+    with pytest.raises(KeyboardInterrupt):
+        loop.fit(
+            module, slow_loss, split, steps=20, checkpoint_every=5, clock=lambda: now, **options
+        )
+    assert loop.saved_progress(path) == (5, 20)  # not 6: the minute no longer counts
+    for bad in (0, 2.5):
+        with pytest.raises(
+            ValueError, match=f"checkpoint_every must be an integer >= 1, got {bad}"
+        ):
+            loop.fit(module, slow_loss, split, steps=20, checkpoint_every=bad, **options)
+
+
+def _cli_train(out: Path, text_files: list[Path], *extra: str) -> list[str]:
+    """``speculum train-target`` at test size into ``out`` (10 steps, evaluated at the last)."""
+    argv = ["train-target", str(out), "--size", "test", "--steps", "10", "--batch-size", "4"]
+    argv += ["--length", "17", "--vocab-size", "300", "--files", *map(str, text_files)]
+    return [*argv, *extra]
+
+
+@pytest.fixture
+def counted_steps(monkeypatch):
+    """Counts the training updates of ``train_target`` runs (``["steps"]``) and raises
+    ``KeyboardInterrupt``, as Ctrl-C would, in the update numbered ``["die_at"]``."""
+    seen = {"steps": 0, "die_at": None}
+    real_loss = target.next_token_loss
+
+    def counted(model, windows):
+        seen["steps"] += model.training
+        if seen["steps"] == seen["die_at"]:
+            raise KeyboardInterrupt
+        return real_loss(model, windows)
+
+    monkeypatch.setattr(target, "next_token_loss", counted)
+    return seen
+
+
+def test_cli_interrupt_before_the_first_checkpoint(text_files, tmp_path, counted_steps, capsys):
+    """Ctrl-C before any checkpoint: the message says nothing was saved and a rerun starts
+    from step 0, and the rerun does all 10 updates (no "resuming" line)."""
+    argv = _cli_train(tmp_path / "m", text_files, "--checkpoint-every", "8")
+    counted_steps["die_at"] = 5
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "speculum: interrupted; no checkpoint was saved yet, so rerunning the same command "
+        "starts from step 0\n"
+    )
+    counted_steps.update(steps=0, die_at=None)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert counted_steps["steps"] == 10
+    assert "resuming" not in err
+
+
+def test_cli_interrupt_after_a_checkpoint_resumes_there(
+    text_files, tmp_path, counted_steps, capsys
+):
+    """Ctrl-C at step 7 with checkpoints every 4 steps: the message names step 4 and the
+    checkpoint, the rerun says it resumes from step 4, does the 6 remaining updates and saves
+    exactly the weights and losses of an uninterrupted run. Every run names its phases and
+    shows a progress bar with the time left."""
+    assert cli.main(_cli_train(tmp_path / "whole", text_files)) == 0
+    err = capsys.readouterr().err
+    assert "reading the corpus" in err and "training a 300-id tokenizer" in err
+    assert "training a test model of" in err
+    assert "10/10 [" in err and "<" in err  # tqdm's [elapsed<remaining]
+
+    out = tmp_path / "resumed"
+    argv = _cli_train(out, text_files, "--checkpoint-every", "4")
+    counted_steps.update(steps=0, die_at=7)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "speculum: interrupted; rerun the same command to resume from step 4 of 10 (the "
+        f"checkpoint in {target.checkpoint_file(out)})\n"
+    )
+    counted_steps.update(steps=0, die_at=None)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"resuming from step 4 of 10 ({target.checkpoint_file(out)})" in err
+    assert counted_steps["steps"] == 6
+    whole = json.loads((tmp_path / "whole" / "training.json").read_text())
+    resumed = json.loads((out / "training.json").read_text())
+    for key in ("train_loss", "heldout_loss", "heldout_history"):
+        assert resumed[key] == whole[key], key
+    expected = load_file(tmp_path / "whole" / "model.safetensors")
+    found = load_file(out / "model.safetensors")
+    for name, tensor in expected.items():
+        assert torch.equal(found[name], tensor), name
 
 
 def test_clear_errors(trained, text_files, tmp_path: Path) -> None:
@@ -374,6 +494,7 @@ def test_cli_train_draft_forwards_options(tmp_path: Path, monkeypatch, capsys) -
         "overwrite": False,
         "progress": False,
         "save_dtype": None,
+        "checkpoint_every": None,
         "num_steps": 4,
         "lr": 0.01,
     }
