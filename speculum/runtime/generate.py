@@ -128,7 +128,7 @@ def generate(
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
                 chain_hidden=chain_hidden,
-                adaptive_steps=tuple(adaptive_steps),
+                adaptive_steps=adaptive_steps,
                 adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
                 block_size=block_size,
                 verify_budget=verify_budget,
@@ -179,12 +179,13 @@ def generate(
     return [_result(engine, finished[rid], shared) for rid in rids]
 
 
-def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> Sequence[int]:
+    """A prompt's token ids: text encoded, ids as given (``add_request`` checks them)."""
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise ValueError("text prompts need a tokenizer.json in the model folder; pass ids")
         return engine.tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
+    return prompt
 
 
 def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
