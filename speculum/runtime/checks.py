@@ -26,6 +26,7 @@ __all__ = [
     "INT64_MIN",
     "INT64_MAX",
     "integer",
+    "sequence",
     "integers",
     "real",
     "flag",
@@ -73,41 +74,53 @@ def integer(
     ``fix``, when given, is appended to the message (what to do instead).
     """
     plain = _scalar(value)
-    rule = f"must be an integer{_bounds(minimum, maximum)}"
+    integral = isinstance(plain, numbers.Integral) and not isinstance(plain, (bool, np.bool_))
+    number = int(plain) if integral else None
+    below = number is not None and minimum is not None and number < minimum
+    if number is not None and not below and (maximum is None or number <= maximum):
+        return number
+    rule = f"{field}={value!r}: must be an integer{_bounds(minimum, maximum)}"
     hint = f"; {fix}" if fix else ""
-    if not isinstance(plain, numbers.Integral) or isinstance(plain, (bool, np.bool_)):
-        raise TypeError(f"{field}={value!r}: {rule}, not {_type_name(value)}{hint}")
-    number = int(plain)
-    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-        raise ValueError(f"{field}={value!r}: {rule}{hint}")
-    return number
+    if not integral:
+        raise TypeError(f"{rule}, not {_type_name(value)}{hint}")
+    raise ValueError(f"{rule}{hint}")
+
+
+def sequence(field: str, values: object, *, of: str, fix: str = "") -> tuple[Any, ...]:
+    """``values`` as a tuple (a bare string is not a sequence of anything here); ``of`` names
+    what its items must be, for the message."""
+    rule = f"must be a sequence of {of}"
+    hint = f"; {fix}" if fix else ""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{field}={values!r}: {rule}, not {_type_name(values)}{hint}")
+    try:
+        return tuple(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{field}={values!r}: {rule}, not {_type_name(values)}{hint}") from None
 
 
 def integers(field: str, values: object, *, minimum: int | None = None) -> tuple[int, ...]:
     """``values`` (a sequence, 1-D array or 1-D integer tensor) as a tuple of ``int``, each
     checked by :func:`integer` under the name ``field[i]``."""
-    rule = "must be a sequence of integers"
     if isinstance(values, (torch.Tensor, np.ndarray)):
         values = values.tolist()  # one conversion, not a tensor object per element
-    if isinstance(values, (str, bytes)):
-        raise TypeError(f"{field}={values!r}: {rule}, not {_type_name(values)}")
-    try:
-        items = tuple(values)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(
-            f"{field}={values!r}: {rule}, not {_type_name(values)}; e.g. ({values!r},)"
-        ) from None
+    items = sequence(field, values, of="integers", fix="wrap a single one, e.g. (7,)")
+    # Plain ints (a prompt's thousands of token ids, typically) are checked at C speed.
+    if all(type(v) is int for v in items) and (minimum is None or min(items, default=0) >= minimum):
+        return items
     return tuple(integer(f"{field}[{i}]", v, minimum=minimum) for i, v in enumerate(items))
 
 
-def real(field: str, value: object, *, low: float, high: float = math.inf, open_low=False) -> float:
+def real(
+    field: str, value: object, *, low: float, high: float = math.inf, open_low: bool = False
+) -> float:
     """``value`` as a ``float`` in ``[low, high]`` (``(low, high]`` with ``open_low``), finite,
     and still so once rounded to float32, the dtype the device samples in."""
     plain = _scalar(value)
     if high == math.inf:
-        rule = f"must be a finite number {'>' if open_low else '>='} {low}"
+        rule = f"must be a finite number {'>' if open_low else '>='} {low:g}"
     else:
-        rule = f"must be a number in {'(' if open_low else '['}{low}, {high}]"
+        rule = f"must be a number in {'(' if open_low else '['}{low:g}, {high:g}]"
     if not isinstance(plain, numbers.Real) or isinstance(plain, (bool, np.bool_)):
         raise TypeError(f"{field}={value!r}: {rule}, not {_type_name(value)}")
     number = float(plain)
@@ -139,7 +152,7 @@ def instance(field: str, value: T, *, kind: type | tuple[type, ...]) -> T:
     if not isinstance(value, kind):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         names = " or ".join(k.__name__ for k in kinds)
-        raise TypeError(f"{field}={value!r}: must be a {names}, not {_type_name(value)}")
+        raise TypeError(f"{field}={value!r}: must be of type {names}, not {_type_name(value)}")
     return value
 
 

@@ -129,7 +129,7 @@ def _verify_budget(value: object) -> str | int:
     if isinstance(value, str):
         return value
     return checks.integer(
-        "verify_budget", value, minimum=0, fix="or one of the words 'all' and 'auto'"
+        "verify_budget", value, minimum=0, fix="the other budgets are the words 'all' and 'auto'"
     )
 
 

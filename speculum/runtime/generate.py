@@ -110,6 +110,10 @@ def generate(
     result is returned. Every rank decodes rank 0's requests and returns the same results.
     """
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
+    # Checked here, before any model loads or worker starts (scheduler.Sampling).
+    sampling = scheduler.Sampling(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+    )
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
@@ -144,9 +148,6 @@ def generate(
             draft_tp=draft_tp,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
-    sampling = scheduler.Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-    )
     # Every rank must schedule the same requests for the ranks' collectives to pair up: rank 0's.
     ids, sampling, max_new_tokens, stop_token_ids, stop_strings, ignore_eos = engine.tp.from_leader(
         (

@@ -237,18 +237,11 @@ def _token_ids(field: str, values: object, vocab: int) -> tuple[int, ...]:
 
 def _stop_strings(values: object) -> tuple[str, ...]:
     """``values`` as a tuple of non-empty strings; a bare string is one stop string."""
-    strings = (values,) if isinstance(values, str) else values
-    try:
-        strings = tuple(strings)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"stop_strings={values!r}: must be a string or a sequence of strings"
-        ) from None
+    if isinstance(values, str):
+        values = (values,)
+    strings = checks.sequence("stop_strings", values, of="strings", fix="or one string")
     for i, string in enumerate(strings):
-        if not isinstance(string, str):
-            raise TypeError(
-                f"stop_strings[{i}]={string!r}: must be a string, not {type(string).__name__}"
-            )
+        checks.instance(f"stop_strings[{i}]", string, kind=str)
         if not string:
             raise ValueError(
                 f"stop_strings[{i}]='': an empty stop string matches at once and would end "
