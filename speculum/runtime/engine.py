@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources
+from speculum.runtime import checks
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -39,23 +41,48 @@ __all__ = [
 ]
 
 
+def _count(minimum: int) -> attrs.Converter:
+    """The converter of a count setting: an integer >= ``minimum``."""
+    return checks.converter(checks.integer, minimum=minimum)
+
+
+def _optional_count(minimum: int) -> attrs.Converter:
+    """The converter of a count setting that ``None`` leaves to a default."""
+    return checks.converter(checks.integer, optional=True, minimum=minimum)
+
+
+_FLAG = checks.converter(checks.flag)
+
+
+def _buckets(value: object) -> tuple[int, ...]:
+    """CUDA-graph batch buckets: batch sizes >= 1, at least one."""
+    buckets = checks.integers("graph_buckets", value, minimum=1)
+    if not buckets:
+        raise ValueError("graph_buckets=(): give at least one batch size, e.g. (1, 2, 4, 8)")
+    return buckets
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """Scheduler limits (KV pages, batch size, context length, prefill chunking), whether the
     models' projections are fused (q/k/v and gate/up as one matmul each, see
     ``models.decoder.fuse_projections_``), on CUDA whether decoding rounds run as CUDA graphs
     and for which batch-size buckets, and whether the scheduler overlaps the host's work for
-    the next step with the device's current one (``overlap``, ``docs/overlap.md``)."""
+    the next step with the device's current one (``overlap``, ``docs/overlap.md``).
 
-    page_size: int = 16
-    num_pages: int = 0
-    max_batch: int = 16
-    max_context: int = 1024
-    prefill_budget: int = 512
-    cuda_graphs: bool = True
-    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    fuse_projections: bool = True
-    overlap: bool = False
+    Checked when built (``runtime.checks``): counts are integers, not floats or bools,
+    ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
+    (a prompt token and a generated one), the other counts ``>= 1``; flags are bools."""
+
+    page_size: int = attrs.field(default=16, converter=_count(1))
+    num_pages: int = attrs.field(default=0, converter=_count(0))
+    max_batch: int = attrs.field(default=16, converter=_count(1))
+    max_context: int = attrs.field(default=1024, converter=_count(2))
+    prefill_budget: int = attrs.field(default=512, converter=_count(1))
+    cuda_graphs: bool = attrs.field(default=True, converter=_FLAG)
+    graph_buckets: tuple[int, ...] = attrs.field(default=DEFAULT_BUCKETS, converter=_buckets)
+    fuse_projections: bool = attrs.field(default=True, converter=_FLAG)
+    overlap: bool = attrs.field(default=False, converter=_FLAG)
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -103,6 +130,16 @@ def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
     return pipeline.kv_lookahead + (pipeline.max_tokens_per_step if overlap else 0)
 
 
+def _verify_budget(value: object) -> str | int:
+    """A block round's verify budget: a word (``"all"``, ``"auto"``: the pipeline checks
+    which) or a number of draft tokens >= 0."""
+    if isinstance(value, str):
+        return value
+    return checks.integer(
+        "verify_budget", value, minimum=0, fix="the other budgets are the words 'all' and 'auto'"
+    )
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class SpecOptions:
     """Shape of a speculative round: draft depth, branching and tree size (root included).
@@ -122,19 +159,28 @@ class SpecOptions:
     batch), ``cost_table`` (``(tokens, seconds)`` points, for ``"auto"``) and ``min_verify``
     (draft tokens each request verifies at least) choose how many draft tokens are verified
     (see ``docs/dspark.md``).
+
+    Checked when built, for types and signs (the pipelines check how the settings fit
+    together): counts are integers (not floats or bools), ``num_steps``, ``topk``,
+    ``num_draft_tokens`` and ``block_size`` ``>= 1``, ``adaptive_steps`` and ``min_verify``
+    ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``; flags are bools.
     """
 
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int | None = None
-    sample_drafts: bool = False
-    chain_hidden: bool = True
-    adaptive_steps: tuple[int, ...] = ()
-    adaptive_policy: AdaptivePolicy = attrs.field(factory=AdaptivePolicy)
-    block_size: int | None = None
-    verify_budget: str | int = "all"
+    num_steps: int = attrs.field(default=3, converter=_count(1))
+    topk: int = attrs.field(default=1, converter=_count(1))
+    num_draft_tokens: int | None = attrs.field(default=None, converter=_optional_count(1))
+    sample_drafts: bool = attrs.field(default=False, converter=_FLAG)
+    chain_hidden: bool = attrs.field(default=True, converter=_FLAG)
+    adaptive_steps: tuple[int, ...] = attrs.field(
+        default=(), converter=checks.converter(checks.integers, minimum=0)
+    )
+    adaptive_policy: AdaptivePolicy = attrs.field(
+        factory=AdaptivePolicy, converter=checks.converter(checks.instance, kind=AdaptivePolicy)
+    )
+    block_size: int | None = attrs.field(default=None, converter=_optional_count(1))
+    verify_budget: str | int = attrs.field(default="all", converter=_verify_budget)
     cost_table: tuple[tuple[int, float], ...] | None = None
-    min_verify: int = 0
+    min_verify: int = attrs.field(default=0, converter=_count(0))
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -148,17 +194,26 @@ class NgramOptions:
     between ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
     ``order`` ``"recency"`` or ``"frequency"``. The tree size is ``SpecOptions.num_draft_tokens``
     (default 8, root included); ``num_steps`` and ``topk`` do not apply.
+
+    Checked when built, for types and signs (the pipeline checks how they fit together):
+    counts are integers ``>= 1`` (``store_tokens >= 0``), ``order`` a string, ``corpus`` a
+    path or None.
     """
 
-    max_depth: int = 18
-    min_match: int = 1
-    min_breadth: int = 1
-    max_breadth: int = 10
-    order: str = "recency"
-    store_tokens: int = 1 << 20
-    corpus: str | Path | None = None
-    max_occurrences: int = 256
-    flush_tokens: int = 32
+    max_depth: int = attrs.field(default=18, converter=_count(1))
+    min_match: int = attrs.field(default=1, converter=_count(1))
+    min_breadth: int = attrs.field(default=1, converter=_count(1))
+    max_breadth: int = attrs.field(default=10, converter=_count(1))
+    order: str = attrs.field(
+        default="recency", converter=checks.converter(checks.instance, kind=str)
+    )
+    store_tokens: int = attrs.field(default=1 << 20, converter=_count(0))
+    corpus: str | Path | None = attrs.field(
+        default=None,
+        converter=checks.converter(checks.instance, optional=True, kind=(str, os.PathLike)),
+    )
+    max_occurrences: int = attrs.field(default=256, converter=_count(1))
+    flush_tokens: int = attrs.field(default=32, converter=_count(1))
 
 
 def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
@@ -184,9 +239,9 @@ def _ngram_store(algorithm: str, options: NgramOptions | None) -> Cell | None:
     return Cell(new_store(options.store_tokens))
 
 
-def _check_limits(
-    target: DecoderModel, page_size: int, max_batch: int, context: int, prefill_budget: int
-) -> None:
+def _check_limits(target: DecoderModel, config: EngineConfig) -> None:
+    """Refuse limits the target cannot run (their values alone are checked by EngineConfig)."""
+    context = config.max_context
     model_limit = target.config.max_position_embeddings
     if context > model_limit:
         raise ValueError(
@@ -198,13 +253,6 @@ def _check_limits(
             f"sliding_window={window} is shorter than the context of {context} tokens and "
             f"sliding-window attention is not implemented; pass max_context <= {window}"
         )
-    for name, value in (
-        ("page_size", page_size),
-        ("max_batch", max_batch),
-        ("prefill_budget", prefill_budget),
-    ):
-        if value < 1:
-            raise ValueError(f"{name}={value}: must be at least 1")
 
 
 def _pipeline(
@@ -320,8 +368,29 @@ def engine_from_model(
     makes the scheduler prepare each step while the device runs the previous one.
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
+
+    Every limit is checked before anything is built or fused (:class:`EngineConfig`; a
+    ``num_pages`` of at least 2, page 0 being the padding page); ``None`` is the default of
+    ``num_pages`` and ``max_context``, never 0. ``spec`` and ``ngram`` are records, checked
+    when they were built.
     """
-    spec = spec or SpecOptions()
+    config = _engine_config(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_batch=max_batch,
+        max_context=min(target.config.max_position_embeddings, 4096)
+        if max_context is None
+        else max_context,
+        prefill_budget=prefill_budget,
+        cuda_graphs=cuda_graphs,
+        graph_buckets=graph_buckets,
+        fuse_projections=fuse_projections,
+        overlap=overlap,
+    )
+    _check_limits(target, config)
+    spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)
+    if ngram is not None:
+        checks.instance("ngram", ngram, kind=NgramOptions)
     variants = _adaptive_variants(algorithm, draft, spec)
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
@@ -337,32 +406,20 @@ def engine_from_model(
         if variants
         else _pipeline(algorithm, target, draft, spec, ngram)
     )
-    context = max_context or min(target.config.max_position_embeddings, 4096)
-    _check_limits(target, page_size, max_batch, context, prefill_budget)
-    config = EngineConfig(
-        page_size=page_size,
-        num_pages=0,
-        max_batch=max_batch,
-        max_context=context,
-        prefill_budget=prefill_budget,
-        cuda_graphs=cuda_graphs,
-        graph_buckets=tuple(graph_buckets),
-        fuse_projections=fuse_projections,
-        overlap=overlap,
-    )
-    if fuse_projections:
+    if config.fuse_projections:
         for model in (target, draft):
             if isinstance(model, torch.nn.Module):
                 fuse_projections_(model)
-    per_request = config.max_pages_per_request(reserved_lookahead(pipeline, overlap))
-    config = attrs.evolve(config, num_pages=num_pages or max_batch * per_request + 1)
+    if config.num_pages == 0:  # not given: room for max_batch full contexts
+        per_request = config.max_pages_per_request(reserved_lookahead(pipeline, config.overlap))
+        config = attrs.evolve(config, num_pages=config.max_batch * per_request + 1)
     fix = "lower max_batch, max_context or num_pages"
     resources = Resources(
         target=target,
         target_pool=_allocate(
             f"the target's KV pool of {config.num_pages} pages",
             fix,
-            lambda: target.new_pool(config.num_pages, page_size),
+            lambda: target.new_pool(config.num_pages, config.page_size),
         ),
         draft=draft,
         draft_pool=None
@@ -370,7 +427,7 @@ def engine_from_model(
         else _allocate(
             f"the draft's KV pool of {config.num_pages} pages",
             fix,
-            lambda: draft.new_pool(config.num_pages, page_size),
+            lambda: draft.new_pool(config.num_pages, config.page_size),
         ),
         ngram_store=_ngram_store(algorithm, ngram),
         goodput=Cell(adaptive.new_measurements(policy, len(variants))) if variants else None,
@@ -387,6 +444,16 @@ def engine_from_model(
         tokenizer=tokenizer,
         eos_token_ids=target.config.eos_token_ids,
     )
+
+
+def _engine_config(*, num_pages: object = None, **limits: Any) -> EngineConfig:
+    """The checked limits :func:`engine_from_model` is given, as a config; ``num_pages`` None
+    (0 in the config) leaves the pool to be sized for ``max_batch`` full contexts."""
+    if num_pages is not None:
+        checks.integer(
+            "num_pages", num_pages, minimum=2, fix="page 0 is padding; give at least 2 or None"
+        )
+    return EngineConfig(num_pages=0 if num_pages is None else num_pages, **limits)
 
 
 def _draft_sharding(tp: TensorParallel, draft_tp: int | None) -> TensorParallel:
@@ -425,6 +492,8 @@ def build_engine(
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    # The limits are refused before the model loads (engine_from_model checks them against it).
+    _engine_config(**{k: v for k, v in limits.items() if k != "max_context" or v is not None})
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
     get_pipeline("plain" if algorithm in SPECULATIVE else algorithm)  # unknown names fail early

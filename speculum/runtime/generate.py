@@ -113,6 +113,10 @@ def generate(
     result is returned. Every rank decodes rank 0's requests and returns the same results.
     """
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
+    # Checked here, before any model loads or worker starts (scheduler.Sampling).
+    sampling = scheduler.Sampling(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+    )
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
@@ -131,7 +135,7 @@ def generate(
                 num_draft_tokens=num_draft_tokens,
                 sample_drafts=sample_drafts,
                 chain_hidden=chain_hidden,
-                adaptive_steps=tuple(adaptive_steps),
+                adaptive_steps=adaptive_steps,
                 adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
                 block_size=block_size,
                 verify_budget=verify_budget,
@@ -147,9 +151,6 @@ def generate(
             draft_tp=draft_tp,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
-    sampling = scheduler.Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-    )
     # Every rank must schedule the same requests for the ranks' collectives to pair up: rank 0's.
     ids, sampling, max_new_tokens, stop_token_ids, stop_strings, ignore_eos = engine.tp.from_leader(
         (
@@ -182,12 +183,13 @@ def generate(
     return [_result(engine, finished[rid], shared) for rid in rids]
 
 
-def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> Sequence[int]:
+    """A prompt's token ids: text encoded, ids as given (``add_request`` checks them)."""
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise ValueError("text prompts need a tokenizer.json in the model folder; pass ids")
         return engine.tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
+    return prompt
 
 
 def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from speculum.pipelines.base import Pipeline, PrefillChunk, StepOutput
+from speculum.runtime import checks
 from speculum.runtime.engine import Engine
 from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
@@ -55,6 +56,7 @@ from speculum.state.sampling import SamplingParams
 _TOKENS = itertools.count(1)
 
 __all__ = [
+    "GREEDY_BELOW",
     "Sampling",
     "Request",
     "RequestOutput",
@@ -73,15 +75,47 @@ __all__ = [
 ]
 
 
+#: Temperatures below this decode greedily, as vLLM does: ``logits / temperature`` would
+#: approach float32's range, and the draws would be the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
+def _temperature(value: object) -> float:
+    """A checked temperature, with those below :data:`GREEDY_BELOW` made greedy (0.0)."""
+    temperature = checks.real("temperature", value, low=0.0)
+    return 0.0 if temperature < GREEDY_BELOW else temperature
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Sampling:
-    """Host-side sampling settings of one request (validated by :func:`add_request`)."""
+    """Host-side sampling settings of one request, checked when built.
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
+    ``temperature`` 0 is greedy, and so is any temperature below :data:`GREEDY_BELOW`
+    (1e-5; stored as 0.0). ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 switch those filters off.
+    ``seed`` keys the request's 64-bit random streams: any integer that fits int64 (negative
+    seeds are hashed as two's complement). Refused with ``TypeError``: a float, a bool or
+    ``None`` for ``top_k`` or ``seed``, a non-number for the others; with ``ValueError``: a
+    value out of range, or one that leaves its range once rounded to float32 (the dtype
+    sampling runs in: ``temperature=1e39`` becomes inf, ``top_p=1e-50`` becomes 0).
+    """
+
+    temperature: float = attrs.field(default=0.0, converter=_temperature)
+    top_k: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+    top_p: float = attrs.field(
+        default=1.0, converter=checks.converter(checks.real, low=0.0, high=1.0, open_low=True)
+    )
+    min_p: float = attrs.field(
+        default=0.0, converter=checks.converter(checks.real, low=0.0, high=1.0)
+    )
+    seed: int = attrs.field(
+        default=0,
+        converter=checks.converter(
+            checks.integer,
+            minimum=checks.INT64_MIN,
+            maximum=checks.INT64_MAX,
+            fix="seeds key 64-bit random streams; reduce it, e.g. seed % 2**63",
+        ),
+    )
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -240,33 +274,43 @@ def pages_needed(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
     return math.ceil((tokens + engine.kv_lookahead) / engine.config.page_size)
 
 
-def _validate(engine: Engine, prompt: tuple[int, ...], sampling: Sampling, max_new: int) -> None:
-    vocab = engine.resources.target.config.vocab_size
+def _token_ids(field: str, values: object, vocab: int) -> tuple[int, ...]:
+    """``values`` as a tuple of token ids of the model's vocabulary."""
+    ids = checks.integers(field, values)
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if bad:
+        raise ValueError(
+            f"{field} token ids {bad[:8]} are outside the vocabulary [0, {vocab}); "
+            "use ids from the model's tokenizer"
+        )
+    return ids
+
+
+def _stop_strings(values: object) -> tuple[str, ...]:
+    """``values`` as a tuple of non-empty strings; a bare string is one stop string."""
+    if isinstance(values, str):
+        values = (values,)
+    strings = checks.sequence("stop_strings", values, of="strings", fix="or one string")
+    for i, string in enumerate(strings):
+        checks.instance(f"stop_strings[{i}]", string, kind=str)
+        if not string:
+            raise ValueError(
+                f"stop_strings[{i}]='': an empty stop string matches at once and would end "
+                "every request at its first token; drop it"
+            )
+    return strings
+
+
+def _validate(engine: Engine, prompt: tuple[int, ...], max_new: int) -> None:
+    """Refuse a request the engine cannot hold (its prompt and settings already checked)."""
     context = engine.config.max_context
     if not prompt:
         raise ValueError("the prompt is empty; give at least one token")
-    bad = sorted({t for t in prompt if not 0 <= t < vocab})
-    if bad:
-        raise ValueError(
-            f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab}); "
-            "use ids from the model's tokenizer"
-        )
     if len(prompt) >= context:
         raise ValueError(
             f"prompt of {len(prompt)} tokens leaves no room in the context of {context} tokens; "
             "shorten the prompt or raise max_context"
         )
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens={max_new}: must be at least 1")
-    checks = [
-        (sampling.temperature >= 0 and math.isfinite(sampling.temperature), "temperature >= 0"),
-        (sampling.top_k >= 0, "top_k >= 0 (0 switches it off)"),
-        (0 < sampling.top_p <= 1, "0 < top_p <= 1"),
-        (0 <= sampling.min_p <= 1, "0 <= min_p <= 1"),
-    ]
-    for ok, rule in checks:
-        if not ok:
-            raise ValueError(f"invalid sampling settings {sampling}: need {rule}")
     need = pages_needed(engine, len(prompt), max_new)
     if need > engine.config.num_pages - 1:
         raise KVPoolExhausted(
@@ -284,31 +328,45 @@ def add_request(
     sampling: Sampling | None = None,
     max_new_tokens: int = 64,
     stop_token_ids: tuple[int, ...] = (),
-    stop_strings: tuple[str, ...] = (),
+    stop_strings: str | tuple[str, ...] = (),
     ignore_eos: bool = False,
 ) -> tuple[SchedulerState, int]:
     """Queue a request; returns the new state and the request id.
 
-    Raises ``ValueError`` (or :class:`KVPoolExhausted` when the request could never fit) naming
-    the problem; the state handed in is unchanged either way.
+    ``prompt`` and ``stop_token_ids`` are token ids of the model's vocabulary (ints; numpy and
+    torch integers too, never floats or bools), ``max_new_tokens`` an int >= 1, ``sampling`` a
+    :class:`Sampling` (greedy by default; temperatures below :data:`GREEDY_BELOW` are greedy),
+    ``stop_strings`` non-empty strings (a bare string is one stop string; they need the
+    engine's tokenizer). Raises ``TypeError`` for a value of the wrong kind, ``ValueError`` for
+    one out of range and :class:`KVPoolExhausted` for a request that could never fit, each
+    naming the setting, the value and the fix; the state handed in is unchanged either way.
     """
-    prompt = tuple(int(t) for t in prompt)
-    sampling = sampling or Sampling()
-    _validate(engine, prompt, sampling, max_new_tokens)
+    vocab = engine.resources.target.config.vocab_size
+    if isinstance(prompt, str):
+        raise TypeError(
+            f"prompt={prompt!r}: add_request takes token ids, not text; encode it first, e.g. "
+            "engine.tokenizer.encode(text)"
+        )
+    prompt = _token_ids("prompt", prompt, vocab)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, minimum=1)
+    sampling = checks.instance(
+        "sampling", Sampling() if sampling is None else sampling, kind=Sampling
+    )
+    stop_ids = _token_ids("stop_token_ids", stop_token_ids, vocab)
+    stop_strings = _stop_strings(stop_strings)
+    ignore_eos = checks.flag("ignore_eos", ignore_eos)
+    _validate(engine, prompt, max_new_tokens)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
-    vocab = engine.resources.target.config.vocab_size
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
-    stops = frozenset(stop_token_ids) | (
-        frozenset() if ignore_eos else frozenset(engine.eos_token_ids)
-    )
+    stops = frozenset(stop_ids) | (frozenset() if ignore_eos else frozenset(engine.eos_token_ids))
     request = Request(
         rid=state.next_rid,
         prompt=prompt,
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stops,
-        stop_strings=tuple(stop_strings),
+        stop_strings=stop_strings,
     )
     new = attrs.evolve(state, waiting=(*state.waiting, request), next_rid=state.next_rid + 1)
     return new, request.rid

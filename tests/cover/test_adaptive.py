@@ -692,7 +692,7 @@ def test_switching_leaves_every_other_variants_graphs_and_buffers_untouched(monk
         ({"algorithm": "frozen_kv_mtp"}, "supports eagle, eagle3, mtp, nextn, standalone"),
         ({"topk": 2, "num_draft_tokens": 4}, "topk=1"),
         ({"num_draft_tokens": 4}, "num_draft_tokens unset"),
-        ({"adaptive_steps": (1, -2)}, "ints >= 0"),
+        ({"adaptive_steps": (1, -2)}, r"adaptive_steps\[1\]=-2: must be an integer >= 0"),
         ({"adaptive_steps": (3, 1, 3)}, r"\[3\] are listed more than once"),
         ({"adaptive_policy": AdaptivePolicy(margin=2.0)}, r"margin=2.0 must lie in \[0, 1\]"),
         ({"adaptive_policy": AdaptivePolicy(ranges=(4, 2))}, "must increase strictly"),
@@ -700,8 +700,8 @@ def test_switching_leaves_every_other_variants_graphs_and_buffers_untouched(monk
 )
 def test_impossible_adaptive_settings_are_refused(options, match):
     algorithm = options.pop("algorithm", "eagle")
-    spec = SpecOptions(**({"adaptive_steps": (0, 2)} | options))
     with pytest.raises(ValueError, match=match):
+        spec = SpecOptions(**({"adaptive_steps": (0, 2)} | options))
         engine_from_model(TARGET, algorithm=algorithm, draft=HEADS["eagle"], spec=spec)
 
 

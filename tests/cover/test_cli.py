@@ -267,6 +267,13 @@ BAD_INPUT = {
     "empty prompt": (["--prompt-ids", ""], "ok", ["empty"]),
     "max-new-tokens 0": (["--prompt-ids", "256,1", "--max-new-tokens", "0"], "ok", ["0"]),
     "negative temperature": (["--prompt-ids", "1", "--temperature", "-1"], "ok", ["temperature"]),
+    "temperature inf in float32": (
+        ["--prompt-ids", "1", "--temperature", "1e39"],
+        "ok",
+        ["temperature=1e+39", "float32"],
+    ),
+    "top-p 0 in float32": (["--prompt-ids", "1", "--top-p", "1e-50"], "ok", ["top_p=", "float32"]),
+    "seed beyond int64": (["--prompt-ids", "1", "--seed", str(2**64)], "ok", ["seed=", "64-bit"]),
     "missing model folder": (["--prompt-ids", "1"], "missing", ["does-not-exist"]),
     "folder without config.json": (["--prompt-ids", "1"], "empty", ["config.json"]),
     "unsupported architecture": (["--prompt-ids", "1"], "gpt2", ["GPT2LMHeadModel"]),

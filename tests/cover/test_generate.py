@@ -188,18 +188,17 @@ def test_bad_prompts_are_refused_and_the_state_is_unchanged(tiny_model, prompt, 
 
 
 @pytest.mark.parametrize(
-    ("sampling", "match"),
+    ("options", "match"),
     [
-        (scheduler.Sampling(temperature=-1.0), "temperature"),
-        (scheduler.Sampling(temperature=1.0, top_p=0.0), "top_p"),
-        (scheduler.Sampling(temperature=1.0, min_p=1.5), "min_p"),
-        (scheduler.Sampling(temperature=1.0, top_k=-2), "top_k"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temperature": 1.0, "min_p": 1.5}, "min_p"),
+        ({"temperature": 1.0, "top_k": -2}, "top_k"),
     ],
 )
-def test_bad_sampling_settings_are_refused(tiny_model, sampling, match):
-    engine = _engine(tiny_model)
+def test_bad_sampling_settings_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
-        scheduler.add_request(engine, scheduler.new_state(engine), [1], sampling=sampling)
+        scheduler.Sampling(**options)
 
 
 def test_kv_exhaustion_makes_requests_wait_without_touching_running_ones(tiny_model):

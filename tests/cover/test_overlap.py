@@ -160,7 +160,7 @@ def test_the_extra_round_of_a_finished_request_stays_inside_its_pages():
     its last token starts past its budget, so the overlapped engine reserves one more round per
     request (without it these prompts index past their page tables); the tokens are the
     synchronous ones."""
-    limits = {"page_size": 1, "max_context": 24, "num_pages": 0}
+    limits = {"page_size": 1, "max_context": 24, "num_pages": None}
     prompts = [[10, 2, 6, 7, 7, 4, 14, 2, 2, 10, 15, 3, 9, 9, 3, 10, 6, 9, 14], [0, 0, 3, 6, 3, 6]]
     synchronous = engine("eagle chain", False, **limits)
     overlapped = engine("eagle chain", True, **limits)
