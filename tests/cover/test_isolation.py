@@ -20,7 +20,7 @@ from test_overlap import PIPELINES
 from speculum.pipelines.base import one_token_output, verified_output
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
-from speculum.runtime.generate import generate
+from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.sampling import Fault, describe_faults, first_fault, guard_logits, logit_faults
 from speculum.state.kv import allocated_pages
 from speculum.state.record import make
@@ -84,6 +84,9 @@ def test_the_poisoned_target_fails_some_requests_mid_decode_and_spares_others():
     results = [plain_alone((p,), 10) for p in range(VOCAB) if p != POISON]
     assert any(r.finish_reason == "error" and len(r.token_ids) >= 3 for r in results)
     assert any(r.finish_reason == "length" for r in results)
+    # The state machine's target fails a temperature of 1e-4 at once, and samples temperature 1.
+    assert pipeline_alone("plain", (3,), 5, SETTINGS[2]) == ((), "error")
+    assert pipeline_alone("plain", (3,), 5, SETTINGS[1])[1] == "length"
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
@@ -138,10 +141,10 @@ def test_seeded_sampling_in_a_batch_with_failures_equals_each_request_alone(name
     assert [outcome(r) for r in batch] == [outcome(r) for r in alone]
 
 
-def huge_logits_target() -> torch.nn.Module:
-    """``TARGET`` with logits around 1e35: finite, and greedy or temperature-1 sampling of them
-    is fine, but divided by a temperature of 1e-4 they overflow float32."""
-    copied = copy.deepcopy(TARGET)
+def huge_logits_target(model: torch.nn.Module = TARGET) -> torch.nn.Module:
+    """A copy of ``model`` with logits around 1e35: finite, and greedy or temperature-1 sampling
+    of them is fine, but divided by a temperature of 1e-4 they overflow float32."""
+    copied = copy.deepcopy(model)
     with torch.no_grad():
         copied.lm_head.weight.mul_(1e35)
     return copied
@@ -271,6 +274,14 @@ def test_a_faulty_node_off_the_accepted_path_spoils_nothing():
 
 PROMPTS = [(3,), (12, 4), (9,), (1, POISON, 2), (0,), (5, 1)]
 MACHINE_PIPELINES = ["plain", "eagle tree", "mtp", "ngram"]
+#: Both kinds of fault: the poisoned embedding row, and logits that a temperature of 1e-4
+#: overflows.
+FRAGILE = huge_logits_target(POISONED)
+SETTINGS = [
+    scheduler.Sampling(),
+    scheduler.Sampling(temperature=1.0, top_k=6, seed=3),
+    scheduler.Sampling(temperature=1e-4, seed=1),
+]
 
 
 @attrs.define
@@ -286,21 +297,31 @@ class Expected:
 _pipeline_alone: dict = {}
 
 
-def pipeline_alone(name: str, prompt: tuple[int, ...], max_new_tokens: int):
-    """Greedy decoding of ``prompt`` alone by pipeline ``name`` over the poisoned target."""
-    key = (name, prompt, max_new_tokens)
+def pipeline_alone(
+    name: str, prompt: tuple[int, ...], max_new_tokens: int, sampling: scheduler.Sampling
+) -> tuple[tuple[int, ...], str]:
+    """The tokens and finish reason of ``prompt`` decoded alone by pipeline ``name`` over
+    ``FRAGILE``."""
+    key = (name, prompt, max_new_tokens, sampling)
     if key not in _pipeline_alone:
-        engine = pipeline_engine(name, POISONED)
-        (_pipeline_alone[key],) = generate(
-            [list(prompt)], engine=engine, max_new_tokens=max_new_tokens
+        engine = pipeline_engine(name, FRAGILE)
+        state, _ = scheduler.add_request(
+            engine,
+            scheduler.new_state(engine),
+            prompt,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
         )
+        _, finished = run_to_completion(engine, state)
+        (request,) = finished.values()
+        _pipeline_alone[key] = request.output, request.finish_reason
     return _pipeline_alone[key]
 
 
 class PoisonMachine(RuleBasedStateMachine):
-    """Adds, steps and cancels requests over the poisoned target, some of which fail (pages of
-    failed requests are reused by later ones); checks every emitted token and finish reason
-    against the same pipeline alone after every rule."""
+    """Adds, steps and cancels requests over a target with both kinds of fault, greedy and
+    sampled, some of which fail (pages of failed requests are reused by later ones); checks
+    every emitted token and finish reason against the same pipeline alone after every rule."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -313,17 +334,21 @@ class PoisonMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(MACHINE_PIPELINES), overlap=st.booleans())
     def build(self, name, overlap):
         self.name = name
-        self.engine = pipeline_engine(name, POISONED, overlap, max_batch=3, num_pages=16)
+        self.engine = pipeline_engine(name, FRAGILE, overlap, max_batch=3, num_pages=16)
         self.state = scheduler.new_state(self.engine)
 
     @precondition(lambda self: self.engine is not None)
-    @rule(prompt=st.sampled_from(PROMPTS), max_new=st.integers(1, 10))
-    def add(self, prompt, max_new):
+    @rule(
+        prompt=st.sampled_from(PROMPTS),
+        max_new=st.integers(1, 10),
+        sampling=st.sampled_from(SETTINGS),
+    )
+    def add(self, prompt, max_new, sampling):
         self.state, rid = scheduler.add_request(
-            self.engine, self.state, prompt, max_new_tokens=max_new
+            self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
         )
-        truth = pipeline_alone(self.name, prompt, max_new)
-        self.model[rid] = Expected(tokens=truth.token_ids, reason=truth.finish_reason)
+        tokens, reason = pipeline_alone(self.name, prompt, max_new, sampling)
+        self.model[rid] = Expected(tokens=tokens, reason=reason)
 
     @precondition(lambda self: self.engine is not None)
     @rule()
@@ -353,5 +378,5 @@ class PoisonMachine(RuleBasedStateMachine):
         assert set(held) == allocated_pages(self.state.allocator)
 
 
-PoisonMachine.TestCase.settings = settings(max_examples=8, stateful_step_count=30)
+PoisonMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30)
 test_poison_state_machine = PoisonMachine.TestCase
