@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from strategies import prompt_batches
 from test_eagle import TARGET, VOCAB
-from test_overlap import PIPELINES
+from test_overlap import PIPELINES, engine
 
 from speculum.pipelines.base import one_token_output, verified_output
 from speculum.runtime import scheduler
-from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.sampling import Fault, describe_faults, first_fault, guard_logits, logit_faults
 from speculum.state.kv import allocated_pages
@@ -46,16 +46,7 @@ LIMITS = {"page_size": 4, "max_context": 48}
 
 def pipeline_engine(name: str, target: torch.nn.Module, overlap: bool = False, **limits):
     """An engine of ``test_overlap.PIPELINES[name]`` over ``target``."""
-    algorithm, draft, spec, ngram, _ = PIPELINES[name]
-    return engine_from_model(
-        target,
-        algorithm=algorithm,
-        draft=draft,
-        spec=SpecOptions(**spec),
-        ngram=ngram,
-        overlap=overlap,
-        **(LIMITS | limits),
-    )
+    return engine(name, overlap, target=target, **limits)
 
 
 def outcome(generation) -> tuple[tuple[int, ...], str]:

@@ -107,10 +107,12 @@ PIPELINES = {
 }
 
 
-def engine(name, overlap, **limits):
+def engine(name, overlap, target=TARGET, **limits):
+    """An engine of pipeline ``name`` over ``target`` (the Markov target of ``test_eagle`` by
+    default), overlapped or not."""
     algorithm, draft, spec, ngram, _ = PIPELINES[name]
     return engine_from_model(
-        TARGET,
+        target,
         algorithm=algorithm,
         draft=draft,
         spec=SpecOptions(**spec),

@@ -93,26 +93,23 @@ def test_sampling_keeps_what_works_as_plain_python_values():
     assert scheduler.Sampling(temperature=scheduler.GREEDY_BELOW).temperature == 1e-5
 
 
-@settings(max_examples=200)
-@given(st.floats(allow_nan=True, allow_infinity=True))
-def test_a_temperature_is_accepted_exactly_when_it_is_finite_and_not_negative_in_float32(t):
-    ok = t >= 0 and math.isfinite(float32(t))
-    try:
-        scheduler.Sampling(temperature=t)
-    except ValueError as error:
-        assert not ok and str(error).startswith("temperature=")
-    else:
-        assert ok
+#: Real settings and the range they must lie in, as given and once rounded to float32.
+REAL_RANGES = {
+    "temperature": lambda x: x >= 0 and math.isfinite(x),
+    "top_p": lambda x: 0 < x <= 1,
+}
 
 
+@pytest.mark.parametrize("field", sorted(REAL_RANGES))
 @settings(max_examples=200)
-@given(st.floats(allow_nan=True, allow_infinity=True))
-def test_a_top_p_is_accepted_exactly_when_it_lies_in_0_1_also_in_float32(p):
-    ok = 0 < p <= 1 and 0 < float32(p) <= 1
+@given(value=st.floats(allow_nan=True, allow_infinity=True))
+def test_a_real_setting_is_accepted_exactly_when_it_lies_in_its_range_also_in_float32(field, value):
+    in_range = REAL_RANGES[field]
+    ok = in_range(value) and in_range(float32(value))
     try:
-        scheduler.Sampling(top_p=p)
+        scheduler.Sampling(**{field: value})
     except ValueError as error:
-        assert not ok and str(error).startswith("top_p=")
+        assert not ok and str(error).startswith(f"{field}=")
     else:
         assert ok
 

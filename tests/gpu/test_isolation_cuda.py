@@ -32,6 +32,14 @@ def _poisoned():
     return target
 
 
+def _options(label: str, target) -> dict:
+    """``engine_from_model`` options of pipeline ``label`` of ``test_graphs_cuda``."""
+    if label == "plain":
+        return {}
+    algorithm, draft, spec = _drafts(target)[label]
+    return {"algorithm": algorithm, "draft": draft, "spec": spec}
+
+
 def _run(target, prompts, **options):
     engine = engine_from_model(target, **(LIMITS | options))
     return [
@@ -42,10 +50,7 @@ def _run(target, prompts, **options):
 @pytest.mark.parametrize("label", ["plain", "eagle chain", "eagle3 tree", "mtp tree", "ngram"])
 def test_captured_rounds_fail_only_the_poisoned_requests(label):
     target = _poisoned()
-    options = {}
-    if label != "plain":
-        algorithm, draft, spec = _drafts(target)[label]
-        options = {"algorithm": algorithm, "draft": draft, "spec": spec}
+    options = _options(label, target)
     plain = _run(target, PROMPTS)
     assert plain[-1] == ((), "error")
     batch = _run(target, PROMPTS, **options)
@@ -63,10 +68,7 @@ def test_captured_rounds_fail_only_the_poisoned_requests(label):
 @pytest.mark.parametrize("label", ["plain", "eagle3 tree", "ngram"])
 def test_nan_in_free_pages_changes_no_token_on_the_gpu(label):
     target = _target()
-    options = {}
-    if label != "plain":
-        algorithm, draft, spec = _drafts(target)[label]
-        options = {"algorithm": algorithm, "draft": draft, "spec": spec}
+    options = _options(label, target)
     clean = _run(target, PROMPTS[:-1], **options)
     engine = engine_from_model(target, **(LIMITS | options))
     for pool in engine.resources.pools:
