@@ -7,42 +7,109 @@ import argparse
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
+from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
-from speculum.pipelines import ALGORITHMS
+from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed
+from speculum.runtime.default_model import DEFAULT_ALGORITHM
 from speculum.runtime.engine import NgramOptions
 from speculum.runtime.generate import generate
 
 __all__ = ["main", "parser"]
 
 
-def _int_list(flag: str, example: str):
-    """An argparse type: comma-separated integers, named ``flag`` in its error."""
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one ``speculum: error: ...`` line (status 2),
+    like the errors found while decoding, instead of the usage text and the message."""
 
-    def parse(text: str) -> list[int]:
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line and exit with status 2."""
+        # argparse says "argument --a/--alias: ..."; one name is enough, none when it is there.
+        named = re.fullmatch(r"argument ([^/:]+)(?:/[^:]*)?: (.*)", message, re.S)
+        if named:
+            flag, rest = named.groups()
+            message = rest if flag in rest else f"{flag}: {rest}"
+        self.exit(2, f"speculum: error: {message}\n")
+
+
+def _number(flag: str, kind: type, least: float, most: float | None = None, *, above: bool = False):
+    """An argparse type: a ``kind`` (int or float) at least ``least`` (above it with
+    ``above``) and at most ``most``; the error names ``flag``, the value and the range."""
+    what = "an integer" if kind is int else "a number"
+    bounds = f"> {least}" if above else f">= {least}"
+    if most is not None:
+        bounds += f" and <= {most}"
+
+    def parse(text: str) -> int | float:
         try:
-            return [int(t) for t in text.split(",") if t.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers, e.g. {example} ({err})"
-            ) from err
+            value = kind(text)
+        except ValueError:
+            value = None
+        low_ok = value is not None and (value > least if above else value >= least)
+        if not low_ok or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{flag} takes {what} {bounds}, not {text!r}")
+        return value
 
     return parse
+
+
+def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
+    """An argparse type: comma-separated integers (``what``), at least one, each at least
+    ``least``; the errors name ``flag``, and a value below ``least`` is ``outside``."""
+
+    def parse(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",")]
+        if items == [""]:
+            raise argparse.ArgumentTypeError(f"{flag} is empty: give {what}, e.g. {example}")
+        try:
+            values = [int(t) for t in items]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated {what}, e.g. {example}, not {text!r}"
+            ) from err
+        low = [v for v in values if v < least]
+        if low:
+            raise argparse.ArgumentTypeError(
+                f"{flag}: {low[0]} is {outside} ({what} are >= {least})"
+            )
+        return values
+
+    return parse
+
+
+def _prompt_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("--prompt is empty: give some text to continue")
+    return text
+
+
+def _algorithm(text: str) -> str:
+    name = text.lower()
+    if name not in ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {text!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+        )
+    return name
 
 
 def _budget(text: str) -> str | int:
     if text in ("all", "auto"):
         return text
     try:
-        return int(text)
-    except ValueError as err:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
         raise argparse.ArgumentTypeError(
-            f"--verify-budget takes all, auto or a number of draft tokens, not {text!r}"
-        ) from err
+            f"--verify-budget takes all, auto or a number of draft tokens >= 0, not {text!r}"
+        )
+    return value
 
 
 def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
@@ -57,7 +124,7 @@ def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
 
 def parser() -> argparse.ArgumentParser:
     """The ``speculum`` argument parser."""
-    top = argparse.ArgumentParser(prog="speculum", description=__doc__)
+    top = _Parser(prog="speculum", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="decode one prompt and print the completion")
     gen.add_argument(
@@ -66,41 +133,60 @@ def parser() -> argparse.ArgumentParser:
         "default: the bundled tiny code model (with its EAGLE-3 draft unless --algorithm)",
     )
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     prompt.add_argument(
-        "--prompt-ids", type=_int_list("--prompt-ids", "1,2,3"), help="prompt token ids, e.g. 1,2,3"
+        "--prompt", type=_prompt_text, help="prompt text (needs the model's tokenizer.json)"
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        type=_int_list("--prompt-ids", "1,2,3", 0, "token ids", "outside the vocabulary"),
+        help="prompt token ids, e.g. 1,2,3",
     )
     gen.add_argument(
         "--algorithm",
-        help=f"one of {', '.join(sorted(ALGORITHMS))} (default: eagle3 on the bundled model, "
-        "plain on --model)",
+        "--speculative-algorithm",
+        type=_algorithm,
+        help=f"one of {', '.join(sorted(ALGORITHMS))}, any case (default: the --draft's kind; "
+        "eagle3 on the bundled model; plain on --model without --draft)",
     )
     gen.add_argument(
         "--compare-plain",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="also decode with plain decoding; print the speedup and the acceptance length",
     )
     gen.add_argument(
         "--draft",
+        "--speculative-draft-model-path",
         help="draft model folder (EAGLE / EAGLE-3 heads, DFLASH / DSPARK blocks; MTP defaults "
         "to the target's folder)",
     )
-    gen.add_argument("--num-steps", type=int, default=3, help="draft depth per round")
-    gen.add_argument("--topk", type=int, default=1, help="children per node (1 = chain)")
+    gen.add_argument(
+        "--num-steps",
+        "--speculative-num-steps",
+        type=_number("--num-steps", int, 1),
+        help="draft depth per round (default 3)",
+    )
+    gen.add_argument(
+        "--topk",
+        "--speculative-eagle-topk",
+        type=_number("--topk", int, 1),
+        help="draft children per node (default 1 = chain); sampling's top-k is --top-k",
+    )
     gen.add_argument(
         "--num-draft-tokens",
-        type=int,
+        "--speculative-num-draft-tokens",
+        type=_number("--num-draft-tokens", int, 2),
         help="tree nodes verified per round, root included (default num-steps + 1 for chains)",
     )
     gen.add_argument(
         "--sample-drafts",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="draw draft tokens from the draft's distribution (topk independent chains)",
     )
     gen.add_argument(
         "--adaptive-steps",
-        type=_int_list("--adaptive-steps", "0,1,3,5"),
-        default=(),
+        type=_int_list("--adaptive-steps", "0,1,3,5", 0, "draft depths"),
         metavar="N,N,...",
         help="adaptive speculation (EAGLE family and standalone, chains): draft depths to "
         "choose from each round by measured goodput at the batch's size, 0 = no speculation; "
@@ -108,28 +194,27 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--adaptive-margin",
-        type=float,
-        default=0.05,
+        type=_number("--adaptive-margin", float, 0.0),
         help="exploration margin of --adaptive-steps: depths within this fraction of the best "
-        "goodput keep being sampled (%(default)s)",
+        "goodput keep being sampled (default 0.05)",
     )
     gen.add_argument(
         "--no-chain-hidden",
         dest="chain_hidden",
-        action="store_false",
+        action="store_const",
+        const=False,
         help="multi_layer_eagle: feed every MTP layer the target's hidden state instead of the "
         "previous layer's output",
     )
     block = gen.add_argument_group("block drafting (--algorithm dflash or dspark)")
     block.add_argument(
         "--block-size",
-        type=int,
+        type=_number("--block-size", int, 1),
         help="block width: DFLASH drafts N - 1 tokens, DSPARK N (default: the draft's)",
     )
     block.add_argument(
         "--verify-budget",
         type=_budget,
-        default="all",
         help="draft tokens verified per round over the batch: all, auto (from --cost-table) or "
         "a number (default all)",
     )
@@ -141,21 +226,28 @@ def parser() -> argparse.ArgumentParser:
     )
     block.add_argument(
         "--min-verify",
-        type=int,
-        default=0,
+        type=_number("--min-verify", int, 0),
         help="draft tokens every request verifies at least (default 0)",
     )
     ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
     ngram.add_argument(
-        "--ngram-max-depth", type=int, help="longest suffix matched and deepest draft (default 18)"
+        "--ngram-max-depth",
+        type=_number("--ngram-max-depth", int, 1),
+        help="longest suffix matched and deepest draft (default 18)",
     )
-    ngram.add_argument("--ngram-min-match", type=int, help="shortest suffix matched (default 1)")
     ngram.add_argument(
-        "--ngram-min-breadth", type=int, help="first-level children of a longest match (default 1)"
+        "--ngram-min-match",
+        type=_number("--ngram-min-match", int, 1),
+        help="shortest suffix matched (default 1)",
+    )
+    ngram.add_argument(
+        "--ngram-min-breadth",
+        type=_number("--ngram-min-breadth", int, 1),
+        help="first-level children of a longest match (default 1)",
     )
     ngram.add_argument(
         "--ngram-max-breadth",
-        type=int,
+        type=_number("--ngram-max-breadth", int, 1),
         help="first-level children of a one-token match; cap per node (default 10)",
     )
     ngram.add_argument(
@@ -169,16 +261,43 @@ def parser() -> argparse.ArgumentParser:
     )
     ngram.add_argument(
         "--ngram-store-tokens",
-        type=int,
+        type=_number("--ngram-store-tokens", int, 0),
         metavar="N",
         help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=_number("--max-new-tokens", int, 1), default=64)
+    gen.add_argument(
+        "--temperature", type=_number("--temperature", float, 0.0), default=0.0, help="0 = greedy"
+    )
+    gen.add_argument("--top-k", type=_number("--top-k", int, 0), default=0, help="0 = off")
+    gen.add_argument(
+        "--top-p", type=_number("--top-p", float, 0.0, 1.0, above=True), default=1.0, help="1 = off"
+    )
+    gen.add_argument(
+        "--min-p", type=_number("--min-p", float, 0.0, 1.0), default=0.0, help="0 = off"
+    )
+    gen.add_argument("--seed", type=_number("--seed", int, 0), default=0)
+    limits = gen.add_argument_group("engine limits")
+    limits.add_argument(
+        "--max-context",
+        "--context-length",
+        type=_number("--max-context", int, 1),
+        help="tokens per request, prompt included (default: the model's "
+        "max_position_embeddings, at most 4096)",
+    )
+    limits.add_argument(
+        "--max-batch",
+        "--max-running-requests",
+        type=_number("--max-batch", int, 1),
+        default=16,
+        help="requests decoded together (%(default)s)",
+    )
+    limits.add_argument(
+        "--page-size",
+        type=_number("--page-size", int, 1),
+        default=16,
+        help="tokens per KV-cache page (%(default)s)",
+    )
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     gen.add_argument(
@@ -197,13 +316,14 @@ def parser() -> argparse.ArgumentParser:
     parallel = gen.add_argument_group("tensor parallelism (see docs/tensor_parallel.md)")
     parallel.add_argument(
         "--tp",
-        type=int,
+        "--tp-size",
+        type=_number("--tp", int, 1),
         help="shard the model over N processes, started by the command itself or by "
         "torchrun --nproc-per-node N (default: torchrun's process count, else 1)",
     )
     parallel.add_argument(
         "--draft-tp",
-        type=int,
+        type=_number("--draft-tp", int, 1),
         help="1 keeps the draft whole on every rank; default: sharded like the target",
     )
     _add_train_target(commands)
@@ -316,15 +436,40 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     )
 
 
+#: Options whose value may begin with "-" (negative ids, a prompt such as "-x"): argparse would
+#: take such a value for an option, so ``--prompt-ids -5`` is joined into ``--prompt-ids=-5``.
+_DASHED_VALUES = ("--prompt", "--prompt-ids", "--adaptive-steps")
+
+
+def _join_dashed_values(argv: Sequence[str], known: set[str]) -> list[str]:
+    """``argv`` with each of :data:`_DASHED_VALUES` and a following value that starts with "-"
+    but is no option of ``known`` written as one ``FLAG=VALUE`` word."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in _DASHED_VALUES:
+            value = next(words, None)
+            if value is not None and value.startswith("-") and value.split("=")[0] not in known:
+                joined.append(f"{word}={value}")
+                continue
+            joined.extend([word] if value is None else [word, value])
+            continue
+        joined.append(word)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``speculum`` console script; returns the exit status."""
-    args = parser().parse_args(argv)
+    top = parser()
+    known = {s for p in _subparsers(top) for a in p._actions for s in a.option_strings}
+    args = top.parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv, known))
     if args.command == "train-target":
         return _train_target(args)
     if args.command == "train-draft":
         return _train_draft(args)
     try:
-        result = _generate(args, args.algorithm)
+        algorithm = _chosen_algorithm(args)
+        result = _generate(args, algorithm)
         plain = _generate(args, "plain") if args.compare_plain else None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
         if distributed.is_leader():
@@ -361,26 +506,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace, algorithm: str | None):
-    """One ``generate`` call with the command's options and ``algorithm``."""
-    ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
-    ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
+def _subparsers(top: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of ``top``'s commands."""
+    (commands,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return list(commands.choices.values())
+
+
+#: The ``--ngram-*`` options that are fields of ``NgramOptions`` by the same name.
+_NGRAM_FIELDS = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+#: Options of ``generate`` that only some algorithms read: destination -> (the flag, the
+#: algorithms that read it). Given with any other algorithm, they are an error, not ignored.
+_CHAIN = SPECULATIVE - BLOCK
+_ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "draft": ("--draft", SPECULATIVE),
+    "num_steps": ("--num-steps", _CHAIN),
+    "topk": ("--topk", _CHAIN),
+    "num_draft_tokens": ("--num-draft-tokens", _CHAIN | {"ngram"}),
+    "sample_drafts": ("--sample-drafts", SPECULATIVE),
+    "adaptive_steps": ("--adaptive-steps", ADAPTIVE),
+    "adaptive_margin": ("--adaptive-margin", ADAPTIVE),
+    "chain_hidden": ("--no-chain-hidden", frozenset({"multi_layer_eagle"})),
+    "block_size": ("--block-size", BLOCK),
+    "verify_budget": ("--verify-budget", BLOCK),
+    "cost_table": ("--cost-table", BLOCK),
+    "min_verify": ("--min-verify", BLOCK),
+    **{
+        f"ngram_{f}": (f"--ngram-{f.replace('_', '-')}", frozenset({"ngram"}))
+        for f in (*_NGRAM_FIELDS, "store_tokens")
+    },
+    "draft_tp": ("--draft-tp", SPECULATIVE),
+    "compare_plain": ("--compare-plain", frozenset(ALGORITHMS) - {"plain"}),
+}
+
+
+def _chosen_algorithm(args: argparse.Namespace) -> str:
+    """The algorithm the command decodes with: ``--algorithm``, else the kind of the
+    ``--draft`` folder (said on stderr), else eagle3 on the bundled model and plain on
+    ``--model``. Raises ``ValueError`` for an option that algorithm does not read."""
+    algorithm = args.algorithm
+    if algorithm is None and args.draft is not None:
+        algorithm = draft_algorithm(args.draft)
+        if distributed.is_leader():
+            print(
+                f"speculum: decoding with --algorithm {algorithm}, the kind of the draft in "
+                f"{args.draft}",
+                file=sys.stderr,
+            )
+    if algorithm is None:
+        algorithm = DEFAULT_ALGORITHM if args.model is None else "plain"
+    for dest, (flag, readers) in _ALGORITHM_OPTIONS.items():
+        if getattr(args, dest) is None or algorithm in readers:  # None: not given
+            continue
+        why = (
+            "plain decoding drafts nothing (with --model, speculation needs --draft DIR or "
+            "--algorithm NAME)"
+            if algorithm == "plain"
+            else f"only {', '.join(sorted(readers))} read it"
+        )
+        hint = "; sampling's top-k is --top-k" if dest == "topk" else ""
+        raise ValueError(f"{flag} has no effect with --algorithm {algorithm}: {why}{hint}")
+    return algorithm
+
+
+def _generate(args: argparse.Namespace, algorithm: str):
+    """One ``generate`` call with the command's options and ``algorithm`` (options that
+    ``algorithm`` does not read are left out: ``--compare-plain``'s plain pass)."""
+    options = {
+        dest: getattr(args, dest)
+        for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
+        if algorithm in readers
+        and getattr(args, dest) is not None
+        and not dest.startswith("ngram_")
+        and dest != "compare_plain"
+    }
+    ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
     (result,) = generate(
         [args.prompt] if args.prompt is not None else [args.prompt_ids],
         model=args.model,
         algorithm=algorithm,
-        draft=args.draft,
-        num_steps=args.num_steps,
-        topk=args.topk,
-        num_draft_tokens=args.num_draft_tokens,
-        sample_drafts=args.sample_drafts,
-        chain_hidden=args.chain_hidden,
-        adaptive_steps=() if algorithm == "plain" else args.adaptive_steps,
-        adaptive_margin=args.adaptive_margin,
-        block_size=args.block_size,
-        verify_budget=args.verify_budget,
-        cost_table=args.cost_table,
-        min_verify=args.min_verify,
         ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -388,12 +591,15 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        page_size=args.page_size,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         overlap=args.overlap,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),
-        draft_tp=args.draft_tp,
+        **options,
     )
     return result
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 
+from speculum.models.draft_kind import draft_algorithm
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.default_model import (
@@ -78,6 +79,9 @@ def generate(
     stop_token_ids: tuple[int, ...] = (),
     stop_strings: tuple[str, ...] = (),
     ignore_eos: bool = False,
+    max_context: int | None = None,
+    max_batch: int = 16,
+    page_size: int = 16,
     device: str = "cpu",
     dtype: str | None = None,
     cuda_graphs: bool = True,
@@ -114,10 +118,12 @@ def generate(
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
     if engine is None:
+        if algorithm is None and draft is not None:
+            algorithm = draft_algorithm(draft)  # a draft is never ignored
         if model is None:
             model = default_model_dir()
-            if algorithm is None:
-                algorithm, draft = DEFAULT_ALGORITHM, draft or default_draft_dir()
+            if algorithm in (None, DEFAULT_ALGORITHM) and draft is None:
+                algorithm, draft = DEFAULT_ALGORITHM, default_draft_dir()
         engine = build_engine(
             model,
             algorithm=algorithm or "plain",
@@ -142,6 +148,9 @@ def generate(
             overlap=overlap,
             tp=distributed.tensor_parallel(tp, device),
             draft_tp=draft_tp,
+            max_context=max_context,
+            max_batch=max_batch,
+            page_size=page_size,
         )
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     sampling = scheduler.Sampling(

@@ -743,7 +743,7 @@ def test_the_command_line_decodes_adaptively_with_plain_tokens(capsys, folders):
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (["--algorithm", "ngram", "--adaptive-steps", "0,2"], "not 'ngram'"),
+        (["--algorithm", "ngram", "--adaptive-steps", "0,2"], "no effect with --algorithm ngram"),
         (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "2,2"], "more than"),
         (["--algorithm", "eagle", "--draft", "{eagle}", "--adaptive-steps", "1,a"], "0,1,3,5"),
     ],

@@ -1,0 +1,250 @@
+"""What a practitioner meets in the first minutes of ``speculum generate`` (issue 21).
+
+A draft is never ignored: without ``--algorithm`` the draft folder's kind picks the algorithm
+(and stderr says so), a folder of no known kind exits 2 naming ``--algorithm``, and options the
+chosen algorithm does not read exit 2 with the reason. Algorithm names are case-insensitive and
+SGLang's ``--speculative-*`` spellings are aliases. Every numeric flag is range-checked while
+parsing, with one ``speculum: error:`` line and no usage text; empty prompts are refused alike
+for text and ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+
+from speculum.models.block_draft import random_block_draft, save_block_draft
+from speculum.models.draft_kind import draft_algorithm
+from speculum.models.draft_loading import save_random_draft
+from speculum.models.frozen_kv import random_frozen_kv, save_frozen_kv
+from speculum.models.loading import random_model, save_model
+from speculum.models.multi_layer_eagle import random_multi_layer, save_multi_layer
+from speculum.models.tokenizer import byte_level_tokenizer, save_tokenizer
+from speculum.runtime import cli
+from speculum.runtime.generate import generate
+
+PROMPT = [5, 9, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """A random 4-layer target over 64 ids and one random draft of every kind for it."""
+    root = tmp_path_factory.mktemp("cli-ux")
+    target = random_model(tiny_config(num_layers=4), seed=3, std=0.3)
+    small = random_model(tiny_config(num_layers=1), seed=4, std=0.3)
+    unknown = save_model(small, root / "unknown")
+    raw = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps(raw | {"architectures": ["FooForCausalLM"]}))
+    return {
+        "target": save_model(target, root / "target"),
+        "eagle": save_random_draft(target, "eagle", root / "eagle", layout="eagle-reference"),
+        "eagle3": save_random_draft(target, "eagle3", root / "eagle3", std=0.3),
+        "mtp": save_random_draft(target, "mtp", root / "mtp", std=0.3),
+        "mtp-in-target": save_random_draft(
+            target, "mtp", root / "mtp-in-target", std=0.3, layout="mtp-in-target"
+        ),
+        "multi_layer_eagle": save_multi_layer(
+            random_multi_layer(target, 2, std=0.3), root / "multi", target=target
+        ),
+        "frozen_kv_mtp": save_frozen_kv(random_frozen_kv(target, std=0.3), root / "frozen"),
+        "dflash": save_block_draft(random_block_draft(target, "dflash", std=0.3), root / "dflash"),
+        "dspark": save_block_draft(random_block_draft(target, "dspark", std=0.3), root / "dspark"),
+        "standalone": save_model(small, root / "standalone"),
+        "unknown": unknown,
+        "other-vocabulary": save_model(
+            random_model(tiny_config(vocab_size=258), seed=5), root / "other-vocabulary"
+        ),
+    }
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr); usage errors
+    exit while parsing (``SystemExit``) with their status."""
+    try:
+        status = cli.main(["generate", *args])
+    except SystemExit as stopped:
+        status = stopped.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def ids(tokens: list[int]) -> str:
+    return ",".join(map(str, tokens))
+
+
+def check_one_error_line(status: int, out: str, err: str, *words: str) -> None:
+    """Exit 2, nothing on stdout, one ``speculum: error:`` line naming ``words``."""
+    assert (status, out) == (2, ""), (status, out, err)
+    assert err.startswith("speculum: error: ") and err.count("\n") == 1, err
+    assert "usage" not in err and "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 1: a draft is never ignored
+
+
+KINDS = [
+    "eagle",
+    "eagle3",
+    "mtp",
+    "multi_layer_eagle",
+    "frozen_kv_mtp",
+    "dflash",
+    "dspark",
+    "standalone",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_draft_folder_says_which_algorithm_it_is_for(folders, kind):
+    assert draft_algorithm(folders[kind]) == kind
+
+
+def test_mtp_layers_inside_a_target_folder_are_an_mtp_draft(folders):
+    assert draft_algorithm(folders["mtp-in-target"]) == "mtp"
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark", "standalone"])
+def test_a_draft_without_algorithm_speculates_and_says_so(capsys, folders, kind):
+    args = ["--model", str(folders["target"]), "--prompt-ids", ids(PROMPT), "--json"]
+    status, out, err = run_cli(
+        capsys, *args, "--draft", str(folders[kind]), "--max-new-tokens", "9"
+    )
+    assert status == 0, err
+    assert (
+        err
+        == f"speculum: decoding with --algorithm {kind}, the kind of the draft in {folders[kind]}\n"
+    )
+    payload = json.loads(out)
+    assert payload["stats"]["num_rounds"] >= 1
+    (plain,) = generate([PROMPT], model=folders["target"], max_new_tokens=9)
+    (same,) = generate([PROMPT], model=folders["target"], draft=folders[kind], max_new_tokens=9)
+    assert payload["token_ids"] == list(plain.token_ids) == list(same.token_ids)
+    assert payload["stats"]["accept_length_histogram"] == same.stats["accept_length_histogram"]
+
+
+def test_compare_plain_with_a_draft_loads_the_draft(capsys, folders):
+    """The trap: ``--model T --draft D --compare-plain`` once decoded plainly twice, so a draft
+    of another vocabulary went unnoticed."""
+    args = ["--model", str(folders["target"]), "--prompt-ids", ids(PROMPT), "--compare-plain"]
+    status, out, err = run_cli(capsys, *args, "--draft", str(folders["eagle3"]), "--json")
+    assert status == 0 and err.startswith("speculum: decoding with --algorithm eagle3, the kind")
+    assert json.loads(out)["compare_plain"]["same_tokens"] is True
+    status, out, err = run_cli(capsys, *args, "--draft", str(folders["other-vocabulary"]))
+    assert err.startswith("speculum: decoding with --algorithm standalone")  # loaded: refused
+    check_one_error_line(status, out, err.split("\n", 1)[1], "vocabulary of 258 tokens")
+
+
+def test_a_draft_of_no_known_kind_names_algorithm(capsys, folders):
+    status, out, err = run_cli(
+        capsys, "--model", str(folders["target"]), "--draft", str(folders["unknown"]),
+        "--prompt-ids", ids(PROMPT),
+    )  # fmt: skip
+    check_one_error_line(status, out, err, "FooForCausalLM", "--algorithm")
+
+
+NOT_READ = {
+    # name: (options after --model TARGET --prompt-ids ..., words of the error)
+    "draft top-k on plain": (
+        ["--topk", "50", "--temperature", "0.7"],
+        ["--topk", "plain", "--top-k"],
+    ),
+    "num-steps on plain": (["--num-steps", "3"], ["--num-steps", "plain", "--draft DIR"]),
+    "ngram option on plain": (["--ngram-max-depth", "4"], ["--ngram-max-depth", "plain"]),
+    "compare-plain on plain": (["--compare-plain"], ["--compare-plain", "plain"]),
+    "block option on eagle3": (
+        ["--algorithm", "eagle3", "--draft", "{eagle3}", "--block-size", "4"],
+        ["--block-size", "eagle3", "dflash, dspark"],
+    ),
+    "tree option on dflash": (
+        ["--draft", "{dflash}", "--topk", "2"],
+        ["--topk", "dflash"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_READ))
+def test_options_the_algorithm_does_not_read_exit_2(capsys, folders, name):
+    flags, words = NOT_READ[name]
+    flags = [f.format(**{k: str(v) for k, v in folders.items()}) for f in flags]
+    status, out, err = run_cli(
+        capsys, "--model", str(folders["target"]), "--prompt-ids", ids(PROMPT), "--json", *flags
+    )
+    if "--draft" in flags and "--algorithm" not in flags:  # the inference notice comes first
+        assert err.startswith("speculum: decoding with --algorithm ")
+        err = err.split("\n", 1)[1]
+    check_one_error_line(status, out, err, *words)
+
+
+def test_sglang_spellings_and_upper_case_names_are_aliases(capsys, folders):
+    common = ["--model", str(folders["target"]), "--prompt-ids", ids(PROMPT), "--json"]
+    ours = run_cli(
+        capsys, *common, "--algorithm", "eagle3", "--num-steps", "3", "--topk", "1",
+        "--num-draft-tokens", "4", "--draft", str(folders["eagle3"]),
+    )  # fmt: skip
+    sglang = run_cli(
+        capsys, *common, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+        "--speculative-draft-model-path", str(folders["eagle3"]),
+    )  # fmt: skip
+    assert ours[0] == sglang[0] == 0, (ours, sglang)
+    a, b = json.loads(ours[1]), json.loads(sglang[1])
+    assert a["token_ids"] == b["token_ids"]
+    assert a["stats"]["accept_length_histogram"] == b["stats"]["accept_length_histogram"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: argument hygiene
+
+
+BAD_ARGUMENTS = {
+    # name: (arguments after --model TARGET, words of the one error line)
+    "negative id after a space": (["--prompt-ids", "-5,3"], ["--prompt-ids", "-5", "vocabulary"]),
+    "empty id": (["--prompt-ids", "1,,2"], ["--prompt-ids", "'1,,2'"]),
+    "empty ids": (["--prompt-ids", ""], ["--prompt-ids", "empty"]),
+    "empty text": (["--prompt", ""], ["--prompt", "empty"]),
+    "tp 0": (["--prompt-ids", "1", "--tp", "0"], ["--tp", ">= 1", "'0'"]),
+    "max-new-tokens 0": (["--prompt-ids", "1", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    "top-p 0": (["--prompt-ids", "1", "--top-p", "0"], ["--top-p", "> 0.0 and <= 1.0"]),
+    "top-p above 1": (["--prompt-ids", "1", "--top-p", "1.5"], ["--top-p", "'1.5'"]),
+    "min-p negative": (["--prompt-ids", "1", "--min-p=-0.1"], ["--min-p", "'-0.1'"]),
+    "seed negative": (["--prompt-ids", "1", "--seed=-1"], ["--seed", "'-1'"]),
+    "max-context 0": (["--prompt-ids", "1", "--max-context", "0"], ["--max-context"]),
+    "page-size 0": (["--prompt-ids", "1", "--page-size", "0"], ["--page-size"]),
+    "adaptive depth negative": (
+        ["--prompt-ids", "1", "--adaptive-steps", "1,-1"],
+        ["--adaptive-steps", "-1"],
+    ),
+    "verify budget negative": (["--prompt-ids", "1", "--verify-budget=-2"], ["--verify-budget"]),
+    "not a number": (["--prompt-ids", "1", "--temperature", "warm"], ["--temperature", "'warm'"]),
+    "unknown algorithm": (
+        ["--prompt-ids", "1", "--algorithm", "eagle9"],
+        ["--algorithm", "eagle9"],
+    ),
+    "bad choice": (["--prompt-ids", "1", "--device", "tpu"], ["--device", "tpu"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_one_line_while_parsing(capsys, folders, name):
+    args, words = BAD_ARGUMENTS[name]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["generate", "--model", str(folders["target"]), *args])
+    out, err = capsys.readouterr()
+    check_one_error_line(stopped.value.code, out, err, *words)
+
+
+def test_a_prompt_that_starts_with_a_dash_is_text(capsys, tmp_path):
+    folder = save_model(random_model(tiny_config(vocab_size=258), seed=1), tmp_path / "m")
+    save_tokenizer(byte_level_tokenizer(), folder)
+    status, out, err = run_cli(
+        capsys, "--model", str(folder), "--prompt", "-x", "--max-new-tokens", "2", "--json"
+    )
+    assert status == 0, err
+    (expected,) = generate("-x", model=folder, max_new_tokens=2)
+    assert json.loads(out)["token_ids"] == list(expected.token_ids)
