@@ -477,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
         return 0
+    if result.stats.get("length_limit") == "max_context":
+        print(_context_notice(result, args.max_new_tokens), file=sys.stderr)
     if args.json:
         payload = {
             "token_ids": list(result.token_ids),
@@ -504,6 +506,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _context_notice(result, max_new_tokens: int) -> str:
+    """The line saying that the context, not ``--max-new-tokens``, ended ``result``."""
+    return (
+        f"speculum: note: stopped after {len(result.token_ids)} new tokens, not "
+        f"--max-new-tokens {max_new_tokens}: the prompt and the output filled the context of "
+        f"{result.stats['max_context']} tokens (--max-context, up to the model's "
+        "max_position_embeddings)"
+    )
 
 
 def _subparsers(top: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

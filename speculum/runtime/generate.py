@@ -31,7 +31,9 @@ class Generation:
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
     ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
     and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
-    ``finish_reason``.
+    ``finish_reason``; a ``length`` finish adds ``length_limit``: ``max_new_tokens``, or
+    ``max_context`` (with ``max_context``, the engine's) when the prompt and the budget did not
+    fit the context, which cut the budget short.
     """
 
     token_ids: tuple[int, ...]
@@ -198,17 +200,33 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
 
 def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
     text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
+    finish_reason = request.finish_reason or "length"
     return Generation(
         token_ids=request.output,
         text=text,
-        finish_reason=request.finish_reason or "length",
+        finish_reason=finish_reason,
         stats={
             "num_forward_steps": request.num_forwards,
             **shared,
-            "finish_reason": request.finish_reason or "length",
+            "finish_reason": finish_reason,
+            **_length_limit(engine, request, finish_reason),
             **acceptance_stats(request.round_lengths),
         },
     )
+
+
+def _length_limit(
+    engine: Engine, request: scheduler.Request, finish_reason: str
+) -> dict[str, str | int]:
+    """Why a request finished for ``length``: ``length_limit`` is ``max_new_tokens``, or
+    ``max_context`` (with its value) when the prompt and the budget did not fit the context,
+    so the context cut the budget short; nothing for other finishes."""
+    if finish_reason != "length":
+        return {}
+    context = engine.config.max_context
+    if len(request.prompt) + request.max_new_tokens > context:
+        return {"length_limit": "max_context", "max_context": context}
+    return {"length_limit": "max_new_tokens"}
 
 
 def acceptance_stats(round_lengths: Sequence[int]) -> dict[str, float | int | list]:

@@ -248,3 +248,39 @@ def test_a_prompt_that_starts_with_a_dash_is_text(capsys, tmp_path):
     assert status == 0, err
     (expected,) = generate("-x", model=folder, max_new_tokens=2)
     assert json.loads(out)["token_ids"] == list(expected.token_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 2: engine limits on the command line, and a budget the context cuts is said
+
+
+def test_max_context_caps_the_output_with_a_notice(capsys, folders):
+    args = ["--model", str(folders["target"]), "--prompt-ids", ids(PROMPT), "--json"]
+    status, out, err = run_cli(
+        capsys, *args, "--max-context", "10", "--max-batch", "2", "--page-size", "4",
+        "--max-new-tokens", "1000000000",
+    )  # fmt: skip
+    assert status == 0
+    payload = json.loads(out)
+    assert len(payload["token_ids"]) == 10 - len(PROMPT)
+    assert payload["finish_reason"] == "length"
+    assert payload["stats"]["length_limit"] == "max_context"
+    assert payload["stats"]["max_context"] == 10
+    assert err == (
+        "speculum: note: stopped after 6 new tokens, not --max-new-tokens 1000000000: the "
+        "prompt and the output filled the context of 10 tokens (--max-context, up to the "
+        "model's max_position_embeddings)\n"
+    )
+    (expected,) = generate([PROMPT], model=folders["target"], max_new_tokens=6)
+    assert payload["token_ids"] == list(expected.token_ids)
+    assert expected.stats["length_limit"] == "max_new_tokens"
+    status, out, err = run_cli(capsys, *args, "--max-context", "10", "--max-new-tokens", "6")
+    assert (status, err) == (0, "")  # the budget fits: no notice
+    assert json.loads(out)["stats"]["length_limit"] == "max_new_tokens"
+
+
+def test_a_max_context_above_the_model_exits_2(capsys, folders):
+    status, out, err = run_cli(
+        capsys, "--model", str(folders["target"]), "--prompt-ids", "1", "--max-context", "99999"
+    )
+    check_one_error_line(status, out, err, "max_context=99999", "max_position_embeddings")
