@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -78,8 +80,8 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int = 0,
-    stop_token_ids: tuple[int, ...] = (),
-    stop_strings: tuple[str, ...] = (),
+    stop_token_ids: int | Sequence[int] = (),
+    stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
     max_context: int | None = None,
     max_batch: int = 16,
@@ -90,25 +92,37 @@ def generate(
     overlap: bool = False,
     tp: int = 1,
     draft_tp: int | None = None,
+    speculative_config: Mapping[str, Any] | None = None,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
     With neither ``model`` nor ``engine``, the bundled default model runs, by default with its
-    EAGLE-3 draft (``algorithm`` None means that, or plain decoding for any other model). All
-    prompts are decoded together by the continuous-batching scheduler; each result is what that
-    prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
-    shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
+    EAGLE-3 draft. ``algorithm`` None means the kind of ``draft`` when one is given (read from
+    its folder: a draft is never ignored), else that default, or plain decoding for any other
+    model. All prompts are decoded together by the continuous-batching scheduler; each result
+    is what that prompt yields alone.
+
+    Speculative algorithms take their draft from ``draft`` and the round's shape from
+    ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
     chains multi-layer EAGLE's MTP layers. ``adaptive_steps`` (e.g. ``(0, 1, 3, 5)``) replaces
     ``num_steps`` with several chain depths, 0 meaning no speculation, and each round runs the
     one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
-    best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
-    chains multi-layer EAGLE's MTP layers. Block drafters (``dflash``, ``dspark``) take
-    ``block_size`` (default: the draft's) and the verify budget ``verify_budget``,
-    ``cost_table`` and ``min_verify`` (``SpecOptions``). ``algorithm="ngram"``
-    needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
-    unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
-    the device runs the previous one (same tokens; see ``docs/overlap.md``).
+    best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
+    ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
+    ``verify_budget``, ``cost_table`` and ``min_verify`` (``SpecOptions``).
+    ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. vLLM's
+    ``speculative_config`` dict is accepted too (:data:`SPECULATIVE_CONFIG_KEYS`: ``method``,
+    ``model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``,
+    ``prompt_lookup_max``, ``prompt_lookup_min``) in place of those arguments.
+
+    Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``.
+    A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
+    ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
+    string, or a sequence of them). ``max_context``, ``max_batch`` and ``page_size`` size the
+    engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
+    ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
+    device runs the previous one (same tokens; see ``docs/overlap.md``).
 
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
@@ -116,6 +130,8 @@ def generate(
     result is returned. Every rank decodes rank 0's requests and returns the same results.
     """
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
+    if speculative_config is not None:
+        return generate(**_with_speculative_config(arguments))
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
@@ -164,8 +180,8 @@ def generate(
             [_prompt_ids(engine, p) for p in batch],
             sampling,
             max_new_tokens,
-            stop_token_ids,
-            stop_strings,
+            _one_or_many(stop_token_ids, int),
+            _one_or_many(stop_strings, str),
             ignore_eos,
         )
     )
@@ -188,6 +204,64 @@ def generate(
     total = sum(len(r.output) for r in finished.values())
     shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
     return [_result(engine, finished[rid], shared) for rid in rids]
+
+
+#: vLLM's ``speculative_config`` keys and the ``generate`` arguments they set.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "algorithm",
+    "model": "draft",
+    "num_speculative_tokens": "num_steps (block drafters: block_size; ngram: num_draft_tokens)",
+    "draft_tensor_parallel_size": "draft_tp",
+    "prompt_lookup_max": "ngram.max_depth",
+    "prompt_lookup_min": "ngram.min_match",
+}
+#: vLLM ``method`` names spelled otherwise here (any ``*_mtp`` method is ``mtp``).
+_VLLM_METHODS = {"draft_model": "standalone"}
+
+
+def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``generate``'s ``arguments`` with their ``speculative_config`` (vLLM's keys) turned
+    into the arguments it stands for; an argument given both ways raises ``ValueError``."""
+    config = dict(arguments.pop("speculative_config"))
+    unknown = sorted(set(config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config keys {unknown} are not read; speculum reads "
+            f"{', '.join(SPECULATIVE_CONFIG_KEYS)}"
+        )
+    method = config.get("method")
+    if method is not None:
+        method = str(method).lower()
+        method = "mtp" if method.endswith("_mtp") else _VLLM_METHODS.get(method, method)
+    options: dict[str, Any] = {"algorithm": method, "draft": config.get("model")}
+    options["draft_tp"] = config.get("draft_tensor_parallel_size")
+    tokens = config.get("num_speculative_tokens")
+    if tokens is not None:
+        name, value = {
+            "ngram": ("num_draft_tokens", tokens + 1),
+            "dflash": ("block_size", tokens + 1),
+            "dspark": ("block_size", tokens),
+        }.get(method, ("num_steps", tokens))
+        options[name] = value
+    lookup = {"max_depth": "prompt_lookup_max", "min_match": "prompt_lookup_min"}
+    fields = {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
+    if fields:
+        options["ngram"] = attrs.evolve(arguments["ngram"] or NgramOptions(), **fields)
+    options = {k: v for k, v in options.items() if v is not None}
+    defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    twice = sorted(k for k in options if k != "ngram" and arguments[k] != defaults[k])
+    if twice:
+        raise ValueError(
+            f"{', '.join(twice)} given both as arguments and through speculative_config; "
+            "give each once"
+        )
+    return {**arguments, **options}
+
+
+def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
+    """``value`` as a tuple: a single ``kind`` (a string is one stop string, not its
+    characters) or a sequence of them."""
+    return (value,) if isinstance(value, kind) else tuple(value)
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:

@@ -10,6 +10,7 @@ for text and ids.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -284,3 +285,43 @@ def test_a_max_context_above_the_model_exits_2(capsys, folders):
         capsys, "--model", str(folders["target"]), "--prompt-ids", "1", "--max-context", "99999"
     )
     check_one_error_line(status, out, err, "max_context=99999", "max_position_embeddings")
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 9: speculum.generate is the real function; stop_strings; vLLM's speculative_config
+
+
+def test_speculum_generate_is_the_function_itself():
+    import speculum
+
+    assert speculum.generate is generate
+    parameters = inspect.signature(speculum.generate).parameters
+    assert "speculative_config" in parameters and "args" not in parameters
+    assert generate.__doc__.count("chains multi-layer EAGLE's MTP layers") == 1
+
+
+def test_a_bare_stop_string_is_one_string():
+    """``stop_strings="and"`` stops at "and", not at the first "a", "n" or "d" (the bundled
+    model, greedy)."""
+    prompt, common = "def fibonacci(n):", {"algorithm": "plain", "max_new_tokens": 24}
+    (free,) = generate(prompt, **common)
+    assert "and" in free.text and free.text.index("n") < free.text.index("and")
+    (bare,) = generate(prompt, stop_strings="and", **common)
+    (listed,) = generate(prompt, stop_strings=("and",), **common)
+    (chars,) = generate(prompt, stop_strings=list("and"), **common)
+    assert bare.token_ids == listed.token_ids and bare.finish_reason == "stop"
+    assert bare.text.count("and") == 1 and len(bare.token_ids) < len(free.token_ids)
+    assert len(chars.token_ids) < len(bare.token_ids)
+
+
+def test_vllm_speculative_config_is_read(folders):
+    target, eagle3 = folders["target"], folders["eagle3"]
+    (ours,) = generate([PROMPT], model=target, algorithm="eagle3", draft=eagle3, num_steps=2)
+    config = {"method": "EAGLE3", "model": str(eagle3), "num_speculative_tokens": 2}
+    (vllm,) = generate([PROMPT], model=target, speculative_config=config)
+    assert vllm.token_ids == ours.token_ids
+    assert vllm.stats["accept_length_histogram"] == ours.stats["accept_length_histogram"]
+    with pytest.raises(ValueError, match=r"keys \['speculative_model'\] are not read"):
+        generate([PROMPT], model=target, speculative_config={"speculative_model": "x"})
+    with pytest.raises(ValueError, match="num_steps given both as arguments and through"):
+        generate([PROMPT], model=target, num_steps=4, speculative_config=config)
