@@ -19,7 +19,7 @@ from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed
 from speculum.runtime.default_model import DEFAULT_ALGORITHM
 from speculum.runtime.engine import NgramOptions
-from speculum.runtime.generate import generate
+from speculum.runtime.generate import Comparison, compare_plain, generate
 
 __all__ = ["main", "parser"]
 
@@ -152,7 +152,13 @@ def parser() -> argparse.ArgumentParser:
         "--compare-plain",
         action="store_const",
         const=True,
-        help="also decode with plain decoding; print the speedup and the acceptance length",
+        help="also decode with plain decoding: warm both engines, alternate timed passes and "
+        "print the median speedup, its spread and the acceptance length",
+    )
+    gen.add_argument(
+        "--passes",
+        type=_number("--passes", int, 1),
+        help="timed passes of each engine for --compare-plain (default 3)",
     )
     gen.add_argument(
         "--draft",
@@ -469,8 +475,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train_draft(args)
     try:
         algorithm = _chosen_algorithm(args)
-        result = _generate(args, algorithm)
-        plain = _generate(args, "plain") if args.compare_plain else None
+        if args.compare_plain:
+            passes = {} if args.passes is None else {"passes": args.passes}
+            prompts, options = _generate_call(args, algorithm)
+            comparison = compare_plain(prompts, **options, **passes)
+            (result,), plain = comparison.speculative, comparison
+        else:
+            prompts, options = _generate_call(args, algorithm)
+            (result,), plain = generate(prompts, **options), None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
         if distributed.is_leader():
             print(f"speculum: error: {err}", file=sys.stderr)
@@ -488,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stats": result.stats,
         }
         if plain is not None:
-            payload["compare_plain"] = _comparison(result, plain)
+            payload["compare_plain"] = _comparison(plain)
         print(json.dumps(payload))
         return 0
     print(result.text if result.text is not None else list(result.token_ids))
@@ -497,12 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(stats, file=sys.stderr)
     if plain is not None:
-        c = _comparison(result, plain)
+        c = _comparison(plain)
         print(
             f"speculative {c['tokens_per_second']:.1f} tok/s vs plain "
-            f"{c['plain_tokens_per_second']:.1f} tok/s: speedup {c['speedup']:.2f}x, acceptance "
-            f"length {c['accept_length_mean']:.2f} (tokens per verify step, bonus included), "
-            f"same tokens as plain: {'yes' if c['same_tokens'] else 'no'}",
+            f"{c['plain_tokens_per_second']:.1f} tok/s: speedup {c['speedup']:.2f}x (median of "
+            f"{len(c['speedups'])} alternating passes after a warm-up; "
+            f"{min(c['speedups']):.2f}x-{max(c['speedups']):.2f}x), acceptance length "
+            f"{c['accept_length_mean']:.2f} (tokens per verify step, bonus included), same "
+            f"tokens as plain: {'yes' if c['same_tokens'] else 'no'}",
             file=sys.stderr,
         )
     return 0
@@ -548,6 +562,7 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     },
     "draft_tp": ("--draft-tp", SPECULATIVE),
     "compare_plain": ("--compare-plain", frozenset(ALGORITHMS) - {"plain"}),
+    "passes": ("--passes", frozenset(ALGORITHMS) - {"plain"}),
 }
 
 
@@ -566,6 +581,8 @@ def _chosen_algorithm(args: argparse.Namespace) -> str:
             )
     if algorithm is None:
         algorithm = DEFAULT_ALGORITHM if args.model is None else "plain"
+    if args.passes is not None and not args.compare_plain:
+        raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
     for dest, (flag, readers) in _ALGORITHM_OPTIONS.items():
         if getattr(args, dest) is None or algorithm in readers:  # None: not given
             continue
@@ -580,20 +597,20 @@ def _chosen_algorithm(args: argparse.Namespace) -> str:
     return algorithm
 
 
-def _generate(args: argparse.Namespace, algorithm: str):
-    """One ``generate`` call with the command's options and ``algorithm`` (options that
-    ``algorithm`` does not read are left out: ``--compare-plain``'s plain pass)."""
+def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict]:
+    """The prompts and the keyword arguments of the command's ``generate`` call with
+    ``algorithm`` (options that ``algorithm`` does not read left out)."""
     options = {
         dest: getattr(args, dest)
         for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
         if algorithm in readers
         and getattr(args, dest) is not None
         and not dest.startswith("ngram_")
-        and dest != "compare_plain"
+        and dest not in ("compare_plain", "passes")
     }
     ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
-    (result,) = generate(
-        [args.prompt] if args.prompt is not None else [args.prompt_ids],
+    prompts = [args.prompt] if args.prompt is not None else [args.prompt_ids]
+    return prompts, dict(
         model=args.model,
         algorithm=algorithm,
         ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
@@ -613,15 +630,17 @@ def _generate(args: argparse.Namespace, algorithm: str):
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),
         **options,
     )
-    return result
 
 
-def _comparison(result, plain) -> dict[str, float | bool]:
-    """Speedup of ``result`` over the plain run ``plain``, and its acceptance length."""
+def _comparison(comparison: Comparison) -> dict[str, float | bool | list[float]]:
+    """The median pass's tokens per second, speedup and acceptance length, every pass's
+    speedup, and whether speculation emitted plain decoding's tokens."""
+    (result,), (plain,) = comparison.speculative, comparison.plain
     return {
         "tokens_per_second": result.stats["tokens_per_second"],
         "plain_tokens_per_second": plain.stats["tokens_per_second"],
-        "speedup": result.stats["tokens_per_second"] / plain.stats["tokens_per_second"],
+        "speedup": comparison.speedup,
+        "speedups": list(comparison.speedups),
         "accept_length_mean": result.stats["accept_length_mean"],
         "same_tokens": result.token_ids == plain.token_ids,
     }

@@ -21,7 +21,14 @@ from speculum.runtime.default_model import (
 )
 from speculum.runtime.engine import Engine, NgramOptions, SpecOptions, build_engine
 
-__all__ = ["Generation", "generate", "run_to_completion", "acceptance_stats"]
+__all__ = [
+    "Comparison",
+    "Generation",
+    "acceptance_stats",
+    "compare_plain",
+    "generate",
+    "run_to_completion",
+]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -136,40 +143,7 @@ def generate(
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
     if engine is None:
-        if algorithm is None and draft is not None:
-            algorithm = draft_algorithm(draft)  # a draft is never ignored
-        if model is None:
-            model = default_model_dir()
-            if algorithm in (None, DEFAULT_ALGORITHM) and draft is None:
-                algorithm, draft = DEFAULT_ALGORITHM, default_draft_dir()
-        engine = build_engine(
-            model,
-            algorithm=algorithm or "plain",
-            draft=draft,
-            spec=SpecOptions(
-                num_steps=num_steps,
-                topk=topk,
-                num_draft_tokens=num_draft_tokens,
-                sample_drafts=sample_drafts,
-                chain_hidden=chain_hidden,
-                adaptive_steps=tuple(adaptive_steps),
-                adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
-                block_size=block_size,
-                verify_budget=verify_budget,
-                cost_table=cost_table,
-                min_verify=min_verify,
-            ),
-            device=device,
-            dtype=dtype,
-            ngram=ngram,
-            cuda_graphs=cuda_graphs,
-            overlap=overlap,
-            tp=distributed.tensor_parallel(tp, device),
-            draft_tp=draft_tp,
-            max_context=max_context,
-            max_batch=max_batch,
-            page_size=page_size,
-        )
+        engine = _engine(arguments)
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     sampling = scheduler.Sampling(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
@@ -204,6 +178,123 @@ def generate(
     total = sum(len(r.output) for r in finished.values())
     shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
     return [_result(engine, finished[rid], shared) for rid in rids]
+
+
+def _engine(arguments: dict[str, Any]) -> Engine:
+    """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults)."""
+    a = arguments
+    algorithm, draft, model = a["algorithm"], a["draft"], a["model"]
+    if algorithm is None and draft is not None:
+        algorithm = draft_algorithm(draft)  # a draft is never ignored
+    if model is None:
+        model = default_model_dir()
+        if algorithm in (None, DEFAULT_ALGORITHM) and draft is None:
+            algorithm, draft = DEFAULT_ALGORITHM, default_draft_dir()
+    return build_engine(
+        model,
+        algorithm=algorithm or "plain",
+        draft=draft,
+        spec=SpecOptions(
+            num_steps=a["num_steps"],
+            topk=a["topk"],
+            num_draft_tokens=a["num_draft_tokens"],
+            sample_drafts=a["sample_drafts"],
+            chain_hidden=a["chain_hidden"],
+            adaptive_steps=tuple(a["adaptive_steps"]),
+            adaptive_policy=AdaptivePolicy(margin=a["adaptive_margin"]),
+            block_size=a["block_size"],
+            verify_budget=a["verify_budget"],
+            cost_table=a["cost_table"],
+            min_verify=a["min_verify"],
+        ),
+        device=a["device"],
+        dtype=a["dtype"],
+        ngram=a["ngram"],
+        cuda_graphs=a["cuda_graphs"],
+        overlap=a["overlap"],
+        tp=distributed.tensor_parallel(a["tp"], a["device"]),
+        draft_tp=a["draft_tp"],
+        max_context=a["max_context"],
+        max_batch=a["max_batch"],
+        page_size=a["page_size"],
+    )
+
+
+#: ``generate``'s arguments that shape drafting, which plain decoding does without.
+_DRAFTING = (
+    "draft",
+    "num_steps",
+    "topk",
+    "num_draft_tokens",
+    "sample_drafts",
+    "chain_hidden",
+    "adaptive_steps",
+    "adaptive_margin",
+    "block_size",
+    "verify_budget",
+    "cost_table",
+    "min_verify",
+    "ngram",
+    "draft_tp",
+)
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    """Speculative decoding timed against plain decoding by :func:`compare_plain`.
+
+    ``speculative`` and ``plain`` are the results of the median pass (the pass whose speedup
+    is the median of ``speedups``; the upper one of an even count), ``speedups`` every timed
+    pass's ratio of speculative to plain tokens per second, in the order they ran.
+    """
+
+    speculative: list[Generation]
+    plain: list[Generation]
+    speedups: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        """The median pass's speedup."""
+        return (
+            self.speculative[0].stats["tokens_per_second"]
+            / (self.plain[0].stats["tokens_per_second"])
+        )
+
+
+def compare_plain(
+    prompts: str | Sequence[str] | Sequence[Sequence[int]], *, passes: int = 3, **options: Any
+) -> Comparison:
+    """Decode ``prompts`` with ``generate(prompts, **options)``'s engine and with plain
+    decoding of the same model, and time them fairly: both engines are built once and warmed
+    by an untimed pass each, then ``passes`` timed passes of each alternate (speculative,
+    plain, speculative, ...), so that a drifting machine slows both alike. ``options`` are
+    ``generate``'s (``engine`` excepted); ``tp > 1`` runs the whole comparison on each rank.
+    """
+    if passes < 1:
+        raise ValueError(f"passes={passes}: compare at least one timed pass")
+    defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    unknown = sorted(set(options) - set(defaults) | ({"engine", "prompts"} & set(options)))
+    if unknown:
+        raise TypeError(f"compare_plain got arguments {unknown} that generate does not take")
+    arguments = {**defaults, **options, "prompts": prompts}
+    if arguments["speculative_config"] is not None:
+        arguments = _with_speculative_config(arguments)
+    arguments.pop("speculative_config", None)
+    if arguments["tp"] > 1 and not distributed.launched():
+        run = functools.partial(compare_plain, prompts, passes=passes, **options)
+        return distributed.launch(run, arguments["tp"])
+    del arguments["engine"]
+    speculative = _engine(arguments)
+    if speculative.pipeline.name == "plain":
+        raise ValueError("compare_plain compares speculative decoding with plain: pass a draft")
+    plain = {**arguments, **{k: defaults[k] for k in _DRAFTING}, "algorithm": "plain"}
+    engines = (speculative, _engine(plain))
+    runs = [[generate(**arguments, engine=e) for e in engines] for _ in range(passes + 1)][1:]
+    speedups = tuple(
+        s[0].stats["tokens_per_second"] / p[0].stats["tokens_per_second"] for s, p in runs
+    )
+    median = sorted(range(passes), key=speedups.__getitem__)[passes // 2]
+    return Comparison(speculative=runs[median][0], plain=runs[median][1], speedups=speedups)
 
 
 #: vLLM's ``speculative_config`` keys and the ``generate`` arguments they set.

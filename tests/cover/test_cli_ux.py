@@ -10,6 +10,7 @@ for text and ids.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -325,3 +326,43 @@ def test_vllm_speculative_config_is_read(folders):
         generate([PROMPT], model=target, speculative_config={"speculative_model": "x"})
     with pytest.raises(ValueError, match="num_steps given both as arguments and through"):
         generate([PROMPT], model=target, num_steps=4, speculative_config=config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 6: --compare-plain warms both engines, then alternates timed passes
+
+
+def test_compare_plain_warms_then_alternates_and_reports_the_median(monkeypatch, folders):
+    from speculum.runtime import generate as module
+
+    calls = []
+
+    @functools.wraps(generate)  # the same signature, which compare_plain reads
+    def recorded(*args, **kwargs):
+        calls.append(kwargs["engine"])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(module, "generate", recorded)
+    comparison = module.compare_plain(
+        [PROMPT], model=folders["target"], draft=folders["eagle3"], max_new_tokens=5, passes=4
+    )
+    speculative, plain = calls[0], calls[1]
+    assert speculative.pipeline.name == "eagle3" and plain.pipeline.name == "plain"
+    assert calls == [speculative, plain] * 5  # one untimed warm-up pass each, then 4 timed
+    assert len(comparison.speedups) == 4
+    assert comparison.speedup == sorted(comparison.speedups)[2]  # the (upper) median pass
+    assert comparison.speculative[0].token_ids == comparison.plain[0].token_ids
+
+
+def test_compare_plain_on_the_command_line_reports_every_pass(capsys, folders):
+    args = ["--model", str(folders["target"]), "--draft", str(folders["eagle3"])]
+    args += ["--prompt-ids", ids(PROMPT), "--max-new-tokens", "4", "--compare-plain"]
+    status, out, err = run_cli(capsys, *args, "--passes", "3", "--json")
+    assert status == 0, err
+    c = json.loads(out)["compare_plain"]
+    assert len(c["speedups"]) == 3 and c["speedup"] == sorted(c["speedups"])[1]
+    assert c["speedup"] == pytest.approx(c["tokens_per_second"] / c["plain_tokens_per_second"])
+    status, _, err = run_cli(capsys, *args, "--passes", "1")
+    assert status == 0 and "(median of 1 alternating passes after a warm-up;" in err
+    status, out, err = run_cli(capsys, *args[:-1], "--passes", "2")
+    check_one_error_line(status, out, err.split("\n", 1)[1], "--passes", "--compare-plain")
