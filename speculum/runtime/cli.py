@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -319,6 +320,13 @@ def parser() -> argparse.ArgumentParser:
         "previous one (same tokens)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print the completion once it is finished (default: as it is decoded; --json "
+        "and --compare-plain print at the end)",
+    )
     parallel = gen.add_argument_group("tensor parallelism (see docs/tensor_parallel.md)")
     parallel.add_argument(
         "--tp",
@@ -473,20 +481,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train_target(args)
     if args.command == "train-draft":
         return _train_draft(args)
+    return _generate_command(args)
+
+
+class _Progress:
+    """What the command has decoded so far (``generate``'s ``on_tokens``), written to stdout
+    as it comes when ``echo``; Ctrl-C reports it."""
+
+    def __init__(self, echo: bool) -> None:
+        self.echo = echo
+        self.ids: list[int] = []
+        self.text = ""
+        self.first_at: float | None = None  # when the first token came
+
+    def __call__(self, index: int, ids: tuple[int, ...], text: str) -> None:
+        """Keep (and, when echoing, print) one step's new tokens of the command's prompt."""
+        self.first_at = self.first_at or time.perf_counter()
+        self.ids.extend(ids)
+        self.text += text
+        if self.echo and text:
+            print(text, end="", flush=True)
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Tokens so far, and their rate after the first one."""
+        seconds = time.perf_counter() - self.first_at if self.first_at else 0.0
+        rate = (len(self.ids) - 1) / seconds if len(self.ids) > 1 and seconds > 0 else 0.0
+        return {
+            "num_new_tokens": len(self.ids),
+            "tokens_per_second": rate,
+            "finish_reason": "interrupted",
+        }
+
+
+def _generate_command(args: argparse.Namespace) -> int:
+    """``speculum generate``: decode, print, report; the exit status."""
+    launching = (args.tp or 1) > 1 and not distributed.launched()  # on_tokens would run there
+    echo = args.stream and not (args.json or args.compare_plain or launching)
+    progress = _Progress(echo and distributed.is_leader())
     try:
         algorithm = _chosen_algorithm(args)
+        prompts, options = _generate_call(args, algorithm)
         if args.compare_plain:
             passes = {} if args.passes is None else {"passes": args.passes}
-            prompts, options = _generate_call(args, algorithm)
             comparison = compare_plain(prompts, **options, **passes)
             (result,), plain = comparison.speculative, comparison
         else:
-            prompts, options = _generate_call(args, algorithm)
-            (result,), plain = generate(prompts, **options), None
+            on_tokens = {} if launching else {"on_tokens": progress}
+            (result,), plain = generate(prompts, **options, **on_tokens), None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
         if distributed.is_leader():
             print(f"speculum: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if distributed.is_leader():
+            _report_interrupted(args, progress)
+        return 130
     if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
         return 0
     if result.stats.get("length_limit") == "max_context":
@@ -503,11 +552,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload["compare_plain"] = _comparison(plain)
         print(json.dumps(payload))
         return 0
-    print(result.text if result.text is not None else list(result.token_ids))
-    stats = ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
-    )
-    print(stats, file=sys.stderr)
+    if progress.echo and result.text is not None and result.text.startswith(progress.text):
+        print(result.text[len(progress.text) :], flush=True)  # the rest, and the newline
+    else:
+        print(result.text if result.text is not None else list(result.token_ids))
+    print(_stats_line(result.stats), file=sys.stderr)
     if plain is not None:
         c = _comparison(plain)
         print(
@@ -520,6 +569,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _stats_line(stats: dict[str, object]) -> str:
+    """``key=value, ...`` with floats to 4 significant digits."""
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+    )
+
+
+def _report_interrupted(args: argparse.Namespace, progress: _Progress) -> None:
+    """After Ctrl-C: what was decoded (unless already streamed) and its statistics."""
+    stats = progress.stats()
+    if args.json:
+        payload = {"token_ids": progress.ids, "text": progress.text}
+        print(json.dumps({**payload, "finish_reason": "interrupted", "stats": stats}))
+    elif progress.echo:
+        print(flush=True)  # end the streamed line
+    else:
+        print(progress.text or progress.ids)
+    print(_stats_line(stats), file=sys.stderr)
+    print("speculum: interrupted", file=sys.stderr)
 
 
 def _context_notice(result, max_new_tokens: int) -> str:
@@ -653,11 +723,7 @@ _TRAINING_ERRORS = (ValueError, RuntimeError, KeyError, MemoryError, OSError)
 
 def _print_metrics(metrics: dict[str, object]) -> None:
     """One ``key=value, ...`` line on stdout."""
-    print(
-        ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-        )
-    )
+    print(_stats_line(metrics))
 
 
 def _train_target(args: argparse.Namespace) -> int:

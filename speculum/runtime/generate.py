@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,50 @@ class Generation:
 
 
 def run_to_completion(
-    engine: Engine, state: scheduler.SchedulerState
+    engine: Engine,
+    state: scheduler.SchedulerState,
+    on_output: Callable[[scheduler.RequestOutput], None] | None = None,
 ) -> tuple[scheduler.SchedulerState, dict[int, scheduler.Request]]:
-    """Step until every request has finished; returns the final state and finished requests."""
+    """Step until every request has finished; returns the final state and finished requests.
+    ``on_output`` sees each step's output of each request as it comes."""
     finished: dict[int, scheduler.Request] = {}
     while not scheduler.is_idle(state):
         state, outputs = scheduler.step(engine, state)
+        for output in outputs if on_output else ():
+            on_output(output)
         finished.update((o.rid, o.request) for o in outputs if o.finished)
     return state, finished
+
+
+class _TextStream:
+    """Turns each step's new token ids of one batch into the text they complete, for
+    ``generate``'s ``on_tokens``: a tail that decodes to a replacement character (a multi-byte
+    character cut between tokens) waits for the next tokens, or for the request's end."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_tokens: Callable[[int, tuple[int, ...], str], None],
+        rids: Sequence[int],
+    ) -> None:
+        self.engine, self.on_tokens = engine, on_tokens
+        self.index = {rid: i for i, rid in enumerate(rids)}  # request id -> prompt index
+        self.ids: dict[int, list[int]] = {}
+        self.shown: dict[int, str] = {}
+
+    def __call__(self, output: scheduler.RequestOutput) -> None:
+        """Hand ``output``'s new ids and newly completed text to ``on_tokens``."""
+        rid, tokenizer = output.rid, self.engine.tokenizer
+        ids = self.ids.setdefault(rid, [])
+        ids.extend(output.new_token_ids)
+        new = ""
+        if tokenizer is not None:
+            text, shown = tokenizer.decode(ids), self.shown.get(rid, "")
+            complete = output.finished or not text.endswith("\ufffd")
+            if complete and text.startswith(shown):
+                new, self.shown[rid] = text[len(shown) :], text
+        if output.new_token_ids or new:
+            self.on_tokens(self.index[rid], output.new_token_ids, new)
 
 
 def generate(
@@ -100,6 +136,7 @@ def generate(
     tp: int = 1,
     draft_tp: int | None = None,
     speculative_config: Mapping[str, Any] | None = None,
+    on_tokens: Callable[[int, tuple[int, ...], str], None] | None = None,
 ) -> list[Generation]:
     """Generate a completion for each prompt (text, or a list of token ids).
 
@@ -131,10 +168,16 @@ def generate(
     ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
     device runs the previous one (same tokens; see ``docs/overlap.md``).
 
+    Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
+    that emitted some for prompt ``i``, with the new ids and the text they complete (``""``
+    while a multi-byte character is cut between tokens, or without a tokenizer); the pieces
+    add up to each result's ``token_ids`` and ``text``.
+
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
-    one rank; otherwise ``tp`` worker processes are started, each runs this call, and rank 0's
-    result is returned. Every rank decodes rank 0's requests and returns the same results.
+    one rank; otherwise ``tp`` worker processes are started, each runs this call (so
+    ``on_tokens`` must be picklable, and runs there), and rank 0's result is returned. Every
+    rank decodes rank 0's requests and returns the same results.
     """
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
     if speculative_config is not None:
@@ -172,8 +215,9 @@ def generate(
             ignore_eos=ignore_eos,
         )
         rids.append(rid)
+    stream = None if on_tokens is None else _TextStream(engine, on_tokens, rids)
     start = time.perf_counter()
-    final, finished = run_to_completion(engine, state)
+    final, finished = run_to_completion(engine, state, stream)
     elapsed = time.perf_counter() - start
     total = sum(len(r.output) for r in finished.values())
     shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}

@@ -13,7 +13,13 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_config
@@ -24,8 +30,9 @@ from speculum.models.draft_loading import save_random_draft
 from speculum.models.frozen_kv import random_frozen_kv, save_frozen_kv
 from speculum.models.loading import random_model, save_model
 from speculum.models.multi_layer_eagle import random_multi_layer, save_multi_layer
-from speculum.models.tokenizer import byte_level_tokenizer, save_tokenizer
+from speculum.models.tokenizer import byte_level_tokenizer, load_tokenizer, save_tokenizer
 from speculum.runtime import cli
+from speculum.runtime.default_model import default_model_dir
 from speculum.runtime.generate import generate
 
 PROMPT = [5, 9, 3, 7]
@@ -366,3 +373,92 @@ def test_compare_plain_on_the_command_line_reports_every_pass(capsys, folders):
     assert status == 0 and "(median of 1 alternating passes after a warm-up;" in err
     status, out, err = run_cli(capsys, *args[:-1], "--passes", "2")
     check_one_error_line(status, out, err.split("\n", 1)[1], "--passes", "--compare-plain")
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 3: text streams as it is decoded; Ctrl-C stops cleanly
+
+
+def test_streamed_pieces_add_up_to_the_result():
+    pieces: list[tuple[int, tuple[int, ...], str]] = []
+    prompts = ["def f(x):", "class A:"]
+    results = generate(
+        prompts, algorithm="plain", max_new_tokens=12, on_tokens=lambda *p: pieces.append(p)
+    )
+    assert len(pieces) > 2  # several steps, not one piece at the end
+    for i, result in enumerate(results):
+        mine = [(ids, text) for index, ids, text in pieces if index == i]
+        assert tuple(t for ids, _ in mine for t in ids) == result.token_ids
+        assert "".join(text for _, text in mine) == result.text
+
+
+def test_a_character_cut_between_tokens_is_shown_whole():
+    from speculum.runtime.generate import _TextStream
+
+    shown = []
+    engine = SimpleNamespace(tokenizer=load_tokenizer(default_model_dir()))
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode("é€")[1:]  # byte-level pieces of two multi-byte characters
+    stream = _TextStream(engine, lambda *piece: shown.append(piece[2]), rids=[7])
+    for k, token in enumerate(ids):
+        done = k == len(ids) - 1
+        stream(SimpleNamespace(rid=7, new_token_ids=(token,), finished=done))
+    assert "".join(shown) == "é€" and "\ufffd" not in "".join(shown)
+
+
+def test_the_command_line_streams_the_same_text(capsys):
+    args = ["--prompt", "def f(x):", "--algorithm", "plain", "--max-new-tokens", "16"]
+    streamed = run_cli(capsys, *args)
+    whole = run_cli(capsys, *args, "--no-stream")
+    assert streamed[0] == whole[0] == 0
+    assert streamed[1] == whole[1] and streamed[1].endswith("\n")
+
+
+def test_ctrl_c_stops_cleanly_with_what_was_generated(tmp_path):
+    """SIGINT while text streams: exit 130, the streamed text kept, statistics, no
+    traceback."""
+    command = [sys.executable, "-m", "speculum", "generate", "--prompt", "def f(x):"]
+    command += ["--max-new-tokens", "100000", "--algorithm", "plain"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path
+    )
+    try:
+        first = b""
+        while not first.strip():  # until some visible text has streamed
+            ready, _, _ = select.select([process.stdout], [], [], 120)
+            assert ready, "no streamed text within 120 s"
+            chunk = os.read(process.stdout.fileno(), 4096)
+            assert chunk, "the command ended before any text streamed"
+            first += chunk
+        process.send_signal(signal.SIGINT)
+        rest, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    out, err = (first + rest).decode(), err.decode()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out.strip() and out.endswith("\n")
+    assert "finish_reason=interrupted" in err and err.endswith("speculum: interrupted\n")
+    tokens = int(err.split("num_new_tokens=")[1].split(",")[0])
+    assert 1 <= tokens < 1000
+
+
+@pytest.mark.parametrize("mode", ["--json", "--no-stream"])
+def test_ctrl_c_reports_what_was_generated_in_every_mode(capsys, monkeypatch, mode):
+    def interrupted(prompts, *, on_tokens, **options):
+        on_tokens(0, (104, 105), "hi")
+        on_tokens(0, (33,), "!")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "generate", interrupted)
+    status, out, err = run_cli(capsys, "--prompt", "x", "--algorithm", "plain", mode)
+    assert status == 130
+    assert err.startswith("num_new_tokens=3, tokens_per_second=")
+    assert err.endswith("finish_reason=interrupted\nspeculum: interrupted\n")
+    if mode == "--json":
+        payload = json.loads(out)
+        assert payload["token_ids"] == [104, 105, 33] and payload["text"] == "hi!"
+        assert payload["finish_reason"] == payload["stats"]["finish_reason"] == "interrupted"
+    else:
+        assert out == "hi!\n"
