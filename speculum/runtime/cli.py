@@ -20,7 +20,7 @@ from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed
 from speculum.runtime.default_model import DEFAULT_ALGORITHM
 from speculum.runtime.engine import NgramOptions
-from speculum.runtime.generate import Comparison, compare_plain, generate
+from speculum.runtime.generate import REQUEST_SETTINGS, Comparison, compare_plain, generate
 
 __all__ = ["main", "parser"]
 
@@ -123,6 +123,17 @@ def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
         ) from err
 
 
+#: The per-request settings that are numbers, each with its flag's parser (range included).
+_SETTINGS = {
+    "max_new_tokens": _number("--max-new-tokens", int, 1),
+    "temperature": _number("--temperature", float, 0.0),
+    "top_k": _number("--top-k", int, 0),
+    "top_p": _number("--top-p", float, 0.0, 1.0, above=True),
+    "min_p": _number("--min-p", float, 0.0, 1.0),
+    "seed": _number("--seed", int, 0),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``speculum`` argument parser."""
     top = _Parser(prog="speculum", description=__doc__)
@@ -141,6 +152,19 @@ def parser() -> argparse.ArgumentParser:
         "--prompt-ids",
         type=_int_list("--prompt-ids", "1,2,3", 0, "token ids", "outside the vocabulary"),
         help="prompt token ids, e.g. 1,2,3",
+    )
+    prompt.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="several prompts decoded as one batch: one per line, or in a .jsonl file one "
+        'object per line, {"prompt": TEXT} or {"prompt_ids": [...]} with any of '
+        + ", ".join(REQUEST_SETTINGS)
+        + " of its own",
+    )
+    gen.add_argument(
+        "--output",
+        metavar="FILE",
+        help="--prompts-file: write the results there, one JSON object per line (default: stdout)",
     )
     gen.add_argument(
         "--algorithm",
@@ -272,18 +296,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
     )
-    gen.add_argument("--max-new-tokens", type=_number("--max-new-tokens", int, 1), default=64)
-    gen.add_argument(
-        "--temperature", type=_number("--temperature", float, 0.0), default=0.0, help="0 = greedy"
-    )
-    gen.add_argument("--top-k", type=_number("--top-k", int, 0), default=0, help="0 = off")
-    gen.add_argument(
-        "--top-p", type=_number("--top-p", float, 0.0, 1.0, above=True), default=1.0, help="1 = off"
-    )
-    gen.add_argument(
-        "--min-p", type=_number("--min-p", float, 0.0, 1.0), default=0.0, help="0 = off"
-    )
-    gen.add_argument("--seed", type=_number("--seed", int, 0), default=0)
+    gen.add_argument("--max-new-tokens", type=_SETTINGS["max_new_tokens"], default=64)
+    gen.add_argument("--temperature", type=_SETTINGS["temperature"], default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=_SETTINGS["top_k"], default=0, help="0 = off")
+    gen.add_argument("--top-p", type=_SETTINGS["top_p"], default=1.0, help="1 = off")
+    gen.add_argument("--min-p", type=_SETTINGS["min_p"], default=0.0, help="0 = off")
+    gen.add_argument("--seed", type=_SETTINGS["seed"], default=0)
     limits = gen.add_argument_group("engine limits")
     limits.add_argument(
         "--max-context",
@@ -502,6 +520,9 @@ class _Progress:
         if self.echo and text:
             print(text, end="", flush=True)
 
+    def close(self) -> None:
+        """Nothing to close (the same calls as :class:`_BatchProgress`)."""
+
     def stats(self) -> dict[str, float | int | str]:
         """Tokens so far, and their rate after the first one."""
         seconds = time.perf_counter() - self.first_at if self.first_at else 0.0
@@ -513,31 +534,186 @@ class _Progress:
         }
 
 
+class _BatchProgress:
+    """``--prompts-file``'s progress bar on stderr (tokens, tokens/s, ETA over the prompts'
+    budgets), fed by ``generate``'s ``on_tokens``."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.bar, self.tokens = show, None, 0
+        self.started = time.perf_counter()
+        self.prompts, self.budget = 0, 0
+
+    def start(self, prompts: list, max_new_tokens: int) -> None:
+        """Size the bar by the budgets of ``prompts`` (their own or ``max_new_tokens``); it
+        opens with the first tokens, so that its rate leaves the model's loading out."""
+        self.prompts = len(prompts)
+        self.budget = sum(
+            p.get("max_new_tokens", max_new_tokens) if isinstance(p, dict) else max_new_tokens
+            for p in prompts
+        )
+
+    def __call__(self, index: int, ids: tuple[int, ...], text: str) -> None:
+        """Count one step's tokens of prompt ``index``."""
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.started = time.perf_counter()
+            self.bar = tqdm(
+                desc=f"{self.prompts} prompts",
+                total=self.budget,
+                unit="tok",
+                file=sys.stderr,
+                disable=not self.show,
+            )
+        self.tokens += len(ids)
+        self.bar.update(len(ids))
+
+    def close(self) -> None:
+        """Close the bar (finished early: the requests that stopped before their budget)."""
+        if self.bar is not None:
+            self.bar.total = self.bar.n
+            self.bar.close()
+            self.bar = None
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Tokens so far over the whole batch, and their rate."""
+        seconds = time.perf_counter() - self.started
+        return {
+            "num_new_tokens": self.tokens,
+            "tokens_per_second": self.tokens / seconds if seconds > 0 else 0.0,
+            "finish_reason": "interrupted",
+        }
+
+
+def _read_prompts(path: str) -> list[str | dict]:
+    """The prompts of ``--prompts-file``: its non-blank lines, or for a ``.jsonl`` file one
+    object per non-blank line (see :func:`_prompt_object`)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--prompts-file {path}: cannot read it ({err})") from err
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise ValueError(f"--prompts-file {path} holds no prompts (blank lines are skipped)")
+    if not path.endswith(".jsonl"):
+        return [line for _, line in numbered]
+    return [_prompt_object(line, f"{path}:{n}") for n, line in numbered]
+
+
+def _prompt_object(line: str, where: str) -> dict:
+    """One JSONL prompt: ``{"prompt": TEXT}`` or ``{"prompt_ids": [...]}`` and settings among
+    ``REQUEST_SETTINGS``, the numbers range-checked as their flags are."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not a JSON object ({err})") from err
+    keys = {"prompt", "prompt_ids", *REQUEST_SETTINGS}
+    if not isinstance(raw, dict) or len({"prompt", "prompt_ids"} & set(raw)) != 1:
+        raise ValueError(f'{where}: expected {{"prompt": TEXT}} or {{"prompt_ids": [ids]}}')
+    if set(raw) - keys:
+        raise ValueError(
+            f"{where}: unknown keys {sorted(set(raw) - keys)}; settings are "
+            f"{', '.join(REQUEST_SETTINGS)}"
+        )
+    prompt = raw.get("prompt", raw.get("prompt_ids"))
+    ids = raw.get("prompt_ids", [0])
+    if not prompt or not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"{where}: the prompt must be non-empty text or non-negative ids")
+    kinds = {"stop_token_ids": int, "stop_strings": str}
+    for name, kind in kinds.items():
+        value = raw.get(name, [])
+        values = [value] if isinstance(value, kind) else value
+        if not isinstance(values, list) or not all(type(v) is kind for v in values):
+            raise ValueError(f"{where}: {name} takes one {kind.__name__} or a list of them")
+    if type(raw.get("ignore_eos", False)) is not bool:
+        raise ValueError(f"{where}: ignore_eos takes true or false")
+    for name, parse in _SETTINGS.items():
+        if name in raw:
+            try:
+                parse(str(raw[name]) if type(raw[name]) in (int, float) else repr(raw[name]))
+            except argparse.ArgumentTypeError as err:
+                raise ValueError(f"{where}: {name}: {err}") from err
+    return raw
+
+
+def _report_batch(args: argparse.Namespace, results: list) -> int:
+    """``--prompts-file``'s results: JSON lines to ``--output`` (or stdout) and a table on
+    stderr; the exit status."""
+    lines = [
+        json.dumps(
+            {
+                "index": i,
+                "token_ids": list(r.token_ids),
+                "text": r.text or "",
+                "finish_reason": r.finish_reason,
+                "stats": r.stats,
+            }
+        )
+        for i, r in enumerate(results)
+    ]
+    if args.output is None:
+        print("\n".join(lines))
+    else:
+        try:
+            Path(args.output).write_text("".join(f"{line}\n" for line in lines))
+        except OSError as err:
+            print(f"speculum: error: --output {args.output}: {err}", file=sys.stderr)
+            return 2
+    print(_table(results), file=sys.stderr)
+    return 0
+
+
+def _table(results: list) -> str:
+    """One row per result: index, tokens, finish reason, acceptance length, text's start."""
+    rows = [f"{'#':>4} {'tokens':>7} {'finish':<8} {'accept':>6}  text"]
+    for i, r in enumerate(results):
+        text = (r.text or "").replace("\n", "\\n")
+        text = text if len(text) <= 40 else text[:39] + "…"
+        rows.append(
+            f"{i:>4} {len(r.token_ids):>7} {r.finish_reason:<8} "
+            f"{r.stats['accept_length_mean']:>6.2f}  {text}"
+        )
+    total = sum(len(r.token_ids) for r in results)
+    rows.append(
+        f"{len(results)} prompts, {total} tokens, {results[0].stats['tokens_per_second']:.1f} tok/s"
+    )
+    return "\n".join(rows)
+
+
 def _generate_command(args: argparse.Namespace) -> int:
     """``speculum generate``: decode, print, report; the exit status."""
     launching = (args.tp or 1) > 1 and not distributed.launched()  # on_tokens would run there
-    echo = args.stream and not (args.json or args.compare_plain or launching)
-    progress = _Progress(echo and distributed.is_leader())
+    leader, batch = distributed.is_leader(), args.prompts_file is not None
+    echo = args.stream and not (args.json or args.compare_plain or launching or batch)
+    progress = _BatchProgress(leader) if batch else _Progress(echo and leader)
     try:
         algorithm = _chosen_algorithm(args)
         prompts, options = _generate_call(args, algorithm)
         if args.compare_plain:
             passes = {} if args.passes is None else {"passes": args.passes}
             comparison = compare_plain(prompts, **options, **passes)
-            (result,), plain = comparison.speculative, comparison
+            results, plain = comparison.speculative, comparison
         else:
             on_tokens = {} if launching else {"on_tokens": progress}
-            (result,), plain = generate(prompts, **options, **on_tokens), None
+            if batch:
+                progress.start(prompts, args.max_new_tokens)
+            results, plain = generate(prompts, **options, **on_tokens), None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
-        if distributed.is_leader():
+        progress.close()
+        if leader:
             print(f"speculum: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if distributed.is_leader():
+        progress.close()
+        if leader:
             _report_interrupted(args, progress)
         return 130
-    if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
+    progress.close()
+    if not leader:  # under torchrun every rank decodes; rank 0 reports
         return 0
+    if batch:
+        return _report_batch(args, results)
+    (result,) = results
     if result.stats.get("length_limit") == "max_context":
         print(_context_notice(result, args.max_new_tokens), file=sys.stderr)
     if args.json:
@@ -581,7 +757,9 @@ def _stats_line(stats: dict[str, object]) -> str:
 def _report_interrupted(args: argparse.Namespace, progress: _Progress) -> None:
     """After Ctrl-C: what was decoded (unless already streamed) and its statistics."""
     stats = progress.stats()
-    if args.json:
+    if isinstance(progress, _BatchProgress):
+        pass  # the bar showed the batch's progress; its results were never complete
+    elif args.json:
         payload = {"token_ids": progress.ids, "text": progress.text}
         print(json.dumps({**payload, "finish_reason": "interrupted", "stats": stats}))
     elif progress.echo:
@@ -651,6 +829,10 @@ def _chosen_algorithm(args: argparse.Namespace) -> str:
             )
     if algorithm is None:
         algorithm = DEFAULT_ALGORITHM if args.model is None else "plain"
+    if args.output is not None and args.prompts_file is None:
+        raise ValueError("--output writes --prompts-file's results: add --prompts-file FILE")
+    if args.compare_plain and args.prompts_file is not None:
+        raise ValueError("--compare-plain times one prompt: use --prompt or --prompt-ids")
     if args.passes is not None and not args.compare_plain:
         raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
     for dest, (flag, readers) in _ALGORITHM_OPTIONS.items():
@@ -679,7 +861,10 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         and dest not in ("compare_plain", "passes")
     }
     ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
-    prompts = [args.prompt] if args.prompt is not None else [args.prompt_ids]
+    if args.prompts_file is not None:
+        prompts = _read_prompts(args.prompts_file)
+    else:
+        prompts = [args.prompt] if args.prompt is not None else [args.prompt_ids]
     return prompts, dict(
         model=args.model,
         algorithm=algorithm,

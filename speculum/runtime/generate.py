@@ -99,7 +99,7 @@ class _TextStream:
 
 
 def generate(
-    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    prompts: str | Sequence[str | Sequence[int] | Mapping[str, Any]],
     *,
     model: str | Path | None = None,
     engine: Engine | None = None,
@@ -138,7 +138,9 @@ def generate(
     speculative_config: Mapping[str, Any] | None = None,
     on_tokens: Callable[[int, tuple[int, ...], str], None] | None = None,
 ) -> list[Generation]:
-    """Generate a completion for each prompt (text, or a list of token ids).
+    """Generate a completion for each prompt (text, a list of token ids, or a mapping that
+    gives one of those as ``prompt`` or ``prompt_ids`` with settings of its own among
+    :data:`REQUEST_SETTINGS`, e.g. ``{"prompt": "def f(x):", "temperature": 0.7}``).
 
     With neither ``model`` nor ``engine``, the bundled default model runs, by default with its
     EAGLE-3 draft. ``algorithm`` None means the kind of ``draft`` when one is given (read from
@@ -188,32 +190,12 @@ def generate(
     if engine is None:
         engine = _engine(arguments)
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
-    sampling = scheduler.Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-    )
+    shared_settings = {name: arguments[name] for name in REQUEST_SETTINGS}
     # Every rank must schedule the same requests for the ranks' collectives to pair up: rank 0's.
-    ids, sampling, max_new_tokens, stop_token_ids, stop_strings, ignore_eos = engine.tp.from_leader(
-        (
-            [_prompt_ids(engine, p) for p in batch],
-            sampling,
-            max_new_tokens,
-            _one_or_many(stop_token_ids, int),
-            _one_or_many(stop_strings, str),
-            ignore_eos,
-        )
-    )
+    requests = engine.tp.from_leader([_request(engine, p, shared_settings) for p in batch])
     state, rids = scheduler.new_state(engine), []
-    for prompt in ids:
-        state, rid = scheduler.add_request(
-            engine,
-            state,
-            prompt,
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            stop_strings=stop_strings,
-            ignore_eos=ignore_eos,
-        )
+    for prompt, settings in requests:
+        state, rid = scheduler.add_request(engine, state, prompt, **settings)
         rids.append(rid)
     stream = None if on_tokens is None else _TextStream(engine, on_tokens, rids)
     start = time.perf_counter()
@@ -397,6 +379,46 @@ def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
     """``value`` as a tuple: a single ``kind`` (a string is one stop string, not its
     characters) or a sequence of them."""
     return (value,) if isinstance(value, kind) else tuple(value)
+
+
+#: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
+REQUEST_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop_strings",
+    "ignore_eos",
+)
+
+
+def _request(
+    engine: Engine, prompt: str | Sequence[int] | Mapping[str, Any], shared: dict[str, Any]
+) -> tuple[list[int], dict[str, Any]]:
+    """A prompt's token ids and the keyword arguments of its ``scheduler.add_request``: the
+    ``shared`` settings, overridden by a mapping prompt's own (``{"prompt": text}`` or
+    ``{"prompt_ids": ids}`` plus any of :data:`REQUEST_SETTINGS`)."""
+    settings = dict(shared)
+    if isinstance(prompt, Mapping):
+        given = [k for k in ("prompt", "prompt_ids") if k in prompt]
+        unknown = sorted(set(prompt) - {"prompt", "prompt_ids", *REQUEST_SETTINGS})
+        if len(given) != 1 or unknown:
+            raise ValueError(
+                f"a prompt given as a mapping holds exactly one of 'prompt' (text) and "
+                f"'prompt_ids', and settings among {', '.join(REQUEST_SETTINGS)}; got "
+                f"{sorted(prompt)}"
+            )
+        settings.update((k, prompt[k]) for k in REQUEST_SETTINGS if k in prompt)
+        prompt = prompt[given[0]]
+    sampling = scheduler.Sampling(
+        **{k: settings.pop(k) for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
+    )
+    settings["stop_token_ids"] = _one_or_many(settings["stop_token_ids"], int)
+    settings["stop_strings"] = _one_or_many(settings["stop_strings"], str)
+    return _prompt_ids(engine, prompt), {"sampling": sampling, **settings}
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:

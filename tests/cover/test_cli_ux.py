@@ -462,3 +462,64 @@ def test_ctrl_c_reports_what_was_generated_in_every_mode(capsys, monkeypatch, mo
         assert payload["finish_reason"] == payload["stats"]["finish_reason"] == "interrupted"
     else:
         assert out == "hi!\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 4: several prompts in one batch
+
+
+def test_a_prompts_file_decodes_each_line_as_generate_does_alone(capsys, tmp_path):
+    folder = save_model(random_model(tiny_config(vocab_size=258), seed=1, std=0.3), tmp_path / "m")
+    save_tokenizer(byte_level_tokenizer(), folder)
+    lines = [
+        {"prompt": "def f(x):"},
+        {"prompt_ids": [256, 10, 20], "max_new_tokens": 3},
+        {"prompt": "class A:", "temperature": 0.9, "seed": 4, "top_k": 20},
+        {"prompt_ids": [256, 7], "stop_token_ids": 9, "ignore_eos": True},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n\n" for line in lines))  # blanks skipped
+    output = tmp_path / "out.jsonl"
+    args = ["--model", str(folder), "--prompts-file", str(prompts), "--max-new-tokens", "6"]
+    status, out, err = run_cli(capsys, *args, "--output", str(output))
+    assert (status, out) == (0, "")
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1, 2, 3]
+    for line, row in zip(lines, rows):
+        settings = {k: v for k, v in line.items() if k not in ("prompt", "prompt_ids")}
+        prompt = line.get("prompt", line.get("prompt_ids"))
+        (alone,) = generate([prompt], model=folder, **{"max_new_tokens": 6, **settings})
+        assert row["token_ids"] == list(alone.token_ids)
+        assert (row["text"], row["finish_reason"]) == (alone.text, alone.finish_reason)
+    assert "   #  tokens finish   accept  text" in err and "4 prompts, " in err
+    assert "tok/s" in err  # the progress bar
+
+    text_file = tmp_path / "prompts.txt"
+    text_file.write_text("def f(x):\n\nclass A:\n")
+    status, out, _ = run_cli(capsys, "--model", str(folder), "--prompts-file", str(text_file))
+    assert status == 0
+    expected = generate(["def f(x):", "class A:"], model=folder)
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [
+        list(r.token_ids) for r in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('{"prompt": "a", "temperature": -1}', ["prompts.jsonl:2", "temperature", "'-1'"]),
+        ('{"prompt": ""}', ["prompts.jsonl:2", "non-empty"]),
+        ('{"prompt_ids": [1, -2]}', ["prompts.jsonl:2", "non-negative"]),
+        ('{"prompt": "a", "prompt_ids": [1]}', ["prompts.jsonl:2", "prompt_ids"]),
+        ('{"prompt": "a", "colour": 1}', ["prompts.jsonl:2", "'colour'"]),
+        ('{"prompt": "a", "stop_strings": 3}', ["prompts.jsonl:2", "stop_strings"]),
+        ("not json", ["prompts.jsonl:2", "not a JSON object"]),
+    ],
+)
+def test_a_bad_prompts_file_line_is_one_error_line(capsys, folders, tmp_path, line, words):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1]}\n' + line + "\n")
+    status, out, err = run_cli(
+        capsys, "--model", str(folders["target"]), "--prompts-file", str(prompts)
+    )
+    check_one_error_line(status, out, err, *words)
