@@ -5,7 +5,11 @@ A draft is never ignored: without ``--algorithm`` the draft folder's kind picks 
 chosen algorithm does not read exit 2 with the reason. Algorithm names are case-insensitive and
 SGLang's ``--speculative-*`` spellings are aliases. Every numeric flag is range-checked while
 parsing, with one ``speculum: error:`` line and no usage text; empty prompts are refused alike
-for text and ids.
+for text and ids. ``--max-context`` cutting a budget is said. ``speculum.generate`` is the real
+function (signature, docstring), takes a bare stop string and vLLM's ``speculative_config``.
+``--compare-plain`` warms both engines and alternates timed passes. Text streams as it is
+decoded and Ctrl-C (SIGINT, in a subprocess) exits 130 with what was decoded and no traceback.
+``--prompts-file`` equals per-prompt ``generate``. The README documents every flag.
 """
 
 from __future__ import annotations
@@ -523,3 +527,12 @@ def test_a_bad_prompts_file_line_is_one_error_line(capsys, folders, tmp_path, li
         capsys, "--model", str(folders["target"]), "--prompts-file", str(prompts)
     )
     check_one_error_line(status, out, err, *words)
+
+
+def test_the_readme_documents_every_flag_and_alias():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (generate_parser,) = (p for p in cli._subparsers(cli.parser()) if p.prog.endswith("generate"))
+    for action in generate_parser._actions:
+        for flag in action.option_strings:
+            if flag not in ("-h", "--help") and not flag.startswith("--ngram-"):
+                assert f"`{flag}" in readme, flag
