@@ -764,7 +764,7 @@ def _report_interrupted(args: argparse.Namespace, progress: _Progress) -> None:
         print(json.dumps({**payload, "finish_reason": "interrupted", "stats": stats}))
     elif progress.echo:
         print(flush=True)  # end the streamed line
-    else:
+    elif progress.ids:
         print(progress.text or progress.ids)
     print(_stats_line(stats), file=sys.stderr)
     print("speculum: interrupted", file=sys.stderr)
