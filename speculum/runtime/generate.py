@@ -210,6 +210,7 @@ def _engine(arguments: dict[str, Any]) -> Engine:
     """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults)."""
     a = arguments
     algorithm, draft, model = a["algorithm"], a["draft"], a["model"]
+    algorithm = algorithm and algorithm.lower()  # EAGLE3 as SGLang spells it is eagle3
     if algorithm is None and draft is not None:
         algorithm = draft_algorithm(draft)  # a draft is never ignored
     if model is None:

@@ -328,7 +328,7 @@ def test_a_bare_stop_string_is_one_string():
 
 def test_vllm_speculative_config_is_read(folders):
     target, eagle3 = folders["target"], folders["eagle3"]
-    (ours,) = generate([PROMPT], model=target, algorithm="eagle3", draft=eagle3, num_steps=2)
+    (ours,) = generate([PROMPT], model=target, algorithm="Eagle3", draft=eagle3, num_steps=2)
     config = {"method": "EAGLE3", "model": str(eagle3), "num_speculative_tokens": 2}
     (vllm,) = generate([PROMPT], model=target, speculative_config=config)
     assert vllm.token_ids == ours.token_ids
