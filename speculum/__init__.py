@@ -3,9 +3,12 @@
 __version__ = "0.1.0"
 
 
-def generate(*args, **kwargs):
-    """Shortcut for :func:`speculum.runtime.generate.generate` (imported lazily: importing
-    ``speculum.state`` alone must not pull in models and pipelines)."""
-    from speculum.runtime.generate import generate as _generate
+def __getattr__(name: str):
+    """``speculum.generate`` is :func:`speculum.runtime.generate.generate` itself (its own
+    signature and docstring), imported on first use: importing ``speculum.state`` alone must
+    not pull in models and pipelines."""
+    if name == "generate":
+        from speculum.runtime.generate import generate
 
-    return _generate(*args, **kwargs)
+        return generate
+    raise AttributeError(f"module 'speculum' has no attribute {name!r}")

@@ -7,42 +7,110 @@ import argparse
 import inspect
 import json
 import os
+import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
+from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
-from speculum.pipelines import ALGORITHMS
+from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed
+from speculum.runtime.default_model import DEFAULT_ALGORITHM
 from speculum.runtime.engine import NgramOptions
-from speculum.runtime.generate import generate
+from speculum.runtime.generate import REQUEST_SETTINGS, Comparison, compare_plain, generate
 
 __all__ = ["main", "parser"]
 
 
-def _int_list(flag: str, example: str):
-    """An argparse type: comma-separated integers, named ``flag`` in its error."""
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one ``speculum: error: ...`` line (status 2),
+    like the errors found while decoding, instead of the usage text and the message."""
 
-    def parse(text: str) -> list[int]:
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line and exit with status 2."""
+        # argparse says "argument --a/--alias: ..."; one name is enough, none when it is there.
+        named = re.fullmatch(r"argument ([^/:]+)(?:/[^:]*)?: (.*)", message, re.S)
+        if named:
+            flag, rest = named.groups()
+            message = rest if flag in rest else f"{flag}: {rest}"
+        self.exit(2, f"speculum: error: {message}\n")
+
+
+def _number(flag: str, kind: type, least: float, most: float | None = None, *, above: bool = False):
+    """An argparse type: a ``kind`` (int or float) at least ``least`` (above it with
+    ``above``) and at most ``most``; the error names ``flag``, the value and the range."""
+    what = "an integer" if kind is int else "a number"
+    bounds = f"> {least}" if above else f">= {least}"
+    if most is not None:
+        bounds += f" and <= {most}"
+
+    def parse(text: str) -> int | float:
         try:
-            return [int(t) for t in text.split(",") if t.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers, e.g. {example} ({err})"
-            ) from err
+            value = kind(text)
+        except ValueError:
+            value = None
+        low_ok = value is not None and (value > least if above else value >= least)
+        if not low_ok or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{flag} takes {what} {bounds}, not {text!r}")
+        return value
 
     return parse
+
+
+def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
+    """An argparse type: comma-separated integers (``what``), at least one, each at least
+    ``least``; the errors name ``flag``, and a value below ``least`` is ``outside``."""
+
+    def parse(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",")]
+        if items == [""]:
+            raise argparse.ArgumentTypeError(f"{flag} is empty: give {what}, e.g. {example}")
+        try:
+            values = [int(t) for t in items]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated {what}, e.g. {example}, not {text!r}"
+            ) from err
+        low = [v for v in values if v < least]
+        if low:
+            raise argparse.ArgumentTypeError(
+                f"{flag}: {low[0]} is {outside} ({what} are >= {least})"
+            )
+        return values
+
+    return parse
+
+
+def _prompt_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("--prompt is empty: give some text to continue")
+    return text
+
+
+def _algorithm(text: str) -> str:
+    name = text.lower()
+    if name not in ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {text!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+        )
+    return name
 
 
 def _budget(text: str) -> str | int:
     if text in ("all", "auto"):
         return text
     try:
-        return int(text)
-    except ValueError as err:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
         raise argparse.ArgumentTypeError(
-            f"--verify-budget takes all, auto or a number of draft tokens, not {text!r}"
-        ) from err
+            f"--verify-budget takes all, auto or a number of draft tokens >= 0, not {text!r}"
+        )
+    return value
 
 
 def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
@@ -55,9 +123,20 @@ def _cost_table(path: str) -> tuple[tuple[int, float], ...]:
         ) from err
 
 
+#: The per-request settings that are numbers, each with its flag's parser (range included).
+_SETTINGS = {
+    "max_new_tokens": _number("--max-new-tokens", int, 1),
+    "temperature": _number("--temperature", float, 0.0),
+    "top_k": _number("--top-k", int, 0),
+    "top_p": _number("--top-p", float, 0.0, 1.0, above=True),
+    "min_p": _number("--min-p", float, 0.0, 1.0),
+    "seed": _number("--seed", int, 0),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``speculum`` argument parser."""
-    top = argparse.ArgumentParser(prog="speculum", description=__doc__)
+    top = _Parser(prog="speculum", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="decode one prompt and print the completion")
     gen.add_argument(
@@ -66,41 +145,79 @@ def parser() -> argparse.ArgumentParser:
         "default: the bundled tiny code model (with its EAGLE-3 draft unless --algorithm)",
     )
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     prompt.add_argument(
-        "--prompt-ids", type=_int_list("--prompt-ids", "1,2,3"), help="prompt token ids, e.g. 1,2,3"
+        "--prompt", type=_prompt_text, help="prompt text (needs the model's tokenizer.json)"
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        type=_int_list("--prompt-ids", "1,2,3", 0, "token ids", "outside the vocabulary"),
+        help="prompt token ids, e.g. 1,2,3",
+    )
+    prompt.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="several prompts decoded as one batch: one per line, or in a .jsonl file one "
+        'object per line, {"prompt": TEXT} or {"prompt_ids": [...]} with any of '
+        + ", ".join(REQUEST_SETTINGS)
+        + " of its own",
+    )
+    gen.add_argument(
+        "--output",
+        metavar="FILE",
+        help="--prompts-file: write the results there, one JSON object per line (default: stdout)",
     )
     gen.add_argument(
         "--algorithm",
-        help=f"one of {', '.join(sorted(ALGORITHMS))} (default: eagle3 on the bundled model, "
-        "plain on --model)",
+        "--speculative-algorithm",
+        type=_algorithm,
+        help=f"one of {', '.join(sorted(ALGORITHMS))}, any case (default: the --draft's kind; "
+        "eagle3 on the bundled model; plain on --model without --draft)",
     )
     gen.add_argument(
         "--compare-plain",
-        action="store_true",
-        help="also decode with plain decoding; print the speedup and the acceptance length",
+        action="store_const",
+        const=True,
+        help="also decode with plain decoding: warm both engines, alternate timed passes and "
+        "print the median speedup, its spread and the acceptance length",
+    )
+    gen.add_argument(
+        "--passes",
+        type=_number("--passes", int, 1),
+        help="timed passes of each engine for --compare-plain (default 3)",
     )
     gen.add_argument(
         "--draft",
+        "--speculative-draft-model-path",
         help="draft model folder (EAGLE / EAGLE-3 heads, DFLASH / DSPARK blocks; MTP defaults "
         "to the target's folder)",
     )
-    gen.add_argument("--num-steps", type=int, default=3, help="draft depth per round")
-    gen.add_argument("--topk", type=int, default=1, help="children per node (1 = chain)")
+    gen.add_argument(
+        "--num-steps",
+        "--speculative-num-steps",
+        type=_number("--num-steps", int, 1),
+        help="draft depth per round (default 3)",
+    )
+    gen.add_argument(
+        "--topk",
+        "--speculative-eagle-topk",
+        type=_number("--topk", int, 1),
+        help="draft children per node (default 1 = chain); sampling's top-k is --top-k",
+    )
     gen.add_argument(
         "--num-draft-tokens",
-        type=int,
+        "--speculative-num-draft-tokens",
+        type=_number("--num-draft-tokens", int, 2),
         help="tree nodes verified per round, root included (default num-steps + 1 for chains)",
     )
     gen.add_argument(
         "--sample-drafts",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="draw draft tokens from the draft's distribution (topk independent chains)",
     )
     gen.add_argument(
         "--adaptive-steps",
-        type=_int_list("--adaptive-steps", "0,1,3,5"),
-        default=(),
+        type=_int_list("--adaptive-steps", "0,1,3,5", 0, "draft depths"),
         metavar="N,N,...",
         help="adaptive speculation (EAGLE family and standalone, chains): draft depths to "
         "choose from each round by measured goodput at the batch's size, 0 = no speculation; "
@@ -108,28 +225,27 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--adaptive-margin",
-        type=float,
-        default=0.05,
+        type=_number("--adaptive-margin", float, 0.0),
         help="exploration margin of --adaptive-steps: depths within this fraction of the best "
-        "goodput keep being sampled (%(default)s)",
+        "goodput keep being sampled (default 0.05)",
     )
     gen.add_argument(
         "--no-chain-hidden",
         dest="chain_hidden",
-        action="store_false",
+        action="store_const",
+        const=False,
         help="multi_layer_eagle: feed every MTP layer the target's hidden state instead of the "
         "previous layer's output",
     )
     block = gen.add_argument_group("block drafting (--algorithm dflash or dspark)")
     block.add_argument(
         "--block-size",
-        type=int,
+        type=_number("--block-size", int, 1),
         help="block width: DFLASH drafts N - 1 tokens, DSPARK N (default: the draft's)",
     )
     block.add_argument(
         "--verify-budget",
         type=_budget,
-        default="all",
         help="draft tokens verified per round over the batch: all, auto (from --cost-table) or "
         "a number (default all)",
     )
@@ -141,21 +257,28 @@ def parser() -> argparse.ArgumentParser:
     )
     block.add_argument(
         "--min-verify",
-        type=int,
-        default=0,
+        type=_number("--min-verify", int, 0),
         help="draft tokens every request verifies at least (default 0)",
     )
     ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
     ngram.add_argument(
-        "--ngram-max-depth", type=int, help="longest suffix matched and deepest draft (default 18)"
+        "--ngram-max-depth",
+        type=_number("--ngram-max-depth", int, 1),
+        help="longest suffix matched and deepest draft (default 18)",
     )
-    ngram.add_argument("--ngram-min-match", type=int, help="shortest suffix matched (default 1)")
     ngram.add_argument(
-        "--ngram-min-breadth", type=int, help="first-level children of a longest match (default 1)"
+        "--ngram-min-match",
+        type=_number("--ngram-min-match", int, 1),
+        help="shortest suffix matched (default 1)",
+    )
+    ngram.add_argument(
+        "--ngram-min-breadth",
+        type=_number("--ngram-min-breadth", int, 1),
+        help="first-level children of a longest match (default 1)",
     )
     ngram.add_argument(
         "--ngram-max-breadth",
-        type=int,
+        type=_number("--ngram-max-breadth", int, 1),
         help="first-level children of a one-token match; cap per node (default 10)",
     )
     ngram.add_argument(
@@ -169,16 +292,37 @@ def parser() -> argparse.ArgumentParser:
     )
     ngram.add_argument(
         "--ngram-store-tokens",
-        type=int,
+        type=_number("--ngram-store-tokens", int, 0),
         metavar="N",
         help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=_SETTINGS["max_new_tokens"], default=64)
+    gen.add_argument("--temperature", type=_SETTINGS["temperature"], default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=_SETTINGS["top_k"], default=0, help="0 = off")
+    gen.add_argument("--top-p", type=_SETTINGS["top_p"], default=1.0, help="1 = off")
+    gen.add_argument("--min-p", type=_SETTINGS["min_p"], default=0.0, help="0 = off")
+    gen.add_argument("--seed", type=_SETTINGS["seed"], default=0)
+    limits = gen.add_argument_group("engine limits")
+    limits.add_argument(
+        "--max-context",
+        "--context-length",
+        type=_number("--max-context", int, 1),
+        help="tokens per request, prompt included (default: the model's "
+        "max_position_embeddings, at most 4096)",
+    )
+    limits.add_argument(
+        "--max-batch",
+        "--max-running-requests",
+        type=_number("--max-batch", int, 1),
+        default=16,
+        help="requests decoded together (%(default)s)",
+    )
+    limits.add_argument(
+        "--page-size",
+        type=_number("--page-size", int, 1),
+        default=16,
+        help="tokens per KV-cache page (%(default)s)",
+    )
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     gen.add_argument(
@@ -194,16 +338,24 @@ def parser() -> argparse.ArgumentParser:
         "previous one (same tokens)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print the completion once it is finished (default: as it is decoded; --json "
+        "and --compare-plain print at the end)",
+    )
     parallel = gen.add_argument_group("tensor parallelism (see docs/tensor_parallel.md)")
     parallel.add_argument(
         "--tp",
-        type=int,
+        "--tp-size",
+        type=_number("--tp", int, 1),
         help="shard the model over N processes, started by the command itself or by "
         "torchrun --nproc-per-node N (default: torchrun's process count, else 1)",
     )
     parallel.add_argument(
         "--draft-tp",
-        type=int,
+        type=_number("--draft-tp", int, 1),
         help="1 keeps the draft whole on every rank; default: sharded like the target",
     )
     _add_train_target(commands)
@@ -326,71 +478,423 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     )
 
 
+#: Options whose value may begin with "-" (negative ids, a prompt such as "-x"): argparse would
+#: take such a value for an option, so ``--prompt-ids -5`` is joined into ``--prompt-ids=-5``.
+_DASHED_VALUES = ("--prompt", "--prompt-ids", "--adaptive-steps")
+
+
+def _join_dashed_values(argv: Sequence[str], known: set[str]) -> list[str]:
+    """``argv`` with each of :data:`_DASHED_VALUES` and a following value that starts with "-"
+    but is no option of ``known`` written as one ``FLAG=VALUE`` word."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in _DASHED_VALUES:
+            value = next(words, None)
+            if value is not None and value.startswith("-") and value.split("=")[0] not in known:
+                joined.append(f"{word}={value}")
+                continue
+            joined.extend([word] if value is None else [word, value])
+            continue
+        joined.append(word)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``speculum`` console script; returns the exit status."""
-    args = parser().parse_args(argv)
+    top = parser()
+    known = {s for p in _subparsers(top) for a in p._actions for s in a.option_strings}
+    args = top.parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv, known))
     if args.command == "train-target":
         return _train_target(args)
     if args.command == "train-draft":
         return _train_draft(args)
+    return _generate_command(args)
+
+
+class _Progress:
+    """What the command has decoded so far (``generate``'s ``on_tokens``), written to stdout
+    as it comes when ``echo``; Ctrl-C reports it."""
+
+    def __init__(self, echo: bool) -> None:
+        self.echo = echo
+        self.ids: list[int] = []
+        self.text = ""
+        self.first_at: float | None = None  # when the first token came
+
+    def __call__(self, index: int, ids: tuple[int, ...], text: str) -> None:
+        """Keep (and, when echoing, print) one step's new tokens of the command's prompt."""
+        self.first_at = self.first_at or time.perf_counter()
+        self.ids.extend(ids)
+        self.text += text
+        if self.echo and text:
+            print(text, end="", flush=True)
+
+    def close(self) -> None:
+        """Nothing to close (the same calls as :class:`_BatchProgress`)."""
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Tokens so far, and their rate after the first one."""
+        seconds = time.perf_counter() - self.first_at if self.first_at else 0.0
+        rate = (len(self.ids) - 1) / seconds if len(self.ids) > 1 and seconds > 0 else 0.0
+        return {
+            "num_new_tokens": len(self.ids),
+            "tokens_per_second": rate,
+            "finish_reason": "interrupted",
+        }
+
+
+class _BatchProgress:
+    """``--prompts-file``'s progress bar on stderr (tokens, tokens/s, ETA over the prompts'
+    budgets), fed by ``generate``'s ``on_tokens``."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.bar, self.tokens = show, None, 0
+        self.started = time.perf_counter()
+        self.prompts, self.budget = 0, 0
+
+    def start(self, prompts: list, max_new_tokens: int) -> None:
+        """Size the bar by the budgets of ``prompts`` (their own or ``max_new_tokens``); it
+        opens with the first tokens, so that its rate leaves the model's loading out."""
+        self.prompts = len(prompts)
+        self.budget = sum(
+            p.get("max_new_tokens", max_new_tokens) if isinstance(p, dict) else max_new_tokens
+            for p in prompts
+        )
+
+    def __call__(self, index: int, ids: tuple[int, ...], text: str) -> None:
+        """Count one step's tokens of prompt ``index``."""
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.started = time.perf_counter()
+            self.bar = tqdm(
+                desc=f"{self.prompts} prompts",
+                total=self.budget,
+                unit="tok",
+                file=sys.stderr,
+                disable=not self.show,
+            )
+        self.tokens += len(ids)
+        self.bar.update(len(ids))
+
+    def close(self) -> None:
+        """Close the bar (finished early: the requests that stopped before their budget)."""
+        if self.bar is not None:
+            self.bar.total = self.bar.n
+            self.bar.close()
+            self.bar = None
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Tokens so far over the whole batch, and their rate."""
+        seconds = time.perf_counter() - self.started
+        return {
+            "num_new_tokens": self.tokens,
+            "tokens_per_second": self.tokens / seconds if seconds > 0 else 0.0,
+            "finish_reason": "interrupted",
+        }
+
+
+def _read_prompts(path: str) -> list[str | dict]:
+    """The prompts of ``--prompts-file``: its non-blank lines, or for a ``.jsonl`` file one
+    object per non-blank line (see :func:`_prompt_object`)."""
     try:
-        result = _generate(args, args.algorithm)
-        plain = _generate(args, "plain") if args.compare_plain else None
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--prompts-file {path}: cannot read it ({err})") from err
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise ValueError(f"--prompts-file {path} holds no prompts (blank lines are skipped)")
+    if not path.endswith(".jsonl"):
+        return [line for _, line in numbered]
+    return [_prompt_object(line, f"{path}:{n}") for n, line in numbered]
+
+
+def _prompt_object(line: str, where: str) -> dict:
+    """One JSONL prompt: ``{"prompt": TEXT}`` or ``{"prompt_ids": [...]}`` and settings among
+    ``REQUEST_SETTINGS``, the numbers range-checked as their flags are."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not a JSON object ({err})") from err
+    keys = {"prompt", "prompt_ids", *REQUEST_SETTINGS}
+    if not isinstance(raw, dict) or len({"prompt", "prompt_ids"} & set(raw)) != 1:
+        raise ValueError(f'{where}: expected {{"prompt": TEXT}} or {{"prompt_ids": [ids]}}')
+    if set(raw) - keys:
+        raise ValueError(
+            f"{where}: unknown keys {sorted(set(raw) - keys)}; settings are "
+            f"{', '.join(REQUEST_SETTINGS)}"
+        )
+    prompt = raw.get("prompt", raw.get("prompt_ids"))
+    ids = raw.get("prompt_ids", [0])
+    if not prompt or not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"{where}: the prompt must be non-empty text or non-negative ids")
+    kinds = {"stop_token_ids": int, "stop_strings": str}
+    for name, kind in kinds.items():
+        value = raw.get(name, [])
+        values = [value] if isinstance(value, kind) else value
+        if not isinstance(values, list) or not all(type(v) is kind for v in values):
+            raise ValueError(f"{where}: {name} takes one {kind.__name__} or a list of them")
+    if type(raw.get("ignore_eos", False)) is not bool:
+        raise ValueError(f"{where}: ignore_eos takes true or false")
+    for name, parse in _SETTINGS.items():
+        if name in raw:
+            try:
+                parse(str(raw[name]) if type(raw[name]) in (int, float) else repr(raw[name]))
+            except argparse.ArgumentTypeError as err:
+                raise ValueError(f"{where}: {name}: {err}") from err
+    return raw
+
+
+def _report_batch(args: argparse.Namespace, results: list) -> int:
+    """``--prompts-file``'s results: JSON lines to ``--output`` (or stdout) and a table on
+    stderr; the exit status."""
+    lines = [
+        json.dumps(
+            {
+                "index": i,
+                "token_ids": list(r.token_ids),
+                "text": r.text or "",
+                "finish_reason": r.finish_reason,
+                **_error_field(r),
+                "stats": r.stats,
+            }
+        )
+        for i, r in enumerate(results)
+    ]
+    if args.output is None:
+        print("\n".join(lines))
+    else:
+        try:
+            Path(args.output).write_text("".join(f"{line}\n" for line in lines))
+        except OSError as err:
+            print(f"speculum: error: --output {args.output}: {err}", file=sys.stderr)
+            return 2
+    print(_table(results), file=sys.stderr)
+    return _errors_status(results)
+
+
+def _error_field(result) -> dict[str, str]:
+    """``{"error": why}`` for a result the engine could not decode (``finish_reason`` error),
+    nothing otherwise."""
+    return {} if result.error is None else {"error": result.error}
+
+
+def _errors_status(results: list) -> int:
+    """Each failed request's error on stderr, and the exit status: 1 when any failed (the
+    others were decoded and reported all the same), 0 otherwise."""
+    for result in results:
+        if result.error is not None:
+            print(f"speculum: error: {result.error}", file=sys.stderr)
+    return int(any(r.error is not None for r in results))
+
+
+def _table(results: list) -> str:
+    """One row per result: index, tokens, finish reason, acceptance length, text's start."""
+    rows = [f"{'#':>4} {'tokens':>7} {'finish':<8} {'accept':>6}  text"]
+    for i, r in enumerate(results):
+        text = (r.text or "").replace("\n", "\\n")
+        text = text if len(text) <= 40 else text[:39] + "…"
+        rows.append(
+            f"{i:>4} {len(r.token_ids):>7} {r.finish_reason:<8} "
+            f"{r.stats['accept_length_mean']:>6.2f}  {text}"
+        )
+    total = sum(len(r.token_ids) for r in results)
+    rows.append(
+        f"{len(results)} prompts, {total} tokens, {results[0].stats['tokens_per_second']:.1f} tok/s"
+    )
+    return "\n".join(rows)
+
+
+def _generate_command(args: argparse.Namespace) -> int:
+    """``speculum generate``: decode, print, report; the exit status."""
+    launching = (args.tp or 1) > 1 and not distributed.launched()  # on_tokens would run there
+    leader, batch = distributed.is_leader(), args.prompts_file is not None
+    echo = args.stream and not (args.json or args.compare_plain or launching or batch)
+    progress = _BatchProgress(leader) if batch else _Progress(echo and leader)
+    try:
+        algorithm = _chosen_algorithm(args)
+        prompts, options = _generate_call(args, algorithm)
+        if args.compare_plain:
+            passes = {} if args.passes is None else {"passes": args.passes}
+            comparison = compare_plain(prompts, **options, **passes)
+            results, plain = comparison.speculative, comparison
+        else:
+            on_tokens = {} if launching else {"on_tokens": progress}
+            if batch:
+                progress.start(prompts, args.max_new_tokens)
+            results, plain = generate(prompts, **options, **on_tokens), None
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
-        if distributed.is_leader():
+        progress.close()
+        if leader:
             print(f"speculum: error: {err}", file=sys.stderr)
         return 2
-    if not distributed.is_leader():  # under torchrun every rank decodes; rank 0 reports
+    except KeyboardInterrupt:
+        progress.close()
+        if leader:
+            _report_interrupted(args, progress)
+        return 130
+    progress.close()
+    if not leader:  # under torchrun every rank decodes; rank 0 reports
         return 0
+    if batch:
+        return _report_batch(args, results)
+    (result,) = results
+    if result.stats.get("length_limit") == "max_context":
+        print(_context_notice(result, args.max_new_tokens), file=sys.stderr)
     if args.json:
         payload = {
             "token_ids": list(result.token_ids),
             # The contract makes text a string; a model without a tokenizer has no text.
             "text": result.text or "",
             "finish_reason": result.finish_reason,
+            **_error_field(result),
             "stats": result.stats,
         }
         if plain is not None:
-            payload["compare_plain"] = _comparison(result, plain)
+            payload["compare_plain"] = _comparison(plain)
         print(json.dumps(payload))
-        return 0
-    print(result.text if result.text is not None else list(result.token_ids))
-    stats = ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.stats.items()
-    )
-    print(stats, file=sys.stderr)
+        return _errors_status(results)
+    if progress.echo and result.text is not None and result.text.startswith(progress.text):
+        print(result.text[len(progress.text) :], flush=True)  # the rest, and the newline
+    else:
+        print(result.text if result.text is not None else list(result.token_ids))
+    print(_stats_line(result.stats), file=sys.stderr)
     if plain is not None:
-        c = _comparison(result, plain)
+        c = _comparison(plain)
         print(
             f"speculative {c['tokens_per_second']:.1f} tok/s vs plain "
-            f"{c['plain_tokens_per_second']:.1f} tok/s: speedup {c['speedup']:.2f}x, acceptance "
-            f"length {c['accept_length_mean']:.2f} (tokens per verify step, bonus included), "
-            f"same tokens as plain: {'yes' if c['same_tokens'] else 'no'}",
+            f"{c['plain_tokens_per_second']:.1f} tok/s: speedup {c['speedup']:.2f}x (median of "
+            f"{len(c['speedups'])} alternating passes after a warm-up; "
+            f"{min(c['speedups']):.2f}x-{max(c['speedups']):.2f}x), acceptance length "
+            f"{c['accept_length_mean']:.2f} (tokens per verify step, bonus included), same "
+            f"tokens as plain: {'yes' if c['same_tokens'] else 'no'}",
             file=sys.stderr,
         )
-    return 0
+    return _errors_status(results)
 
 
-def _generate(args: argparse.Namespace, algorithm: str | None):
-    """One ``generate`` call with the command's options and ``algorithm``."""
-    ngram_fields = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
-    ngram = {f: getattr(args, f"ngram_{f}") for f in (*ngram_fields, "store_tokens")}
-    (result,) = generate(
-        [args.prompt] if args.prompt is not None else [args.prompt_ids],
+def _stats_line(stats: dict[str, object]) -> str:
+    """``key=value, ...`` with floats to 4 significant digits."""
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+    )
+
+
+def _report_interrupted(args: argparse.Namespace, progress: _Progress) -> None:
+    """After Ctrl-C: what was decoded (unless already streamed) and its statistics."""
+    stats = progress.stats()
+    if isinstance(progress, _BatchProgress):
+        pass  # the bar showed the batch's progress; its results were never complete
+    elif args.json:
+        payload = {"token_ids": progress.ids, "text": progress.text}
+        print(json.dumps({**payload, "finish_reason": "interrupted", "stats": stats}))
+    elif progress.echo:
+        print(flush=True)  # end the streamed line
+    elif progress.ids:
+        print(progress.text or progress.ids)
+    print(_stats_line(stats), file=sys.stderr)
+    print("speculum: interrupted", file=sys.stderr)
+
+
+def _context_notice(result, max_new_tokens: int) -> str:
+    """The line saying that the context, not ``--max-new-tokens``, ended ``result``."""
+    return (
+        f"speculum: note: stopped after {len(result.token_ids)} new tokens, not "
+        f"--max-new-tokens {max_new_tokens}: the prompt and the output filled the context of "
+        f"{result.stats['max_context']} tokens (--max-context, up to the model's "
+        "max_position_embeddings)"
+    )
+
+
+def _subparsers(top: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of ``top``'s commands."""
+    (commands,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return list(commands.choices.values())
+
+
+#: The ``--ngram-*`` options that are fields of ``NgramOptions`` by the same name.
+_NGRAM_FIELDS = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+#: Options of ``generate`` that only some algorithms read: destination -> (the flag, the
+#: algorithms that read it). Given with any other algorithm, they are an error, not ignored.
+_CHAIN = SPECULATIVE - BLOCK
+_ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "draft": ("--draft", SPECULATIVE),
+    "num_steps": ("--num-steps", _CHAIN),
+    "topk": ("--topk", _CHAIN),
+    "num_draft_tokens": ("--num-draft-tokens", _CHAIN | {"ngram"}),
+    "sample_drafts": ("--sample-drafts", SPECULATIVE),
+    "adaptive_steps": ("--adaptive-steps", ADAPTIVE),
+    "adaptive_margin": ("--adaptive-margin", ADAPTIVE),
+    "chain_hidden": ("--no-chain-hidden", frozenset({"multi_layer_eagle"})),
+    "block_size": ("--block-size", BLOCK),
+    "verify_budget": ("--verify-budget", BLOCK),
+    "cost_table": ("--cost-table", BLOCK),
+    "min_verify": ("--min-verify", BLOCK),
+    **{
+        f"ngram_{f}": (f"--ngram-{f.replace('_', '-')}", frozenset({"ngram"}))
+        for f in (*_NGRAM_FIELDS, "store_tokens")
+    },
+    "draft_tp": ("--draft-tp", SPECULATIVE),
+    "compare_plain": ("--compare-plain", frozenset(ALGORITHMS) - {"plain"}),
+    "passes": ("--passes", frozenset(ALGORITHMS) - {"plain"}),
+}
+
+
+def _chosen_algorithm(args: argparse.Namespace) -> str:
+    """The algorithm the command decodes with: ``--algorithm``, else the kind of the
+    ``--draft`` folder (said on stderr), else eagle3 on the bundled model and plain on
+    ``--model``. Raises ``ValueError`` for an option that algorithm does not read."""
+    algorithm = args.algorithm
+    if algorithm is None and args.draft is not None:
+        algorithm = draft_algorithm(args.draft)
+        if distributed.is_leader():
+            print(
+                f"speculum: decoding with --algorithm {algorithm}, the kind of the draft in "
+                f"{args.draft}",
+                file=sys.stderr,
+            )
+    if algorithm is None:
+        algorithm = DEFAULT_ALGORITHM if args.model is None else "plain"
+    if args.output is not None and args.prompts_file is None:
+        raise ValueError("--output writes --prompts-file's results: add --prompts-file FILE")
+    if args.compare_plain and args.prompts_file is not None:
+        raise ValueError("--compare-plain times one prompt: use --prompt or --prompt-ids")
+    if args.passes is not None and not args.compare_plain:
+        raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
+    for dest, (flag, readers) in _ALGORITHM_OPTIONS.items():
+        if getattr(args, dest) is None or algorithm in readers:  # None: not given
+            continue
+        why = (
+            "plain decoding drafts nothing (with --model, speculation needs --draft DIR or "
+            "--algorithm NAME)"
+            if algorithm == "plain"
+            else f"only {', '.join(sorted(readers))} read it"
+        )
+        hint = "; sampling's top-k is --top-k" if dest == "topk" else ""
+        raise ValueError(f"{flag} has no effect with --algorithm {algorithm}: {why}{hint}")
+    return algorithm
+
+
+def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict]:
+    """The prompts and the keyword arguments of the command's ``generate`` call with
+    ``algorithm`` (options that ``algorithm`` does not read left out)."""
+    options = {
+        dest: getattr(args, dest)
+        for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
+        if algorithm in readers
+        and getattr(args, dest) is not None
+        and not dest.startswith("ngram_")
+        and dest not in ("compare_plain", "passes")
+    }
+    ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
+    if args.prompts_file is not None:
+        prompts = _read_prompts(args.prompts_file)
+    else:
+        prompts = [args.prompt] if args.prompt is not None else [args.prompt_ids]
+    return prompts, dict(
         model=args.model,
         algorithm=algorithm,
-        draft=args.draft,
-        num_steps=args.num_steps,
-        topk=args.topk,
-        num_draft_tokens=args.num_draft_tokens,
-        sample_drafts=args.sample_drafts,
-        chain_hidden=args.chain_hidden,
-        adaptive_steps=() if algorithm == "plain" else args.adaptive_steps,
-        adaptive_margin=args.adaptive_margin,
-        block_size=args.block_size,
-        verify_budget=args.verify_budget,
-        cost_table=args.cost_table,
-        min_verify=args.min_verify,
         ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -398,22 +902,27 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        page_size=args.page_size,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         overlap=args.overlap,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),
-        draft_tp=args.draft_tp,
+        **options,
     )
-    return result
 
 
-def _comparison(result, plain) -> dict[str, float | bool]:
-    """Speedup of ``result`` over the plain run ``plain``, and its acceptance length."""
+def _comparison(comparison: Comparison) -> dict[str, float | bool | list[float]]:
+    """The median pass's tokens per second, speedup and acceptance length, every pass's
+    speedup, and whether speculation emitted plain decoding's tokens."""
+    (result,), (plain,) = comparison.speculative, comparison.plain
     return {
         "tokens_per_second": result.stats["tokens_per_second"],
         "plain_tokens_per_second": plain.stats["tokens_per_second"],
-        "speedup": result.stats["tokens_per_second"] / plain.stats["tokens_per_second"],
+        "speedup": comparison.speedup,
+        "speedups": list(comparison.speedups),
         "accept_length_mean": result.stats["accept_length_mean"],
         "same_tokens": result.token_ids == plain.token_ids,
     }
@@ -426,11 +935,7 @@ _TRAINING_ERRORS = (ValueError, RuntimeError, KeyError, MemoryError, OSError)
 
 def _print_metrics(metrics: dict[str, object]) -> None:
     """One ``key=value, ...`` line on stdout."""
-    print(
-        ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-        )
-    )
+    print(_stats_line(metrics))
 
 
 def _interrupted(out_dir: Path) -> int:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
+from speculum.models.draft_kind import draft_algorithm
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.default_model import (
@@ -18,7 +21,14 @@ from speculum.runtime.default_model import (
 )
 from speculum.runtime.engine import Engine, NgramOptions, SpecOptions, build_engine
 
-__all__ = ["Generation", "generate", "run_to_completion", "acceptance_stats"]
+__all__ = [
+    "Comparison",
+    "Generation",
+    "acceptance_stats",
+    "compare_plain",
+    "generate",
+    "run_to_completion",
+]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -30,9 +40,11 @@ class Generation:
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
     ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
     and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
-    ``finish_reason``. A prompt the engine could not decode (its logits turned NaN, say) ends
-    with ``finish_reason == "error"``, the tokens decoded before that, and ``error`` saying why;
-    the other prompts are unaffected.
+    ``finish_reason``; a ``length`` finish adds ``length_limit``: ``max_new_tokens``, or
+    ``max_context`` (with ``max_context``, the engine's) when the prompt and the budget did not
+    fit the context, which cut the budget short. A prompt the engine could not decode (its
+    logits turned NaN, say) ends with ``finish_reason == "error"``, the tokens decoded before
+    that, and ``error`` saying why; the other prompts are unaffected.
     """
 
     token_ids: tuple[int, ...]
@@ -43,18 +55,54 @@ class Generation:
 
 
 def run_to_completion(
-    engine: Engine, state: scheduler.SchedulerState
+    engine: Engine,
+    state: scheduler.SchedulerState,
+    on_output: Callable[[scheduler.RequestOutput], None] | None = None,
 ) -> tuple[scheduler.SchedulerState, dict[int, scheduler.Request]]:
-    """Step until every request has finished; returns the final state and finished requests."""
+    """Step until every request has finished; returns the final state and finished requests.
+    ``on_output`` sees each step's output of each request as it comes."""
     finished: dict[int, scheduler.Request] = {}
     while not scheduler.is_idle(state):
         state, outputs = scheduler.step(engine, state)
+        for output in outputs if on_output else ():
+            on_output(output)
         finished.update((o.rid, o.request) for o in outputs if o.finished)
     return state, finished
 
 
+class _TextStream:
+    """Turns each step's new token ids of one batch into the text they complete, for
+    ``generate``'s ``on_tokens``: a tail that decodes to a replacement character (a multi-byte
+    character cut between tokens) waits for the next tokens, or for the request's end."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_tokens: Callable[[int, tuple[int, ...], str], None],
+        rids: Sequence[int],
+    ) -> None:
+        self.engine, self.on_tokens = engine, on_tokens
+        self.index = {rid: i for i, rid in enumerate(rids)}  # request id -> prompt index
+        self.ids: dict[int, list[int]] = {}
+        self.shown: dict[int, str] = {}
+
+    def __call__(self, output: scheduler.RequestOutput) -> None:
+        """Hand ``output``'s new ids and newly completed text to ``on_tokens``."""
+        rid, tokenizer = output.rid, self.engine.tokenizer
+        ids = self.ids.setdefault(rid, [])
+        ids.extend(output.new_token_ids)
+        new = ""
+        if tokenizer is not None:
+            text, shown = tokenizer.decode(ids), self.shown.get(rid, "")
+            complete = output.finished or not text.endswith("\ufffd")
+            if complete and text.startswith(shown):
+                new, self.shown[rid] = text[len(shown) :], text
+        if output.new_token_ids or new:
+            self.on_tokens(self.index[rid], output.new_token_ids, new)
+
+
 def generate(
-    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    prompts: str | Sequence[str | Sequence[int] | Mapping[str, Any]],
     *,
     model: str | Path | None = None,
     engine: Engine | None = None,
@@ -78,109 +126,306 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int = 0,
-    stop_token_ids: tuple[int, ...] = (),
-    stop_strings: tuple[str, ...] = (),
+    stop_token_ids: int | Sequence[int] = (),
+    stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
+    max_context: int | None = None,
+    max_batch: int = 16,
+    page_size: int = 16,
     device: str = "cpu",
     dtype: str | None = None,
     cuda_graphs: bool = True,
     overlap: bool = False,
     tp: int = 1,
     draft_tp: int | None = None,
+    speculative_config: Mapping[str, Any] | None = None,
+    on_tokens: Callable[[int, tuple[int, ...], str], None] | None = None,
 ) -> list[Generation]:
-    """Generate a completion for each prompt (text, or a list of token ids).
+    """Generate a completion for each prompt (text, a list of token ids, or a mapping that
+    gives one of those as ``prompt`` or ``prompt_ids`` with settings of its own among
+    :data:`REQUEST_SETTINGS`, e.g. ``{"prompt": "def f(x):", "temperature": 0.7}``).
 
     With neither ``model`` nor ``engine``, the bundled default model runs, by default with its
-    EAGLE-3 draft (``algorithm`` None means that, or plain decoding for any other model). All
-    prompts are decoded together by the continuous-batching scheduler; each result is what that
-    prompt yields alone. Speculative algorithms take their draft from ``draft`` and the round's
-    shape from ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
+    EAGLE-3 draft. ``algorithm`` None means the kind of ``draft`` when one is given (read from
+    its folder: a draft is never ignored), else that default, or plain decoding for any other
+    model. All prompts are decoded together by the continuous-batching scheduler; each result
+    is what that prompt yields alone.
+
+    Speculative algorithms take their draft from ``draft`` and the round's shape from
+    ``num_steps``, ``topk`` and ``num_draft_tokens`` (tree nodes, root included);
     ``sample_drafts`` samples drafts instead of taking the draft's top-k; ``chain_hidden``
     chains multi-layer EAGLE's MTP layers. ``adaptive_steps`` (e.g. ``(0, 1, 3, 5)``) replaces
     ``num_steps`` with several chain depths, 0 meaning no speculation, and each round runs the
     one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
-    best, variants keep being sampled; see ``docs/adaptive.md``). ``algorithm="ngram"``
-    chains multi-layer EAGLE's MTP layers. Block drafters (``dflash``, ``dspark``) take
-    ``block_size`` (default: the draft's) and the verify budget ``verify_budget``,
-    ``cost_table`` and ``min_verify`` (``SpecOptions``). ``algorithm="ngram"``
-    needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
-    unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
-    the device runs the previous one (same tokens; see ``docs/overlap.md``).
+    best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
+    ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
+    ``verify_budget``, ``cost_table`` and ``min_verify`` (``SpecOptions``).
+    ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. vLLM's
+    ``speculative_config`` dict is accepted too (:data:`SPECULATIVE_CONFIG_KEYS`: ``method``,
+    ``model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``,
+    ``prompt_lookup_max``, ``prompt_lookup_min``) in place of those arguments.
+
+    Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``.
+    A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
+    ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
+    string, or a sequence of them). ``max_context``, ``max_batch`` and ``page_size`` size the
+    engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
+    ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
+    device runs the previous one (same tokens; see ``docs/overlap.md``).
+
+    Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
+    that emitted some for prompt ``i``, with the new ids and the text they complete (``""``
+    while a multi-byte character is cut between tokens, or without a tokenizer); the pieces
+    add up to each result's ``token_ids`` and ``text``.
 
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
-    one rank; otherwise ``tp`` worker processes are started, each runs this call, and rank 0's
-    result is returned. Every rank decodes rank 0's requests and returns the same results.
+    one rank; otherwise ``tp`` worker processes are started, each runs this call (so
+    ``on_tokens`` must be picklable, and runs there), and rank 0's result is returned. Every
+    rank decodes rank 0's requests and returns the same results.
     """
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
+    if speculative_config is not None:
+        return generate(**_with_speculative_config(arguments))
     # Checked here, before any model loads or worker starts (scheduler.Sampling).
-    sampling = scheduler.Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-    )
+    scheduler.Sampling(**{name: arguments[name] for name in _SAMPLING})
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
     if engine is None:
-        if model is None:
-            model = default_model_dir()
-            if algorithm is None:
-                algorithm, draft = DEFAULT_ALGORITHM, draft or default_draft_dir()
-        engine = build_engine(
-            model,
-            algorithm=algorithm or "plain",
-            draft=draft,
-            spec=SpecOptions(
-                num_steps=num_steps,
-                topk=topk,
-                num_draft_tokens=num_draft_tokens,
-                sample_drafts=sample_drafts,
-                chain_hidden=chain_hidden,
-                adaptive_steps=adaptive_steps,
-                adaptive_policy=AdaptivePolicy(margin=adaptive_margin),
-                block_size=block_size,
-                verify_budget=verify_budget,
-                cost_table=cost_table,
-                min_verify=min_verify,
-            ),
-            device=device,
-            dtype=dtype,
-            ngram=ngram,
-            cuda_graphs=cuda_graphs,
-            overlap=overlap,
-            tp=distributed.tensor_parallel(tp, device),
-            draft_tp=draft_tp,
-        )
+        engine = _engine(arguments)
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
+    shared_settings = {name: arguments[name] for name in REQUEST_SETTINGS}
     # Every rank must schedule the same requests for the ranks' collectives to pair up: rank 0's.
-    ids, sampling, max_new_tokens, stop_token_ids, stop_strings, ignore_eos = engine.tp.from_leader(
-        (
-            [_prompt_ids(engine, p) for p in batch],
-            sampling,
-            max_new_tokens,
-            stop_token_ids,
-            stop_strings,
-            ignore_eos,
-        )
-    )
+    requests = engine.tp.from_leader([_request(engine, p, shared_settings) for p in batch])
     state, rids = scheduler.new_state(engine), []
-    for prompt in ids:
-        state, rid = scheduler.add_request(
-            engine,
-            state,
-            prompt,
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            stop_strings=stop_strings,
-            ignore_eos=ignore_eos,
-        )
+    for prompt, settings in requests:
+        state, rid = scheduler.add_request(engine, state, prompt, **settings)
         rids.append(rid)
+    stream = None if on_tokens is None else _TextStream(engine, on_tokens, rids)
     start = time.perf_counter()
-    final, finished = run_to_completion(engine, state)
+    final, finished = run_to_completion(engine, state, stream)
     elapsed = time.perf_counter() - start
     total = sum(len(r.output) for r in finished.values())
     shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
     return [_result(engine, finished[rid], shared) for rid in rids]
+
+
+def _engine(arguments: dict[str, Any]) -> Engine:
+    """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults)."""
+    a = arguments
+    algorithm, draft, model = a["algorithm"], a["draft"], a["model"]
+    algorithm = algorithm and algorithm.lower()  # EAGLE3 as SGLang spells it is eagle3
+    if algorithm is None and draft is not None:
+        algorithm = draft_algorithm(draft)  # a draft is never ignored
+    if model is None:
+        model = default_model_dir()
+        if algorithm in (None, DEFAULT_ALGORITHM) and draft is None:
+            algorithm, draft = DEFAULT_ALGORITHM, default_draft_dir()
+    return build_engine(
+        model,
+        algorithm=algorithm or "plain",
+        draft=draft,
+        spec=SpecOptions(
+            num_steps=a["num_steps"],
+            topk=a["topk"],
+            num_draft_tokens=a["num_draft_tokens"],
+            sample_drafts=a["sample_drafts"],
+            chain_hidden=a["chain_hidden"],
+            adaptive_steps=a["adaptive_steps"],
+            adaptive_policy=AdaptivePolicy(margin=a["adaptive_margin"]),
+            block_size=a["block_size"],
+            verify_budget=a["verify_budget"],
+            cost_table=a["cost_table"],
+            min_verify=a["min_verify"],
+        ),
+        device=a["device"],
+        dtype=a["dtype"],
+        ngram=a["ngram"],
+        cuda_graphs=a["cuda_graphs"],
+        overlap=a["overlap"],
+        tp=distributed.tensor_parallel(a["tp"], a["device"]),
+        draft_tp=a["draft_tp"],
+        max_context=a["max_context"],
+        max_batch=a["max_batch"],
+        page_size=a["page_size"],
+    )
+
+
+#: ``generate``'s arguments that shape drafting, which plain decoding does without.
+_DRAFTING = (
+    "draft",
+    "num_steps",
+    "topk",
+    "num_draft_tokens",
+    "sample_drafts",
+    "chain_hidden",
+    "adaptive_steps",
+    "adaptive_margin",
+    "block_size",
+    "verify_budget",
+    "cost_table",
+    "min_verify",
+    "ngram",
+    "draft_tp",
+)
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    """Speculative decoding timed against plain decoding by :func:`compare_plain`.
+
+    ``speculative`` and ``plain`` are the results of the median pass (the pass whose speedup
+    is the median of ``speedups``; the upper one of an even count), ``speedups`` every timed
+    pass's ratio of speculative to plain tokens per second, in the order they ran.
+    """
+
+    speculative: list[Generation]
+    plain: list[Generation]
+    speedups: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        """The median pass's speedup."""
+        return (
+            self.speculative[0].stats["tokens_per_second"]
+            / (self.plain[0].stats["tokens_per_second"])
+        )
+
+
+def compare_plain(
+    prompts: str | Sequence[str] | Sequence[Sequence[int]], *, passes: int = 3, **options: Any
+) -> Comparison:
+    """Decode ``prompts`` with ``generate(prompts, **options)``'s engine and with plain
+    decoding of the same model, and time them fairly: both engines are built once and warmed
+    by an untimed pass each, then ``passes`` timed passes of each alternate (speculative,
+    plain, speculative, ...), so that a drifting machine slows both alike. ``options`` are
+    ``generate``'s (``engine`` excepted); ``tp > 1`` runs the whole comparison on each rank.
+    """
+    if passes < 1:
+        raise ValueError(f"passes={passes}: compare at least one timed pass")
+    defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    unknown = sorted(set(options) - set(defaults) | ({"engine", "prompts"} & set(options)))
+    if unknown:
+        raise TypeError(f"compare_plain got arguments {unknown} that generate does not take")
+    arguments = {**defaults, **options, "prompts": prompts}
+    if arguments["speculative_config"] is not None:
+        arguments = _with_speculative_config(arguments)
+    arguments.pop("speculative_config", None)
+    if arguments["tp"] > 1 and not distributed.launched():
+        run = functools.partial(compare_plain, prompts, passes=passes, **options)
+        return distributed.launch(run, arguments["tp"])
+    del arguments["engine"]
+    speculative = _engine(arguments)
+    if speculative.pipeline.name == "plain":
+        raise ValueError("compare_plain compares speculative decoding with plain: pass a draft")
+    plain = {**arguments, **{k: defaults[k] for k in _DRAFTING}, "algorithm": "plain"}
+    engines = (speculative, _engine(plain))
+    runs = [[generate(**arguments, engine=e) for e in engines] for _ in range(passes + 1)][1:]
+    speedups = tuple(
+        s[0].stats["tokens_per_second"] / p[0].stats["tokens_per_second"] for s, p in runs
+    )
+    median = sorted(range(passes), key=speedups.__getitem__)[passes // 2]
+    return Comparison(speculative=runs[median][0], plain=runs[median][1], speedups=speedups)
+
+
+#: vLLM's ``speculative_config`` keys and the ``generate`` arguments they set.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "algorithm",
+    "model": "draft",
+    "num_speculative_tokens": "num_steps (block drafters: block_size; ngram: num_draft_tokens)",
+    "draft_tensor_parallel_size": "draft_tp",
+    "prompt_lookup_max": "ngram.max_depth",
+    "prompt_lookup_min": "ngram.min_match",
+}
+#: vLLM ``method`` names spelled otherwise here (any ``*_mtp`` method is ``mtp``).
+_VLLM_METHODS = {"draft_model": "standalone"}
+
+
+def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``generate``'s ``arguments`` with their ``speculative_config`` (vLLM's keys) turned
+    into the arguments it stands for; an argument given both ways raises ``ValueError``."""
+    config = dict(arguments.pop("speculative_config"))
+    unknown = sorted(set(config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config keys {unknown} are not read; speculum reads "
+            f"{', '.join(SPECULATIVE_CONFIG_KEYS)}"
+        )
+    method = config.get("method")
+    if method is not None:
+        method = str(method).lower()
+        method = "mtp" if method.endswith("_mtp") else _VLLM_METHODS.get(method, method)
+    options: dict[str, Any] = {"algorithm": method, "draft": config.get("model")}
+    options["draft_tp"] = config.get("draft_tensor_parallel_size")
+    tokens = config.get("num_speculative_tokens")
+    if tokens is not None:
+        name, value = {
+            "ngram": ("num_draft_tokens", tokens + 1),
+            "dflash": ("block_size", tokens + 1),
+            "dspark": ("block_size", tokens),
+        }.get(method, ("num_steps", tokens))
+        options[name] = value
+    lookup = {"max_depth": "prompt_lookup_max", "min_match": "prompt_lookup_min"}
+    fields = {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
+    if fields:
+        options["ngram"] = attrs.evolve(arguments["ngram"] or NgramOptions(), **fields)
+    options = {k: v for k, v in options.items() if v is not None}
+    defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    twice = sorted(k for k in options if k != "ngram" and arguments[k] != defaults[k])
+    if twice:
+        raise ValueError(
+            f"{', '.join(twice)} given both as arguments and through speculative_config; "
+            "give each once"
+        )
+    return {**arguments, **options}
+
+
+def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
+    """``value`` as a tuple: a single ``kind`` (a string is one stop string, not its
+    characters) or a sequence of them."""
+    return (value,) if isinstance(value, kind) else tuple(value)
+
+
+#: ``generate``'s arguments that make a request's ``scheduler.Sampling``.
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+#: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
+REQUEST_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop_strings",
+    "ignore_eos",
+)
+
+
+def _request(
+    engine: Engine, prompt: str | Sequence[int] | Mapping[str, Any], shared: dict[str, Any]
+) -> tuple[list[int], dict[str, Any]]:
+    """A prompt's token ids and the keyword arguments of its ``scheduler.add_request``: the
+    ``shared`` settings, overridden by a mapping prompt's own (``{"prompt": text}`` or
+    ``{"prompt_ids": ids}`` plus any of :data:`REQUEST_SETTINGS`)."""
+    settings = dict(shared)
+    if isinstance(prompt, Mapping):
+        given = [k for k in ("prompt", "prompt_ids") if k in prompt]
+        unknown = sorted(set(prompt) - {"prompt", "prompt_ids", *REQUEST_SETTINGS})
+        if len(given) != 1 or unknown:
+            raise ValueError(
+                f"a prompt given as a mapping holds exactly one of 'prompt' (text) and "
+                f"'prompt_ids', and settings among {', '.join(REQUEST_SETTINGS)}; got "
+                f"{sorted(prompt)}"
+            )
+        settings.update((k, prompt[k]) for k in REQUEST_SETTINGS if k in prompt)
+        prompt = prompt[given[0]]
+    sampling = scheduler.Sampling(**{k: settings.pop(k) for k in _SAMPLING})
+    settings["stop_token_ids"] = _one_or_many(settings["stop_token_ids"], int)
+    settings["stop_strings"] = _one_or_many(settings["stop_strings"], str)
+    return _prompt_ids(engine, prompt), {"sampling": sampling, **settings}
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> Sequence[int]:
@@ -194,18 +439,34 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> Sequence[int]:
 
 def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
     text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
+    finish_reason = request.finish_reason or "length"
     return Generation(
         token_ids=request.output,
         text=text,
-        finish_reason=request.finish_reason or "length",
+        finish_reason=finish_reason,
         stats={
             "num_forward_steps": request.num_forwards,
             **shared,
-            "finish_reason": request.finish_reason or "length",
+            "finish_reason": finish_reason,
+            **_length_limit(engine, request, finish_reason),
             **acceptance_stats(request.round_lengths),
         },
         error=request.error,
     )
+
+
+def _length_limit(
+    engine: Engine, request: scheduler.Request, finish_reason: str
+) -> dict[str, str | int]:
+    """Why a request finished for ``length``: ``length_limit`` is ``max_new_tokens``, or
+    ``max_context`` (with its value) when the prompt and the budget did not fit the context,
+    so the context cut the budget short; nothing for other finishes."""
+    if finish_reason != "length":
+        return {}
+    context = engine.config.max_context
+    if len(request.prompt) + request.max_new_tokens > context:
+        return {"length_limit": "max_context", "max_context": context}
+    return {"length_limit": "max_new_tokens"}
 
 
 def acceptance_stats(round_lengths: Sequence[int]) -> dict[str, float | int | list]:

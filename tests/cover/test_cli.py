@@ -67,8 +67,12 @@ def model_dir_no_tokenizer(tmp_path_factory) -> Path:
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr)."""
-    status = cli.main(["generate", *args])
+    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr); a usage error
+    found while parsing exits (``SystemExit``) with its status."""
+    try:
+        status = cli.main(["generate", *args])
+    except SystemExit as stopped:
+        status = stopped.code
     out, err = capsys.readouterr()
     return status, out, err
 

@@ -73,8 +73,12 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr)."""
-    status = cli.main(["generate", *args])
+    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr); a usage error
+    found while parsing exits (``SystemExit``) with its status."""
+    try:
+        status = cli.main(["generate", *args])
+    except SystemExit as stopped:
+        status = stopped.code
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -272,7 +276,7 @@ ERRORS = {
     ),  # fmt: skip
     "no-draft-steps": (
         ["--algorithm", "mtp", "--model", "{mtp-in-target}", "--num-steps", "0"],
-        r"num_steps=0",
+        r"--num-steps takes an integer >= 1, not '0'",
     ),
 }
 

@@ -6,6 +6,7 @@ would alone. Every pipeline, greedy and seeded sampling, synchronous and overlap
 from __future__ import annotations
 
 import copy
+import json
 
 import attrs
 import pytest
@@ -14,9 +15,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from strategies import prompt_batches
+from test_cli import parse_one_object, run_cli
 from test_eagle import TARGET, VOCAB
 from test_overlap import PIPELINES, engine
 
+from speculum.models.loading import save_model
 from speculum.pipelines.base import one_token_output, verified_output
 from speculum.runtime import scheduler
 from speculum.runtime.engine import engine_from_model
@@ -371,3 +374,24 @@ class PoisonMachine(RuleBasedStateMachine):
 
 PoisonMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30)
 test_poison_state_machine = PoisonMachine.TestCase
+
+
+def test_the_command_line_reports_a_failed_request_and_exits_1(capsys, tmp_path):
+    """``--json`` keeps one object, with ``finish_reason`` error and the error; text mode prints
+    what was decoded and the error on stderr; a prompts file reports every prompt, the failed
+    one with its error."""
+    folder = save_model(POISONED, tmp_path / "poisoned")
+    model = ("--model", str(folder))
+    status, out, err = run_cli(capsys, *model, "--prompt-ids", f"1,{POISON}", "--json")
+    payload = parse_one_object(out)
+    assert status == 1 and payload["finish_reason"] == "error" and payload["token_ids"] == []
+    assert payload["error"].startswith("request 0 could not be decoded after 0 tokens")
+    assert "speculum: error: request 0 could not be decoded" in err
+    status, out, err = run_cli(capsys, *model, "--prompt-ids", "3", "--json")
+    assert status == 0 and "error" not in parse_one_object(out)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(f'{{"prompt_ids": [3]}}\n{{"prompt_ids": [1, {POISON}]}}\n')
+    status, out, err = run_cli(capsys, *model, "--prompts-file", str(prompts))
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert status == 1 and [line["finish_reason"] for line in lines] == ["length", "error"]
+    assert "error" not in lines[0] and lines[1]["error"].startswith("request 1 ")

@@ -686,5 +686,7 @@ def test_cli_runs_ngram_without_a_draft_and_equals_plain(tmp_path, capsys):
     assert outputs["ngram"]["token_ids"] == outputs["plain"]["token_ids"]
     assert outputs["ngram"]["stats"]["num_rounds"] < outputs["plain"]["stats"]["num_rounds"]
     bad = common + ["--algorithm", "ngram", "--ngram-max-breadth", "0"]
-    assert cli.main(bad) == 2
-    assert "max_breadth" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # range-checked while parsing
+        cli.main(bad)
+    assert stopped.value.code == 2
+    assert "--ngram-max-breadth takes an integer >= 1" in capsys.readouterr().err
