@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
+from test_eagle_stats import CHUNK, SEEDS, exact_joint, joint_stats, lossless, sample_tokens
 from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
 
 from speculum.kernels import model_ops
@@ -29,7 +30,7 @@ from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
-from speculum.runtime.generate import generate, run_to_completion
+from speculum.runtime.generate import acceptance_stats, generate, run_to_completion
 from speculum.state.parallel import TensorParallel
 
 transformers.logging.disable_progress_bar()
@@ -348,3 +349,33 @@ def test_snapshot_restore_of_an_moe_batch_replays_exactly() -> None:
     first = [finished[rid].output for rid in rids]
     _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
     assert [finished[rid].output for rid in rids] == first
+
+
+def test_speculative_sampling_on_an_moe_target_follows_the_target_law() -> None:
+    """Seeded sampling is lossless on an MoE target: the first two tokens that MTP tree rounds
+    emit at temperature 1, over many seeds, follow the law enumerated from the target's own
+    next-token distributions (``test_eagle_stats``'s check), with rounds accepting drafts."""
+    vocab = 6  # test_eagle_stats enumerates joints over its VOCAB, also 6
+    target = markov_target(
+        vocab,
+        head_scale=0.25,
+        architecture=MOE_CONFIG.architecture,
+        qkv_bias=True,
+        moe=MOE_CONFIG.moe,
+    )
+    prompt = [3, 1, 4]
+    engine = engine_from_model(
+        target,
+        algorithm="mtp",
+        draft=agreeing_head(target, "mtp"),
+        spec=SpecOptions(num_steps=3, topk=2, num_draft_tokens=5),
+        page_size=4,
+        num_pages=CHUNK * 3 + 1,
+        max_batch=CHUNK,
+        max_context=12,
+        prefill_budget=CHUNK * len(prompt),
+    )
+    (tokens,), (histogram,) = sample_tokens(engine, [(prompt, {})], SEEDS // 2, 2)
+    stats = joint_stats(tokens, exact_joint(target, prompt, {}, 2))
+    assert lossless(stats), stats
+    assert acceptance_stats(histogram)["accept_length_mean"] > 1.2, stats
