@@ -130,12 +130,14 @@ def moe_reference(
     before they scale the experts' outputs, as transformers' Qwen-MoE does; Mixtral's scales
     in float32, which differs in the last bit of bfloat16 outputs only).
 
-    Dense: every row runs through every expert and unselected experts are weighted by zero,
-    which adds exactly nothing. That costs ``num_experts / top_k`` times the FLOPs of routing,
-    but has no host sync and no data-dependent shape (CUDA graphs capture it), keeps every row
-    independent of the others in the batch, and sums the experts in ascending order into a
-    zero accumulator, as transformers does. A grouped GEMM over each row's selected experts
-    only is the kernel to register for CUDA in its place.
+    Dense: every row runs through every expert and the outputs of experts the row did not
+    select are dropped (by ``where``, not by a zero weight, so that an expert overflowing on a
+    row it was never meant for cannot turn the row's output into NaN). That costs
+    ``num_experts / top_k`` times the FLOPs of routing, but has no host sync and no
+    data-dependent shape (CUDA graphs capture it), keeps every row independent of the others in
+    the batch, and sums the experts in ascending order into a zero accumulator, as transformers
+    does. A grouped GEMM over each row's selected experts only is the kernel to register for
+    CUDA in its place.
     """
     rows = x.reshape(-1, x.shape[-1])
     weights = moe_routing_weights(F.linear(rows, router), top_k, renormalize).to(x.dtype)
@@ -143,7 +145,8 @@ def moe_reference(
     for expert in range(experts_gate_up.shape[0]):
         gate, up = F.linear(rows, experts_gate_up[expert]).chunk(2, dim=-1)
         expert_out = F.linear(silu_mul_reference(gate, up), experts_down[expert])
-        out = out + expert_out * weights[:, expert, None]
+        weight = weights[:, expert, None]
+        out = out + torch.where(weight != 0, expert_out * weight, 0)
     return out.view(x.shape)
 
 

@@ -220,6 +220,21 @@ def test_the_moe_op_is_a_registered_op_with_a_fake_kernel_and_gradients() -> Non
     torch.library.opcheck(model_ops.moe, (x, router, gate_up, down, 2, True))
 
 
+def test_an_expert_no_row_selects_cannot_make_nan() -> None:
+    """Every row runs through every expert, but an unselected expert's output is dropped, not
+    multiplied by zero: an expert that overflows on rows it was not chosen for changes
+    nothing."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(3, 8, generator=gen) + 0.1  # positive, so the router's rows order the experts
+    router = torch.tensor([[1.0] * 8, [2.0] * 8, [3.0] * 8, [0.0] * 8])  # expert 3 never top 2
+    gate_up = torch.randn(4, 12, 8, generator=gen)
+    down = torch.randn(4, 8, 6, generator=gen)
+    finite = model_ops.moe(x, router, gate_up, down, 2, False)
+    gate_up[3] = float("inf")
+    assert torch.equal(model_ops.moe(x, router, gate_up, down, 2, False), finite)
+    assert finite.isfinite().all()
+
+
 def test_rows_route_alone() -> None:
     """A row's output depends on that row alone (no capacity shared across the batch)."""
     model = random_model(MOE_CONFIG, seed=2, std=0.3)
