@@ -19,13 +19,18 @@ from test_eagle_stats import CHUNK, SEEDS, exact_joint, joint_stats, lossless, s
 from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
 
 from speculum.kernels import model_ops
-from speculum.models.block_draft import random_block_draft
-from speculum.models.config import DecoderConfig, MoEConfig
+from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
+from speculum.models.config import DecoderConfig, MoEConfig, UnsupportedModel
 from speculum.models.decoder import SparseMoE, dense_batch
 from speculum.models.draft import random_draft
-from speculum.models.frozen_kv import random_frozen_kv
+from speculum.models.draft_loading import LAYOUTS, load_draft, save_draft
+from speculum.models.frozen_kv import load_frozen_kv, random_frozen_kv, save_frozen_kv
 from speculum.models.loading import CheckpointError, load_model, random_model, save_model
-from speculum.models.multi_layer_eagle import random_multi_layer
+from speculum.models.multi_layer_eagle import (
+    load_multi_layer,
+    random_multi_layer,
+    save_multi_layer,
+)
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
@@ -394,3 +399,44 @@ def test_speculative_sampling_on_an_moe_target_follows_the_target_law() -> None:
     stats = joint_stats(tokens, exact_joint(target, prompt, {}, 2))
     assert lossless(stats), stats
     assert acceptance_stats(histogram)["accept_length_mean"] > 1.2, stats
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two modules hold the same parameters under the same names."""
+    left, right = a.state_dict(), b.state_dict()
+    return list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
+
+
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"mtp-in-target"}))
+def test_drafts_for_an_moe_target_are_dense_and_round_trip(layout: str, tmp_path: Path) -> None:
+    """A head built for an MoE target has dense layers (the dense sibling architecture) and
+    saves and loads back in every layout of its own folder."""
+    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
+    assert head.config.layer.moe is None
+    assert head.config.layer.architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM")
+    save_draft(head, tmp_path, layout)
+    assert same_weights(load_draft(tmp_path, TARGET, LAYOUTS[layout]), head)
+
+
+def test_other_drafts_for_an_moe_target_round_trip(tmp_path: Path) -> None:
+    """Block drafts, FROZEN_KV_MTP and multi-layer EAGLE heads of an MoE target save and load."""
+    for algorithm in ("dflash", "dspark"):
+        head = random_block_draft(TARGET, algorithm, seed=1, std=0.3, block_size=4)
+        save_block_draft(head, tmp_path / algorithm)
+        assert same_weights(load_block_draft(tmp_path / algorithm, TARGET, algorithm), head)
+    frozen = random_frozen_kv(TARGET, seed=1, std=0.3)
+    save_frozen_kv(frozen, tmp_path / "frozen")
+    assert same_weights(load_frozen_kv(tmp_path / "frozen", TARGET), frozen)
+    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
+    save_multi_layer(multi, tmp_path / "multi")
+    assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
+
+
+def test_mtp_layers_inside_an_moe_checkpoint_are_refused(tmp_path: Path) -> None:
+    """MTP layers stored in an MoE target's folder would be MoE layers, which drafts do not
+    have yet: writing them is refused, and so is reading such a folder, naming the reason."""
+    with pytest.raises(UnsupportedModel, match=r"would be mixture-of-experts layers \(Qwen2Moe"):
+        save_draft(agreeing_head(TARGET, "mtp"), tmp_path / "mtp", "mtp-in-target", target=TARGET)
+    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
+    with pytest.raises(ValueError, match=r"the target is a mixture-of-experts model"):
+        save_multi_layer(multi, tmp_path / "multi", target=TARGET)
