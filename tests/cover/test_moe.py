@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_eagle_stats import CHUNK, SEEDS, exact_joint, joint_stats, lossless, sample_tokens
-from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
+from test_models import (
+    CASES,
+    edit_config,
+    edit_weights,
+    page_table,
+    relative_error,
+    run_in_steps,
+)
 
 from speculum.kernels import model_ops
 from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
@@ -42,24 +49,9 @@ transformers.logging.disable_progress_bar()
 
 VOCAB = 96  # test_models.run_in_steps pads with id VOCAB - 1 of its own VOCAB, also 96
 #: architecture family -> transformers config fields: 4 experts, top 2, and what the family
-#: adds (Qwen3-MoE: a dense layer and renormalised top-k; Qwen2-MoE: its gated shared expert).
-FAMILIES = {
-    "Mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "Qwen3Moe": {
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 24,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [1],
-        "head_dim": 16,
-    },
-    "Qwen2Moe": {
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 24,
-        "shared_expert_intermediate_size": 40,
-    },
-}
+#: adds (test_models' cases: Qwen3-MoE a dense layer and renormalised top-k; Qwen2-MoE its gated
+#: shared expert).
+FAMILIES = dict(CASES[case] for case in ("mixtral", "qwen2-moe", "qwen3-moe"))
 
 
 def hf_moe(family: str, **changes: object) -> transformers.PreTrainedModel:
