@@ -88,11 +88,11 @@ class MoEConfig:
 
     A sparse layer's MLP sends every token to the ``top_k`` of ``num_experts`` experts with the
     highest softmax router probabilities and sums their outputs weighted by those probabilities
-    (renormalised to sum to one when ``norm_topk_prob``); with a ``shared_expert_intermediate_
-    size`` above zero (Qwen2-MoE) every token also goes through a shared expert, scaled by a
-    sigmoid gate. Layer ``n`` is sparse unless ``n`` is in ``dense_layers`` or ``n + 1`` is not
-    a multiple of ``sparse_step`` (transformers' ``mlp_only_layers`` and
-    ``decoder_sparse_step``); dense layers run the usual MLP of
+    (renormalised to sum to one when ``norm_topk_prob``). Where the shared expert's width
+    ``shared_expert_intermediate_size`` is above zero (Qwen2-MoE), every token also goes
+    through a shared expert, scaled by a sigmoid gate. Layer ``n`` is sparse unless ``n`` is in
+    ``dense_layers`` or ``n + 1`` is not a multiple of ``sparse_step`` (transformers'
+    ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers run the usual MLP of
     ``DecoderConfig.intermediate_size``.
     """
 
@@ -103,6 +103,13 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k {self.top_k} must be between 1 and num_experts "
+                f"{self.num_experts} (each token goes to top_k distinct experts): fix top_k"
+            )
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a mixture-of-experts MLP (else a dense one)."""
@@ -192,8 +199,7 @@ class DecoderConfig:
                 raw, "max_position_embeddings", where, minimum=1, default=2048
             ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2-MoE's config names its q/k/v bias (on unless said otherwise); Qwen2's has one.
-            qkv_bias=(qwen2 and bool(raw.get("qkv_bias", True))) or attention_bias,
+            qkv_bias=(qwen2 and _qwen2_qkv_bias(raw, arch)) or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=qwen3,
@@ -267,6 +273,12 @@ class DecoderConfig:
             **(nextn if self.num_nextn_predict_layers else {}),
             **(_moe_dict(self) if self.moe is not None else {}),
         }
+
+
+def _qwen2_qkv_bias(raw: dict[str, Any], arch: str) -> bool:
+    """Whether a Qwen2-family config has q/k/v biases: Qwen2 always (transformers ignores any
+    ``qkv_bias`` key there), Qwen2-MoE unless its ``qkv_bias`` key says otherwise."""
+    return arch != "Qwen2MoeForCausalLM" or bool(raw.get("qkv_bias", True))
 
 
 def _moe_dict(config: DecoderConfig) -> dict[str, Any]:

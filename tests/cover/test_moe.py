@@ -188,6 +188,26 @@ def test_inconsistent_routing_settings_are_refused(changes: dict, message: str) 
         DecoderConfig.from_dict({**raw, **changes})
 
 
+def test_moe_config_refuses_a_top_k_beyond_its_experts() -> None:
+    """Built directly (not from a file), the routing is checked too."""
+    with pytest.raises(ValueError, match=r"top_k 5 must be between 1 and num_experts 4"):
+        MoEConfig(num_experts=4, top_k=5, expert_intermediate_size=8, norm_topk_prob=False)
+
+
+def test_qwen2_moe_without_qkv_bias_matches_transformers(tmp_path: Path) -> None:
+    """Qwen2-MoE's ``qkv_bias`` key switches the q/k/v biases off (dense Qwen2 has no such
+    switch), and the config saved back keeps it off."""
+    hf = hf_moe("Qwen2Moe", qkv_bias=False)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.model.layers[0].self_attn.q_proj.bias is None
+    tokens = torch.tensor([[5, 9, 1, 40, 33, 2]])
+    hidden, _ = ours(dense_batch(tokens), None)
+    with torch.no_grad():
+        assert relative_error(ours.logits(hidden)[0], hf(tokens).logits[0]) < 1e-5
+    assert load_model(save_model(ours, tmp_path / "again")).config == ours.config
+
+
 def test_a_bad_routing_field_fails_load_model(hf_checkpoint, tmp_path: Path) -> None:
     """``load_model`` names the file and the field."""
     folder = checkpoint_copy(hf_checkpoint, tmp_path)
