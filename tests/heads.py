@@ -11,15 +11,18 @@ from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 
 
-def markov_target(vocab: int, head_scale: float = 1.0) -> DecoderModel:
+def markov_target(vocab: int, head_scale: float = 1.0, **changes: object) -> DecoderModel:
     """A random target whose next token is usually a fixed function of the last one.
 
     Its lm_head reads the embedding back through a permutation (scaled by ``head_scale``), so
     the residual stream's embedding term votes for ``perm^-1(last token)``; the random layers
     (std 0.18) add enough context that the vote is overruled now and then. A ``head_scale``
-    below 1 keeps temperature-1 distributions away from one-hot.
+    below 1 keeps temperature-1 distributions away from one-hot. ``changes`` override fields
+    of the config (another layer kind, say).
     """
-    config = tiny_config(vocab_size=vocab, num_layers=4, tie_word_embeddings=False)
+    config = tiny_config(
+        **{"vocab_size": vocab, "num_layers": 4, "tie_word_embeddings": False, **changes}
+    )
     model = random_model(config, seed=5, std=0.18)
     generator = torch.Generator().manual_seed(9)
     with torch.no_grad():

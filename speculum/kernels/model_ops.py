@@ -1,4 +1,5 @@
-"""The decoder's elementwise ops (RMSNorm, residual add + RMSNorm, rotary embedding, SwiGLU).
+"""The decoder's elementwise ops (RMSNorm, residual add + RMSNorm, rotary embedding, SwiGLU),
+and its mixture-of-experts MLP (``moe``).
 
 Each op's default kernel is a pure-torch reference with exactly the decoder's math, rounding step
 for rounding step (``speculum.models.decoder``: ``RMSNorm.forward``, ``apply_rope``, the MLP's
@@ -23,6 +24,9 @@ from speculum.spec import paged as spec_paged
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "moe",
+    "moe_reference",
+    "moe_routing_weights",
     "rms_norm",
     "rms_norm_reference",
     "rope",
@@ -99,6 +103,53 @@ def silu_mul_reference(
     return F.silu(gate) * up
 
 
+def moe_routing_weights(
+    logits: Float[Tensor, "rows expert"], top_k: int, renormalize: bool
+) -> Float[Tensor, "rows expert"]:
+    """Each row's weight per expert, in float32: the softmax probabilities (computed in
+    float32) of the row's ``top_k`` most probable experts, divided by their sum when
+    ``renormalize``, and zero for every other expert. Ties go as ``torch.topk`` breaks them,
+    as in transformers."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, index = probs.topk(top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter(-1, index, top)
+
+
+def moe_reference(
+    x: Float[Tensor, "*rows hidden"],
+    router: Float[Tensor, "expert hidden"],
+    experts_gate_up: Float[Tensor, "expert two_inter hidden"],
+    experts_down: Float[Tensor, "expert hidden inter"],
+    top_k: int,
+    renormalize: bool,
+) -> Float[Tensor, "*rows hidden"]:
+    """The routed experts of a mixture-of-experts MLP: ``sum_e w[row, e] * down_e(silu(gate_e
+    (x)) * up_e(x))`` with the weights of :func:`moe_routing_weights` (rounded to ``x.dtype``
+    before they scale the experts' outputs, as transformers' Qwen-MoE does; Mixtral's scales
+    in float32, which differs in the last bit of bfloat16 outputs only).
+
+    Dense: every row runs through every expert and the outputs of experts the row did not
+    select are dropped (by ``where``, not by a zero weight, so that an expert overflowing on a
+    row it was never meant for cannot turn the row's output into NaN). That costs
+    ``num_experts / top_k`` times the FLOPs of routing, but has no host sync and no
+    data-dependent shape (CUDA graphs capture it), keeps every row independent of the others in
+    the batch, and sums the experts in ascending order into a zero accumulator, as transformers
+    does. A grouped GEMM over each row's selected experts only is the kernel to register for
+    CUDA in its place.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    weights = moe_routing_weights(F.linear(rows, router), top_k, renormalize).to(x.dtype)
+    out = torch.zeros_like(rows)
+    for expert in range(experts_gate_up.shape[0]):
+        gate, up = F.linear(rows, experts_gate_up[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(silu_mul_reference(gate, up), experts_down[expert])
+        weight = weights[:, expert, None]
+        out = out + torch.where(weight != 0, expert_out * weight, 0)
+    return out.view(x.shape)
+
+
 @torch.library.custom_op("speculum::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last axis of ``x`` (see :func:`rms_norm_reference`)."""
@@ -143,6 +194,20 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return silu_mul_reference(gate, up).contiguous()
 
 
+@torch.library.custom_op("speculum::moe", mutates_args=())
+def moe(
+    x: Tensor,
+    router: Tensor,
+    experts_gate_up: Tensor,
+    experts_down: Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> Tensor:
+    """The routed experts of a mixture-of-experts MLP (see :func:`moe_reference`, also the
+    kernel CUDA tensors run until a grouped-GEMM kernel is registered)."""
+    return moe_reference(x, router, experts_gate_up, experts_down, top_k, renormalize).contiguous()
+
+
 @rms_norm.register_fake
 def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.result_type(weight, x))
@@ -167,6 +232,11 @@ def _(q, k, v, positions, inv_freq, k_cache, v_cache, slots):
 @silu_mul.register_fake
 def _(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.result_type(gate, up))
+
+
+@moe.register_fake
+def _(x, router, experts_gate_up, experts_down, top_k, renormalize):
+    return x.new_empty(x.shape)
 
 
 def _backward_through(reference):
@@ -204,6 +274,7 @@ for _op, _reference in (
     (add_rms_norm, add_rms_norm_reference),
     (rope, rope_reference),
     (silu_mul, silu_mul_reference),
+    (moe, moe_reference),
 ):
     _backward, _setup = _backward_through(_reference)
     _op.register_autograd(_backward, setup_context=_setup)

@@ -422,7 +422,7 @@ def block_draft_config(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown block drafter {algorithm!r}; one of {', '.join(ALGORITHMS)}")
     layer = attrs.evolve(
-        target,
+        target.dense(),
         architecture="Qwen3ForCausalLM",
         num_layers=num_layers,
         qkv_bias=False,

@@ -2,13 +2,18 @@
 
 One config covers the Llama family as transformers writes it: ``LlamaForCausalLM`` (with Llama
 3.1 ``rope_scaling``), ``Qwen2ForCausalLM`` (q/k/v bias), ``Qwen3ForCausalLM`` (q/k RMSNorm) and
-``MistralForCausalLM``. Both spellings of the rotary settings are read: ``rope_theta`` plus
-``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+``MistralForCausalLM``, and the mixture-of-experts kinds of them: ``MixtralForCausalLM``,
+``Qwen2MoeForCausalLM`` (with its sigmoid-gated shared expert) and ``Qwen3MoeForCausalLM``,
+whose routing settings are a :class:`MoEConfig`. Both spellings of the rotary settings are
+read: ``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters``
+(transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
 ``head_dim`` the rotary embedding cannot rotate, ``rope_theta`` or ``rms_norm_eps`` not above
-zero, EOS ids outside the vocabulary, and an unreadable ``generation_config.json``.
+zero, EOS ids outside the vocabulary, routing settings that contradict each other
+(``num_experts_per_tok`` above the number of experts, two different expert counts), and an
+unreadable ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import attrs
 __all__ = [
     "CheckpointError",
     "DecoderConfig",
+    "MoEConfig",
     "UnsupportedModel",
     "SUPPORTED_ARCHITECTURES",
     "ROPE_TYPES",
@@ -34,7 +40,20 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+#: architecture -> transformers' ``model_type``
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED = (
     "vocab_size",
@@ -52,6 +71,49 @@ class UnsupportedModel(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: files or weights missing, extra, or of the
     wrong shape or dtype, or a config value no model can run with."""
+
+
+#: Each mixture-of-experts architecture (whose configs carry a :class:`MoEConfig`) -> the
+#: dense architecture with the same attention.
+_DENSE_ARCHITECTURES = {
+    "MixtralForCausalLM": "MistralForCausalLM",
+    "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+    "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
+}
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class MoEConfig:
+    """Routing and expert shapes of a mixture-of-experts decoder (all static).
+
+    A sparse layer's MLP sends every token to the ``top_k`` of ``num_experts`` experts with the
+    highest softmax router probabilities and sums their outputs weighted by those probabilities
+    (renormalised to sum to one when ``norm_topk_prob``). Where the shared expert's width
+    ``shared_expert_intermediate_size`` is above zero (Qwen2-MoE), every token also goes
+    through a shared expert, scaled by a sigmoid gate. Layer ``n`` is sparse unless ``n`` is in
+    ``dense_layers`` or ``n + 1`` is not a multiple of ``sparse_step`` (transformers'
+    ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers run the usual MLP of
+    ``DecoderConfig.intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k {self.top_k} must be between 1 and num_experts "
+                f"{self.num_experts} (each token goes to top_k distinct experts): fix top_k"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture-of-experts MLP (else a dense one)."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -82,6 +144,9 @@ class DecoderConfig:
     #: DeepSeek-V3-style multi-token-prediction layers stored after the decoder's own layers
     #: (``model.layers.{num_layers} ...``); the target ignores them, an MTP draft loads them.
     num_nextn_predict_layers: int = 0
+    #: Routing of the mixture-of-experts layers; ``None`` for a dense decoder. Draft layers
+    #: shaped like the target's are dense (:meth:`dense`).
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> DecoderConfig:
@@ -112,8 +177,8 @@ class DecoderConfig:
         heads, hidden = size["num_attention_heads"], size["hidden_size"]
         kv_heads = _integer(raw, "num_key_value_heads", where, minimum=1, default=heads)
         _check_head_groups(heads, kv_heads, where)
-        qwen2 = arch == "Qwen2ForCausalLM"
-        qwen3 = arch == "Qwen3ForCausalLM"
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(raw.get("attention_bias", False))
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
         uses_window = not (qwen2 or qwen3) or raw.get("use_sliding_window", False)
@@ -134,7 +199,7 @@ class DecoderConfig:
                 raw, "max_position_embeddings", where, minimum=1, default=2048
             ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or attention_bias,
+            qkv_bias=(qwen2 and _qwen2_qkv_bias(raw, arch)) or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=qwen3,
@@ -145,6 +210,7 @@ class DecoderConfig:
             num_nextn_predict_layers=_integer(
                 raw, "num_nextn_predict_layers", where, minimum=0, default=0
             ),
+            moe=_moe_settings(raw, arch, where, size["num_hidden_layers"]),
         )
 
     @classmethod
@@ -164,14 +230,19 @@ class DecoderConfig:
             config = attrs.evolve(config, eos_token_ids=merged)
         return config
 
+    def dense(self) -> DecoderConfig:
+        """This config with a dense MLP in every layer, under the dense architecture with the
+        same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3): the shape
+        of draft layers built like the target's."""
+        return attrs.evolve(
+            self,
+            architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
+            moe=None,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A ``config.json`` dictionary that transformers and :meth:`from_dict` both read."""
-        model_type = {
-            "LlamaForCausalLM": "llama",
-            "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3",
-            "MistralForCausalLM": "mistral",
-        }[self.architecture]
+        model_type = MODEL_TYPES[self.architecture]
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
         rope_parameters["rope_theta"] = self.rope_theta
         eos = list(self.eos_token_ids)
@@ -200,16 +271,130 @@ class DecoderConfig:
             "bos_token_id": self.bos_token_id,
             "torch_dtype": self.dtype,
             **(nextn if self.num_nextn_predict_layers else {}),
+            **(_moe_dict(self) if self.moe is not None else {}),
         }
 
 
+def _qwen2_qkv_bias(raw: dict[str, Any], arch: str) -> bool:
+    """Whether a Qwen2-family config has q/k/v biases: Qwen2 always (transformers ignores any
+    ``qkv_bias`` key there), Qwen2-MoE unless its ``qkv_bias`` key says otherwise."""
+    return arch != "Qwen2MoeForCausalLM" or bool(raw.get("qkv_bias", True))
+
+
+def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
+    """The routing keys of ``config.json`` as transformers spells them for the architecture."""
+    moe = config.moe
+    assert moe is not None
+    routing = {"num_experts_per_tok": moe.top_k}
+    if config.architecture == "MixtralForCausalLM":
+        # Mixtral's intermediate_size is the experts' (and always renormalises the top k).
+        return {**routing, "num_local_experts": moe.num_experts}
+    qwen = {
+        **routing,
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.sparse_step,
+        "mlp_only_layers": list(moe.dense_layers),
+    }
+    if config.architecture == "Qwen2MoeForCausalLM":
+        qwen["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+        qwen["qkv_bias"] = config.qkv_bias
+    return qwen
+
+
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "mistral": "MistralForCausalLM",
-    }.get(model_type or "", f"<model_type {model_type!r}>")
+    by_type = {kind: arch for arch, kind in MODEL_TYPES.items()}
+    return by_type.get(model_type or "", f"<model_type {model_type!r}>")
+
+
+def _required_integer(raw: dict[str, Any], key: str, where: str, why: str) -> int:
+    """``raw[key]`` as a positive integer, or a :class:`CheckpointError` saying it is needed
+    (``why``: what it is)."""
+    value = _integer(raw, key, where, minimum=1)
+    if value is None:
+        raise CheckpointError(
+            f"{where}: a mixture-of-experts config needs {key} ({why}), which the file lacks: "
+            f"add {key} to the file"
+        )
+    return value
+
+
+def _expert_count(raw: dict[str, Any], where: str) -> int:
+    """The number of routed experts: ``num_experts`` (Qwen's hub configs) or
+    ``num_local_experts`` (Mixtral's, and transformers 5's Qwen3-MoE); both must agree."""
+    given = {
+        key: _integer(raw, key, where, minimum=1)
+        for key in ("num_experts", "num_local_experts")
+        if raw.get(key) is not None
+    }
+    if not given:
+        raise CheckpointError(
+            f"{where}: a mixture-of-experts config needs num_experts (or num_local_experts), "
+            "the number of routed experts, which the file lacks: add it"
+        )
+    if len(set(given.values())) > 1:
+        raise CheckpointError(
+            f"{where}: num_experts {given['num_experts']} and num_local_experts "
+            f"{given['num_local_experts']} disagree: keep one, the number of experts the "
+            "checkpoint holds"
+        )
+    return next(iter(given.values()))
+
+
+def _layer_list(raw: dict[str, Any], key: str, where: str, num_layers: int) -> tuple[int, ...]:
+    """``raw[key]``, a list of decoder layer indices (none when absent)."""
+    value = raw.get(key) or []
+    ok = isinstance(value, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < num_layers for n in value
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{where}: {key} is {value!r}; it must be a list of layer indices in 0 .. "
+            f"{num_layers - 1} (num_hidden_layers {num_layers}): fix {key} in the file"
+        )
+    return tuple(sorted(set(value)))
+
+
+def _moe_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -> MoEConfig | None:
+    """The routing of a mixture-of-experts architecture (``None`` for a dense one), with
+    transformers' defaults for what the file leaves out."""
+    if arch not in _DENSE_ARCHITECTURES:
+        return None
+    experts = _expert_count(raw, where)
+    top_k = _required_integer(raw, "num_experts_per_tok", where, "experts per token")
+    if top_k > experts:
+        raise CheckpointError(
+            f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts "
+            "(num_experts): each token is routed to num_experts_per_tok distinct experts; fix "
+            "num_experts_per_tok (or the expert count) in the file"
+        )
+    if arch == "MixtralForCausalLM":
+        size = _required_integer(raw, "intermediate_size", where, "each expert's width")
+        return MoEConfig(
+            num_experts=experts, top_k=top_k, expert_intermediate_size=size, norm_topk_prob=True
+        )
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = _required_integer(
+            raw, "shared_expert_intermediate_size", where, "the shared expert's width"
+        )
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise CheckpointError(
+            f"{where}: norm_topk_prob is {norm!r}; it must be true or false: fix it in the file"
+        )
+    return MoEConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=_required_integer(
+            raw, "moe_intermediate_size", where, "each expert's width"
+        ),
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared,
+        sparse_step=_integer(raw, "decoder_sparse_step", where, minimum=1, default=1),
+        dense_layers=_layer_list(raw, "mlp_only_layers", where, num_layers),
+    )
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

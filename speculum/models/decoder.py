@@ -1,5 +1,9 @@
 """One Llama-family decoder over the paged KV cache.
 
+Each layer composes an attention block and an MLP block chosen from the config: the dense
+SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`) in the sparse layers of
+Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints; the one forward runs them all.
+
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
 writes the new tokens' K/V into the pool (the owned resource) and returns hidden states; logits
@@ -29,6 +33,7 @@ __all__ = [
     "LMHead",
     "MLP",
     "RMSNorm",
+    "SparseMoE",
     "apply_rope",
     "cache_kv_heads",
     "dense_attention",
@@ -38,6 +43,7 @@ __all__ = [
     "fuse_projections_",
     "fused_linear",
     "holds",
+    "mlp_block",
     "rope_inv_freq",
 ]
 
@@ -314,11 +320,12 @@ def dense_batch(
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward, ``intermediate_size`` wide (default: the config's)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, bias = config.hidden_size, config.mlp_bias
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -339,13 +346,67 @@ class MLP(nn.Module):
         return self.down_proj(kernels.model_ops.silu_mul(gate, up))
 
 
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (``config.moe``): a router ``gate`` scoring every expert, the
+    experts' SwiGLU weights stacked for batched kernels (``experts_gate_up [E, 2I, H]``, each
+    expert's gate rows then its up rows, and ``experts_down [E, H, I]``), and, where the
+    config has one (Qwen2-MoE), a shared expert every token goes through, scaled by
+    ``sigmoid(shared_expert_gate(x))``.
+
+    The routed part is the custom op ``speculum::moe`` (``kernels.model_ops.moe``), free of
+    host syncs and data-dependent shapes. Checkpoints store the experts one by one;
+    ``models.loading`` maps between the two layouts.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError("SparseMoE needs a config with moe settings (config.moe is None)")
+        h, i, experts = config.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        self.num_experts = experts
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(h, experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * i, h))
+        self.experts_down = nn.Parameter(torch.empty(experts, h, i))
+        self.shared_expert: MLP | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows hidden"]:
+        """The routed experts' weighted sum, plus the gated shared expert where there is one
+        (added last, as transformers does)."""
+        out = kernels.model_ops.moe(
+            x,
+            self.gate.weight,
+            self.experts_gate_up,
+            self.experts_down,
+            self.top_k,
+            self.norm_topk_prob,
+        )
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def mlp_block(config: DecoderConfig, layer: int) -> MLP | SparseMoE:
+    """The MLP kind of decoder layer ``layer``: a mixture of experts in the config's sparse
+    layers, else the dense SwiGLU."""
+    if config.moe is not None and config.moe.is_sparse(layer):
+        return SparseMoE(config)
+    return MLP(config)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+    """Pre-norm attention and MLP blocks with residual connections; the MLP block is the
+    layer's kind (:func:`mlp_block`)."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp = mlp_block(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -503,7 +503,8 @@ def draft_config(target: DecoderConfig, algorithm: str, **changes: object) -> Dr
     shape).
     """
     algorithm = canonical_algorithm(algorithm)
-    layer = attrs.evolve(target, num_layers=1, num_nextn_predict_layers=0)
+    # Draft layers are dense, also over a mixture-of-experts target.
+    layer = attrs.evolve(target.dense(), num_layers=1, num_nextn_predict_layers=0)
     fields: dict[str, object] = {}
     if algorithm == "eagle":
         fields["fc_bias"] = True

@@ -187,7 +187,8 @@ def detect_layout(raw: dict[str, Any], found: dict[str, torch.Tensor], kind: str
 
 def _base_layer_config(raw: dict[str, Any], where: str) -> DecoderConfig:
     """The draft layer's :class:`DecoderConfig` (``where`` names the file in errors); draft
-    architecture names map to their base."""
+    architecture names map to their base. A mixture-of-experts layer (an MTP layer inside an
+    MoE checkpoint) raises :class:`UnsupportedModel`: draft layers are dense."""
     d = dict(raw)
     archs = d.get("architectures") or []
     arch = archs[0] if archs else None
@@ -201,6 +202,13 @@ def _base_layer_config(raw: dict[str, Any], where: str) -> DecoderConfig:
             d.pop("architectures")
             d.setdefault("model_type", "llama")
     layer = DecoderConfig.from_dict(d, where)
+    if layer.moe is not None:
+        raise UnsupportedModel(
+            f"{where}: the draft layers would be mixture-of-experts layers "
+            f"({layer.architecture}), and draft layers are dense for now (MoE MTP layers, such "
+            "as those inside DeepSeek checkpoints, are not supported yet): use a draft with "
+            "dense layers; for an MoE target, save it in its own folder (layout 'mtp')"
+        )
     if "qkv_bias" in raw:  # the EAGLE reference's switch for Qwen2-style q/k/v biases
         layer = attrs.evolve(layer, qkv_bias=bool(raw["qkv_bias"]))
     return attrs.evolve(layer, num_nextn_predict_layers=0)

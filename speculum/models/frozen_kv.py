@@ -283,7 +283,7 @@ def frozen_kv_config(
     reading the target's last layer (SGLang ties each assistant layer to the target's last
     layer of its attention type; a Llama-family target has one type)."""
     sources = source_layers if source_layers is not None else (target.num_layers - 1,) * num_layers
-    layer = attrs.evolve(target, num_layers=len(sources), num_nextn_predict_layers=0)
+    layer = attrs.evolve(target.dense(), num_layers=len(sources), num_nextn_predict_layers=0)
     return FrozenKVConfig(
         layer=layer,
         source_layers=tuple(sources),

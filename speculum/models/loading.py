@@ -12,6 +12,14 @@ config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` a
 decoder layers when ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads
 those, see ``speculum.models.draft_loading``).
 
+Mixture-of-experts layers keep their experts stacked (``SparseMoE.experts_gate_up [E, 2I, H]``
+and ``experts_down [E, H, I]``) where checkpoints hold one tensor per expert, in the hub's
+layout: ``model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` (Qwen2-MoE,
+Qwen3-MoE) or ``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral:
+gate, up, down), the router at ``...mlp.gate.weight`` (``block_sparse_moe.gate.weight``).
+:func:`checkpoint_names` maps each parameter to its checkpoint keys; loading stacks, saving
+unstacks, and every per-expert key is checked as strictly as any other.
+
 Tensors are opened lazily (:class:`CheckpointTensor`): the checks read only the files' headers,
 and a tensor-parallel rank then reads only its slice of each sharded weight.
 """
@@ -29,13 +37,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import CheckpointError, DecoderConfig
-from speculum.models.decoder import DecoderModel
+from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "CheckpointError",
     "CheckpointTensor",
+    "Stacked",
+    "checkpoint_names",
+    "checkpoint_tensors",
     "cast_weights",
     "load_model",
     "load_state_dict",
@@ -225,9 +236,82 @@ def _check_head_dim(
         )
 
 
-def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
+@attrs.define(frozen=True, slots=True)
+class Stacked:
+    """A parameter the checkpoint stores one tensor per expert: ``keys[e]`` are expert ``e``'s
+    tensors, whose rows, concatenated in order, are the parameter's slice ``[e]`` (gate then up
+    for the experts' fused gate/up weights)."""
+
+    keys: tuple[tuple[str, ...], ...]
+
+    def shapes(self, stacked: torch.Size) -> dict[str, torch.Size]:
+        """The shape of each per-expert tensor of a parameter shaped ``stacked``."""
+        return {
+            key: torch.Size((stacked[1] // len(parts), *stacked[2:]))
+            for parts in self.keys
+            for key in parts
+        }
+
+    def gather(self, found: Mapping[str, torch.Tensor | CheckpointTensor]) -> torch.Tensor:
+        """The stacked parameter from the checkpoint's per-expert tensors."""
+        return torch.stack([torch.cat([read(found[k]) for k in parts]) for parts in self.keys])
+
+    def scatter(self, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-expert tensors (views of ``stacked``) by checkpoint key."""
+        return {
+            key: piece
+            for parts, expert in zip(self.keys, stacked, strict=True)
+            for key, piece in zip(parts, expert.chunk(len(parts)), strict=True)
+        }
+
+
+#: architecture -> (the MoE block's name in checkpoints, the expert's gate and up projections,
+#: its down projection); Qwen's spelling for any other.
+_EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3"), "w2")}
+_QWEN_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj"), "down_proj")
+
+
+def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
+    """Each parameter's name (as ``named_parameters`` gives it) -> its checkpoint key, or the
+    per-expert keys a stacked expert weight is made of. The names are transformers' own
+    except in mixture-of-experts layers (see the module docstring)."""
     # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
-    return {name: p.shape for name, p in model.named_parameters()}
+    names: dict[str, str | Stacked] = {name: name for name, _ in model.named_parameters()}
+    block, gate_up, down = _EXPERT_NAMES.get(model.config.architecture, _QWEN_EXPERT_NAMES)
+    for n, layer in enumerate(model.model.layers):
+        if not isinstance(layer.mlp, SparseMoE):
+            continue
+        ours, theirs = f"model.layers.{n}.mlp.", f"model.layers.{n}.{block}."
+        names |= {ours + name: theirs + name for name, _ in layer.mlp.named_parameters()}
+        experts = [f"{theirs}experts.{e}." for e in range(layer.mlp.num_experts)]
+        names[ours + "experts_gate_up"] = Stacked(
+            tuple(tuple(f"{e}{p}.weight" for p in gate_up) for e in experts)
+        )
+        names[ours + "experts_down"] = Stacked(tuple((f"{e}{down}.weight",) for e in experts))
+    return names
+
+
+def checkpoint_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """``model``'s weights by checkpoint key, experts one by one (views, not copies)."""
+    params = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    for name, key in checkpoint_names(model).items():
+        if isinstance(key, Stacked):
+            tensors |= key.scatter(params[name])
+        else:
+            tensors[key] = params[name]
+    return tensors
+
+
+def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
+    params = dict(model.named_parameters())
+    shapes: dict[str, torch.Size] = {}
+    for name, key in checkpoint_names(model).items():
+        if isinstance(key, Stacked):
+            shapes |= key.shapes(params[name].shape)
+        else:
+            shapes[key] = params[name].shape
+    return shapes
 
 
 def load_model(
@@ -266,9 +350,14 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     splits = splits_of(model)
+    names = checkpoint_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(read(found[name], splits.get(name)))
+            key = names[name]
+            if isinstance(key, Stacked):
+                param.copy_(key.gather(found))
+            else:
+                param.copy_(read(found[key], splits.get(name)))
     model.reset_rope()
     return model.to(dtype).eval().requires_grad_(False)
 
@@ -281,7 +370,7 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
             f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
             "model (load it without tp)"
         )
-    return write_checkpoint(folder, dict(model.named_parameters()), model.config.to_dict())
+    return write_checkpoint(folder, checkpoint_tensors(model), model.config.to_dict())
 
 
 def write_checkpoint(

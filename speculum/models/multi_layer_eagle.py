@@ -238,6 +238,12 @@ def save_multi_layer(
     if target is not None:
         if target.config.num_layers != head.config.target_num_layers:
             raise ValueError("this head belongs to a target with another layer count")
+        if target.config.moe is not None:
+            raise ValueError(
+                "the target is a mixture-of-experts model, whose MTP layers would be read as "
+                "MoE layers, and draft layers are dense for now: save the head in its own "
+                "folder (target=None)"
+            )
         save_model(target, folder)
         from safetensors.torch import load_file
 

@@ -68,6 +68,29 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3", {"head_dim": 24}),  # q/k norm, head_dim != hidden / heads
     # A window no shorter than the context is accepted and changes nothing.
     "mistral": ("Mistral", {"sliding_window": MAX_POSITIONS}),
+    # Mixtures of experts (4 experts, top 2): Mixtral always renormalises the top k; Qwen2-MoE
+    # adds a gated shared expert and does not renormalise; Qwen3-MoE does, with a dense layer.
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": (
+        "Qwen2Moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+        },
+    ),
+    "qwen3-moe": (
+        "Qwen3Moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "head_dim": 16,
+        },
+    ),
 }
 
 
@@ -102,7 +125,7 @@ def hf_model(spec: Spec) -> transformers.PreTrainedModel:
         for name, param in model.named_parameters():
             # Matrices at 1/sqrt(fan_in) keep activations O(1); vectors (norms, biases) far
             # enough from transformers' 1 and 0 that leaving one out changes the logits.
-            std = param.shape[-1] ** -0.5 if param.dim() == 2 else 0.3
+            std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3  # experts: 3-D
             mean = 1.0 if "norm" in name else 0.0
             param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
     return model.eval()

@@ -41,7 +41,8 @@ def standalone_config(target: DecoderConfig, size: tuple[int, int] | None) -> De
     """The draft's config: ``size = (hidden_size, num_layers)``, default half the target's.
 
     The head size stays the target's; query heads fill the width and K/V heads keep the
-    target's grouping as far as the new head count divides.
+    target's grouping as far as the new head count divides. The draft is dense, also for a
+    mixture-of-experts target (``DecoderConfig.dense``).
     """
     head_dim = target.head_dim
     if size is None:
@@ -58,7 +59,7 @@ def standalone_config(target: DecoderConfig, size: tuple[int, int] | None) -> De
     wanted = max(1, round(target.num_kv_heads * heads / target.num_heads))
     kv_heads = max(d for d in range(1, wanted + 1) if heads % d == 0)
     return attrs.evolve(
-        target,
+        target.dense(),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
