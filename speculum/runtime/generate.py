@@ -33,6 +33,12 @@ class Generation:
     ``finish_reason``. A prompt the engine could not decode (its logits turned NaN, say) ends
     with ``finish_reason == "error"``, the tokens decoded before that, and ``error`` saying why;
     the other prompts are unaffected.
+
+    ``logprobs`` (``None`` unless asked for) holds one entry per generated token:
+    ``{"token_id": int, "logprob": float, "top_logprobs": [{"token_id": int, "logprob":
+    float}, ...]}``, the token's log-probability under the target's distribution that decided
+    it and that distribution's most likely tokens, most likely first
+    (``scheduler.Sampling.logprobs``, ``docs/request_controls.md``).
     """
 
     token_ids: tuple[int, ...]
@@ -40,6 +46,7 @@ class Generation:
     finish_reason: str
     stats: dict[str, float | int | str]
     error: str | None = None
+    logprobs: list[dict] | None = None
 
 
 def run_to_completion(
@@ -78,6 +85,7 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int = 0,
+    logprobs: int = 0,
     stop_token_ids: tuple[int, ...] = (),
     stop_strings: tuple[str, ...] = (),
     ignore_eos: bool = False,
@@ -105,7 +113,10 @@ def generate(
     ``cost_table`` and ``min_verify`` (``SpecOptions``). ``algorithm="ngram"``
     needs no draft; ``ngram`` holds its options. On CUDA, decoding rounds run as CUDA graphs
     unless ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while
-    the device runs the previous one (same tokens; see ``docs/overlap.md``).
+    the device runs the previous one (same tokens; see ``docs/overlap.md``). ``logprobs`` N > 0
+    returns each generated token's log-probability and its N most likely alternatives
+    (``Generation.logprobs``); an engine built here computes N, one given must have been built
+    with ``max_logprobs >= N``.
 
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
@@ -115,7 +126,7 @@ def generate(
     arguments = dict(locals())  # this call's arguments, for the worker processes to repeat
     # Checked here, before any model loads or worker starts (scheduler.Sampling).
     sampling = scheduler.Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs
     )
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
@@ -147,6 +158,7 @@ def generate(
             ngram=ngram,
             cuda_graphs=cuda_graphs,
             overlap=overlap,
+            max_logprobs=sampling.logprobs,
             tp=distributed.tensor_parallel(tp, device),
             draft_tp=draft_tp,
         )
@@ -205,7 +217,20 @@ def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]
             **acceptance_stats(request.round_lengths),
         },
         error=request.error,
+        logprobs=_logprobs(request) if request.sampling.logprobs else None,
     )
+
+
+def _logprobs(request: scheduler.Request) -> list[dict]:
+    """``request``'s token log-probabilities in :class:`Generation`'s (JSON) shape."""
+    return [
+        {
+            "token_id": entry.token_id,
+            "logprob": entry.logprob,
+            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in entry.top_logprobs],
+        }
+        for entry in request.logprobs
+    ]
 
 
 def acceptance_stats(round_lengths: Sequence[int]) -> dict[str, float | int | list]:
