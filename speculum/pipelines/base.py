@@ -110,7 +110,8 @@ class StepOutput:
     plain decoding steps, one target forward per token (adaptive speculation's depth 0):
     statistics count each of its tokens as a round of its own. ``logprobs`` are the target's
     log-probabilities of ``tokens`` and their top alternatives (``spec.sampling
-    .token_logprobs``), present exactly when the batch's ``SamplingParams.num_logprobs > 0``.
+    .token_logprobs``): every pipeline fills them, with ``SamplingParams.num_logprobs``
+    alternatives (none, and zeros, when that is 0); ``None`` only in outputs built without.
     """
 
     tokens: Int[Tensor, "batch max_tokens"]
@@ -147,7 +148,7 @@ def one_token_output(
 ) -> StepOutput:
     """The output of a step that samples one token per row (a prefill's first token, a plain
     decoding step), with the faults of the distributions they were drawn from (a faulty row
-    emits nothing) and the tokens' log-probabilities, when computed."""
+    emits nothing) and the tokens' log-probabilities."""
     num_tokens, faults = first_fault(faults[:, None], torch.ones_like(tokens))
     return make(
         StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults, logprobs=logprobs
@@ -158,8 +159,8 @@ def verified_output(verified: Verified) -> StepOutput:
     """What a verified round emits: the accepted tokens and the bonus token, cut before the
     first one decided by a faulty distribution (``spec.sampling.first_fault``), whose faults
     it reports. Token ``d`` was decided by the distribution at the path's node of depth ``d``;
-    faulty nodes off the path decided nothing emitted. The tokens' log-probabilities, when
-    computed, were read from those same path nodes (``spec.verify.verify_tree``)."""
+    faulty nodes off the path decided nothing emitted. The tokens' log-probabilities were read
+    from those same path nodes (``spec.verify.path_logprobs``)."""
     acc = verified.accepted
     on_path = verified.faults.gather(1, acc.path.clamp(min=0))
     num_tokens, faults = first_fault(on_path, acc.num_accepted + 1)

@@ -49,7 +49,7 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import draft_extend, extend_draft, propose
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import guard_logits, sample, token_logprobs
+from speculum.spec.sampling import guard_logits, no_logprobs, sample, token_logprobs
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -222,7 +222,7 @@ def plain_round(
             sampling.num_logprobs,
         )
         if sampling.num_logprobs
-        else None
+        else no_logprobs(accepted.emitted)
     )
     verified = make(
         Verified,

@@ -567,7 +567,7 @@ def _row_logprobs(
         return [None] * packed.shape[0]
     width = (packed.shape[1] - 2) // (2 + 2 * num_top)  # tokens, logprobs, top ids and logprobs
     ends = itertools.accumulate([2, width, width, width * num_top, width * num_top])
-    _, tokens, chosen, top_ids, top_logprobs = torch.tensor_split(packed, list(ends)[:-1], dim=1)
+    _, _, chosen, top_ids, top_logprobs = torch.tensor_split(packed, list(ends)[:-1], dim=1)
     chosen, top_logprobs = _floats(chosen), _floats(top_logprobs).reshape(-1, width, num_top)
     top_ids = top_ids.reshape(-1, width, num_top)
     rows = zip(chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())

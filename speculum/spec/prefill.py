@@ -22,15 +22,15 @@ class TargetPrefill:
     """What a prompt chunk leaves behind: the target's features over the chunk, the cache
     extended by it, and the token sampled after each row's last chunk token with its fault
     status (``spec.sampling.Fault`` bits; both meaningful only for rows whose chunk ends their
-    prompt), and that token's log-probabilities when the sampling settings ask for them
-    (``spec.sampling.token_logprobs``)."""
+    prompt), and that token's log-probabilities (``spec.sampling.token_logprobs``; empty
+    unless the sampling settings ask for them)."""
 
     hidden: Float[Tensor, "batch q hidden"]
     captured: tuple[Float[Tensor, "batch q hidden"], ...]
     kv: PagedKV
     first_tokens: Int[Tensor, " batch"]
     faults: Int[Tensor, " batch"]
-    logprobs: TokenLogprobs | None = None
+    logprobs: TokenLogprobs
 
 
 def last_valid(x: Tensor, lengths: Int[Tensor, " batch"]) -> Tensor:
@@ -70,9 +70,9 @@ def prefill_target(
 
 def step_logprobs(
     logits: Float[Tensor, "batch vocab"], sampling: SamplingParams, tokens: Int[Tensor, " batch"]
-) -> TokenLogprobs | None:
+) -> TokenLogprobs:
     """The log-probabilities of one sampled token per row (``spec.sampling.token_logprobs``
-    over a round of one token), ``None`` unless ``sampling.num_logprobs > 0``."""
+    over a round of one token), empty unless ``sampling.num_logprobs > 0``."""
     return token_logprobs(
         logits[:, None], sampling.temperature, tokens[:, None], sampling.num_logprobs
     )

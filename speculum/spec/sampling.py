@@ -33,6 +33,7 @@ __all__ = [
     "logit_faults",
     "guard_logits",
     "token_logprobs",
+    "no_logprobs",
     "first_fault",
     "draft_logits_guarded",
     "counter_uniforms",
@@ -133,10 +134,10 @@ def token_logprobs(
     temperature: Float[Tensor, " batch"],
     tokens: Int[Tensor, "batch tokens"],
     num_top: int,
-) -> TokenLogprobs | None:
+) -> TokenLogprobs:
     """The log-probability of each ``tokens[b, d]`` under the distribution that decided it,
     ``logits[b, d]``, and that distribution's ``num_top`` most likely tokens (fewer when the
-    vocabulary is smaller); ``None`` when ``num_top`` is 0, computing nothing.
+    vocabulary is smaller); :func:`no_logprobs` when ``num_top`` is 0, computing nothing.
 
     The distribution is ``log_softmax`` of the float32 logits divided by the request's
     temperature (greedy rows: the logits as they are), before top-k, top-p and min-p
@@ -145,11 +146,20 @@ def token_logprobs(
     shapes with no host sync: it runs inside compiled and captured rounds.
     """
     if num_top == 0:
-        return None
+        return no_logprobs(tokens)
     logprobs = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)
     chosen = logprobs.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
     top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
     return make(TokenLogprobs, chosen=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def no_logprobs(tokens: Int[Tensor, "batch tokens"]) -> TokenLogprobs:
+    """The log-probabilities a round reports when none are asked for: zeros and no
+    alternatives. A record rather than ``None`` keeps every round's outputs tensors, as a
+    captured round's must be, at the cost of one tiny fill."""
+    none = tokens.new_zeros(*tokens.shape, 0)
+    chosen = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    return make(TokenLogprobs, chosen=chosen, top_ids=none, top_logprobs=none.float())
 
 
 def first_fault(

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from speculum.spec.accept import accept
 from speculum.spec.paged import cache_slots, slots_at, tail_batch
-from speculum.spec.sampling import filtered_probs, guard_logits, token_logprobs
+from speculum.spec.sampling import filtered_probs, guard_logits, no_logprobs, token_logprobs
 from speculum.spec.tree import tree_mask
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
@@ -81,12 +81,13 @@ def path_logprobs(
     logits: Float[Tensor, "batch num_nodes vocab"],
     accepted: AcceptResult,
     sampling: SamplingParams,
-) -> TokenLogprobs | None:
+) -> TokenLogprobs:
     """The log-probabilities of a round's emitted tokens (``spec.sampling.token_logprobs``):
     token ``d`` was decided by the target's distribution at path node ``d``, so only those
-    rows are gathered (padding entries read the root) before the softmax runs over them."""
+    rows are gathered (padding entries read the root) before the softmax runs over them;
+    nothing is gathered when ``sampling.num_logprobs`` is 0 (``spec.sampling.no_logprobs``)."""
     if sampling.num_logprobs == 0:
-        return None
+        return no_logprobs(accepted.emitted)
     index = accepted.path.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1])
     return token_logprobs(
         logits.gather(1, index), sampling.temperature, accepted.emitted, sampling.num_logprobs

@@ -21,8 +21,8 @@ class SamplingParams:
 
     ``num_logprobs`` (static: the engine's ``max_logprobs``) is how many top alternatives every
     emitted token reports with its own log-probability (:class:`TokenLogprobs`); 0 computes no
-    log-probabilities at all. It is the same for the whole batch, so a round's shapes never
-    depend on which requests ask for them.
+    log-probabilities at all (the record is then zeros with no alternatives). It is the same
+    for the whole batch, so a round's shapes never depend on which requests ask for them.
     """
 
     temperature: Float[Tensor, " batch"]

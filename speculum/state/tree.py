@@ -66,8 +66,8 @@ class Verified:
     the logits were usable). What a faulty node decides is meaningless; only faults on the
     accepted path spoil the emission (``pipelines.base.verified_output``). ``logprobs`` are
     the target's log-probabilities of the emitted tokens, each read from the distribution at
-    the path node that decided it (``spec.sampling.token_logprobs``), when the sampling
-    settings ask for them (``SamplingParams.num_logprobs > 0``)."""
+    the path node that decided it (``spec.verify.path_logprobs``; empty unless the sampling
+    settings ask for them, ``None`` only in records built without)."""
 
     accepted: AcceptResult
     final_hidden: Float[Tensor, "batch num_nodes hidden"]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_eagle import TARGET, VOCAB
 from test_overlap import PIPELINES, engine
 
+from speculum.models.loading import save_model
 from speculum.runtime import scheduler
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
@@ -179,8 +181,6 @@ def test_logprobs_beyond_the_engines_max_are_refused_and_the_state_is_unchanged(
 
 def test_generate_builds_an_engine_that_computes_what_it_asks_for(tmp_path):
     """Without an engine, ``generate(logprobs=N)`` builds one with ``max_logprobs=N``."""
-    from speculum.models.loading import save_model
-
     save_model(TARGET, tmp_path)
     (result,) = generate([[1, 2]], model=tmp_path, max_new_tokens=3, logprobs=2)
     assert [len(e["top_logprobs"]) for e in result.logprobs] == [2, 2, 2]
@@ -218,7 +218,7 @@ def test_token_logprobs_are_the_log_softmax_of_the_tempered_logits(
     tokens = torch.tensor([[data.draw(st.integers(0, VOCAB - 1))] for _ in logits])
     got = token_logprobs(x, torch.tensor(temperatures), tokens, num_top)
     if num_top == 0:
-        assert got is None
+        assert got.top_logprobs.shape == (2, 1, 0) and not got.chosen.any()
         return
     scale = torch.tensor([t or 1.0 for t in temperatures])[:, None, None]
     want = torch.log_softmax(x / scale, dim=-1)
@@ -259,13 +259,17 @@ def test_a_tree_paths_tokens_read_the_distributions_of_their_path_nodes():
         chosen = want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         torch.testing.assert_close(got.chosen[row, : len(path)], chosen)
         torch.testing.assert_close(got.top_logprobs[row, : len(path)], want.topk(3).values)
-    assert path_logprobs(logits, accepted, attrs.evolve(sampling, num_logprobs=0)) is None
+    off = path_logprobs(logits, accepted, attrs.evolve(sampling, num_logprobs=0))
+    assert off.top_ids.shape == (2, 3, 0) and not off.chosen.any()
 
 
-def test_plain_rounds_compute_nothing_when_no_logprobs_can_be_asked_for():
+def test_rounds_compute_nothing_when_no_logprobs_can_be_asked_for():
+    """An engine with ``max_logprobs=0`` reports zeros and no alternatives: no softmax, and
+    every output leaf is still a tensor, as a captured round's must be."""
     eng = engine_from_model(TARGET, page_size=4, max_context=48)
     state, _ = scheduler.add_request(eng, scheduler.new_state(eng), [1, 2])
     state, _ = scheduler.step(eng, state)
     assert state.batch.sampling.num_logprobs == 0
     _, output = eng.pipeline.decode(eng.resources, state.batch)
-    assert output.logprobs is None
+    assert output.logprobs.top_ids.shape == (1, 1, 0) and not output.logprobs.chosen.any()
+    assert all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(output))
