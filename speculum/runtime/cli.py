@@ -179,6 +179,14 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="report each generated token's log-probability and its N most likely alternatives "
+        '(--json\'s "logprobs"; see docs/request_controls.md); 0 = off',
+    )
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     gen.add_argument(
@@ -350,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "finish_reason": result.finish_reason,
             "stats": result.stats,
         }
+        if result.logprobs is not None:
+            payload["logprobs"] = result.logprobs
         if plain is not None:
             payload["compare_plain"] = _comparison(result, plain)
         print(json.dumps(payload))
@@ -398,6 +408,7 @@ def _generate(args: argparse.Namespace, algorithm: str | None):
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        logprobs=args.logprobs,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,

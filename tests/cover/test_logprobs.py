@@ -7,6 +7,8 @@ and leaves the state unchanged."""
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 import torch
@@ -17,7 +19,7 @@ from test_eagle import TARGET, VOCAB
 from test_overlap import PIPELINES, engine
 
 from speculum.models.loading import save_model
-from speculum.runtime import scheduler
+from speculum.runtime import cli, scheduler
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
 from speculum.spec.paged import extend_batch
@@ -273,3 +275,17 @@ def test_rounds_compute_nothing_when_no_logprobs_can_be_asked_for():
     _, output = eng.pipeline.decode(eng.resources, state.batch)
     assert output.logprobs.top_ids.shape == (1, 1, 0) and not output.logprobs.chosen.any()
     assert all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(output))
+
+
+def test_the_command_line_prints_logprobs_in_its_json_on_request(capsys, tmp_path):
+    """``--logprobs N``: ``--json`` gains ``logprobs``, one entry per token in
+    ``Generation.logprobs``' shape; without it the key is absent."""
+    folder = save_model(TARGET, tmp_path / "target")
+    args = ["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--json"]
+    assert cli.main([*args, "--max-new-tokens", "4", "--logprobs", "2"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    (expected,) = generate([[1, 2, 3]], model=folder, max_new_tokens=4, logprobs=2)
+    assert payload["logprobs"] == expected.logprobs
+    assert [len(e["top_logprobs"]) for e in payload["logprobs"]] == [2, 2, 2, 2]
+    assert cli.main([*args, "--max-new-tokens", "4"]) == 0
+    assert "logprobs" not in json.loads(capsys.readouterr().out)
