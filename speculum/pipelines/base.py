@@ -20,7 +20,7 @@ from speculum.models.decoder import DecoderModel
 from speculum.spec.sampling import first_fault
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, record, static
-from speculum.state.sampling import SamplingParams
+from speculum.state.sampling import SamplingParams, TokenLogprobs
 from speculum.state.tree import Verified
 
 __all__ = [
@@ -108,13 +108,17 @@ class StepOutput:
     meaningless, and a scheduler finishes that request alone with an error; every other row's
     tokens are exactly what they would be without it. ``plain_steps`` marks a round made of
     plain decoding steps, one target forward per token (adaptive speculation's depth 0):
-    statistics count each of its tokens as a round of its own.
+    statistics count each of its tokens as a round of its own. ``logprobs`` are the target's
+    log-probabilities of ``tokens`` and their top alternatives (``spec.sampling
+    .token_logprobs``): every pipeline fills them, with ``SamplingParams.num_logprobs``
+    alternatives (none, and zeros, when that is 0); ``None`` only in outputs built without.
     """
 
     tokens: Int[Tensor, "batch max_tokens"]
     num_tokens: Int[Tensor, " batch"]
     faults: Int[Tensor, " batch"]
     plain_steps: bool = static(default=False)
+    logprobs: TokenLogprobs | None = None
 
 
 @record
@@ -137,23 +141,36 @@ class Pipeline:
     host_work: bool = static(default=False)
 
 
-def one_token_output(tokens: Int[Tensor, " batch"], faults: Int[Tensor, " batch"]) -> StepOutput:
+def one_token_output(
+    tokens: Int[Tensor, " batch"],
+    faults: Int[Tensor, " batch"],
+    logprobs: TokenLogprobs | None = None,
+) -> StepOutput:
     """The output of a step that samples one token per row (a prefill's first token, a plain
-    decoding step), with the faults of the distributions they were drawn from: a faulty row
-    emits nothing."""
+    decoding step), with the faults of the distributions they were drawn from (a faulty row
+    emits nothing) and the tokens' log-probabilities."""
     num_tokens, faults = first_fault(faults[:, None], torch.ones_like(tokens))
-    return make(StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults)
+    return make(
+        StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults, logprobs=logprobs
+    )
 
 
 def verified_output(verified: Verified) -> StepOutput:
     """What a verified round emits: the accepted tokens and the bonus token, cut before the
     first one decided by a faulty distribution (``spec.sampling.first_fault``), whose faults
     it reports. Token ``d`` was decided by the distribution at the path's node of depth ``d``;
-    faulty nodes off the path decided nothing emitted."""
+    faulty nodes off the path decided nothing emitted. The tokens' log-probabilities were read
+    from those same path nodes (``spec.verify.path_logprobs``)."""
     acc = verified.accepted
     on_path = verified.faults.gather(1, acc.path.clamp(min=0))
     num_tokens, faults = first_fault(on_path, acc.num_accepted + 1)
-    return make(StepOutput, tokens=acc.emitted, num_tokens=num_tokens, faults=faults)
+    return make(
+        StepOutput,
+        tokens=acc.emitted,
+        num_tokens=num_tokens,
+        faults=faults,
+        logprobs=verified.logprobs,
+    )
 
 
 def prefill(

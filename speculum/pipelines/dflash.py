@@ -82,7 +82,7 @@ def prefill(
     state = make(
         BlockState, kv=out.kv, root_tokens=first, survival=survival, sampling=chunk.sampling
     )
-    return state, one_token_output(first, out.faults)
+    return state, one_token_output(first, out.faults, out.logprobs)
 
 
 def decode(

@@ -49,7 +49,7 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import draft_extend, extend_draft, propose
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import guard_logits, sample
+from speculum.spec.sampling import guard_logits, no_logprobs, sample, token_logprobs
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -109,7 +109,7 @@ def prefill(
     state = make(
         EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling
     )
-    return state, one_token_output(first, out.faults)
+    return state, one_token_output(first, out.faults, out.logprobs)
 
 
 def verify(
@@ -191,7 +191,7 @@ def plain_round(
     """
     ones = torch.ones_like(state.kv.seq_lens)
     capture = resources.draft.capture_layers
-    token, tokens, hiddens, captures, faults = state.root_tokens, [], [], [], []
+    token, tokens, hiddens, captures, faults, logits_seen = state.root_tokens, [], [], [], [], []
     for step in range(num_tokens):
         kv = replace(state.kv, seq_lens=state.kv.seq_lens + step)
         hidden, captured = resources.target(
@@ -203,6 +203,7 @@ def plain_round(
         token = sample(logits, state.sampling, kv.seq_lens + 1)
         tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]
         faults.append(fault)
+        logits_seen.append(logits)
     # The steps' tokens as an accepted chain: node d is the token fed at step d, whose hidden
     # state the draft pairs with the token sampled after it.
     path = torch.arange(num_tokens, device=ones.device).expand(ones.shape[0], num_tokens)
@@ -212,12 +213,24 @@ def plain_round(
         emitted=torch.stack(tokens, dim=1),
         num_accepted=ones * (num_tokens - 1),
     )
+    sampling = state.sampling
+    logprobs = (  # step d's distribution decided token d; nothing stacked when not asked
+        token_logprobs(
+            torch.stack(logits_seen, dim=1),
+            sampling.temperature,
+            accepted.emitted,
+            sampling.num_logprobs,
+        )
+        if sampling.num_logprobs
+        else no_logprobs(accepted.emitted)
+    )
     verified = make(
         Verified,
         accepted=accepted,
         final_hidden=torch.cat(hiddens, dim=1),
         captured=tuple(torch.cat(layer, dim=1) for layer in zip(*captures)),
         faults=torch.stack(faults, dim=1),  # step d's distribution decided token d
+        logprobs=logprobs,
     )
     # Each step wrote its K/V at its own committed position: nothing to move.
     kv = replace(state.kv, seq_lens=state.kv.seq_lens + num_tokens)

@@ -121,7 +121,7 @@ def prefill(
         seed=_seed(resources, out.first_tokens, out.hidden, out.captured, last),
         sampling=chunk.sampling,
     )
-    return state, one_token_output(out.first_tokens, out.faults)
+    return state, one_token_output(out.first_tokens, out.faults, out.logprobs)
 
 
 def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> DraftPrediction:

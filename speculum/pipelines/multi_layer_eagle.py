@@ -158,7 +158,7 @@ def prefill(
         chunk.sampling,
     )
     hidden, first, seq_lens = out.hidden, out.first_tokens, out.kv.seq_lens
-    faults = out.faults
+    faults, logprobs = out.faults, out.logprobs
     q, width = chunk.q_lens, chunk.tokens.shape[1]
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
     # stream[:, i] = t_{S + i}: the chunk, the token after it, then d_1, d_2, ...
@@ -187,7 +187,7 @@ def prefill(
         carried=carried,
         sampling=chunk.sampling,
     )
-    return state, one_token_output(first, faults)
+    return state, one_token_output(first, faults, logprobs)
 
 
 def draft(state: MultiLayerState) -> DraftTree:

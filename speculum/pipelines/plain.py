@@ -17,7 +17,7 @@ from speculum.pipelines.base import (
     one_token_output,
 )
 from speculum.spec.paged import extend_batch
-from speculum.spec.prefill import prefill_target
+from speculum.spec.prefill import prefill_target, step_logprobs
 from speculum.spec.sampling import guard_logits, sample
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
@@ -50,7 +50,7 @@ def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, Step
         chunk.sampling,
     )
     state = make(PlainState, kv=out.kv, next_tokens=out.first_tokens, sampling=chunk.sampling)
-    return state, one_token_output(out.first_tokens, out.faults)
+    return state, one_token_output(out.first_tokens, out.faults, out.logprobs)
 
 
 def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:
@@ -62,7 +62,8 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
     logits, faults = guard_logits(resources.target.logits(hidden[:, 0]), state.sampling.temperature)
     tokens = sample(logits, state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)
-    return new_state, one_token_output(tokens, faults)
+    logprobs = step_logprobs(logits, state.sampling, tokens)
+    return new_state, one_token_output(tokens, faults, logprobs)
 
 
 def pipeline() -> Pipeline:

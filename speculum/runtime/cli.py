@@ -131,6 +131,7 @@ _SETTINGS = {
     "top_p": _number("--top-p", float, 0.0, 1.0, above=True),
     "min_p": _number("--min-p", float, 0.0, 1.0),
     "seed": _number("--seed", int, 0),
+    "logprobs": _number("--logprobs", int, 0),
 }
 
 
@@ -302,6 +303,14 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_SETTINGS["top_p"], default=1.0, help="1 = off")
     gen.add_argument("--min-p", type=_SETTINGS["min_p"], default=0.0, help="0 = off")
     gen.add_argument("--seed", type=_SETTINGS["seed"], default=0)
+    gen.add_argument(
+        "--logprobs",
+        type=_SETTINGS["logprobs"],
+        default=0,
+        metavar="N",
+        help="report each generated token's log-probability and its N most likely alternatives "
+        '(--json\'s "logprobs"; see docs/request_controls.md); 0 = off',
+    )
     limits = gen.add_argument_group("engine limits")
     limits.add_argument(
         "--max-context",
@@ -658,6 +667,7 @@ def _report_batch(args: argparse.Namespace, results: list) -> int:
                 "finish_reason": r.finish_reason,
                 **_error_field(r),
                 "stats": r.stats,
+                **({} if r.logprobs is None else {"logprobs": r.logprobs}),
             }
         )
         for i, r in enumerate(results)
@@ -750,6 +760,7 @@ def _generate_command(args: argparse.Namespace) -> int:
             "finish_reason": result.finish_reason,
             **_error_field(result),
             "stats": result.stats,
+            **({} if result.logprobs is None else {"logprobs": result.logprobs}),
         }
         if plain is not None:
             payload["compare_plain"] = _comparison(plain)
@@ -905,6 +916,7 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         max_context=args.max_context,
         max_batch=args.max_batch,
         page_size=args.page_size,
+        logprobs=args.logprobs,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,

@@ -69,6 +69,11 @@ class EngineConfig:
     ``models.decoder.fuse_projections_``), on CUDA whether decoding rounds run as CUDA graphs
     and for which batch-size buckets, and whether the scheduler overlaps the host's work for
     the next step with the device's current one (``overlap``, ``docs/overlap.md``).
+    ``max_logprobs`` is the most top alternatives a request may ask to see with each generated
+    token's log-probability (``scheduler.Sampling.logprobs``); 0, the default, computes no
+    log-probabilities at all, and any other value computes that many for every token of every
+    round (a softmax and a top-k over the vocabulary per emitted token;
+    ``docs/request_controls.md``).
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -83,6 +88,7 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = attrs.field(default=DEFAULT_BUCKETS, converter=_buckets)
     fuse_projections: bool = attrs.field(default=True, converter=_FLAG)
     overlap: bool = attrs.field(default=False, converter=_FLAG)
+    max_logprobs: int = attrs.field(default=0, converter=_count(0))
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -356,6 +362,7 @@ def engine_from_model(
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     fuse_projections: bool = True,
     overlap: bool = False,
+    max_logprobs: int = 0,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -366,6 +373,7 @@ def engine_from_model(
     exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
+    ``max_logprobs`` bounds the top alternatives a request may ask for (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -386,6 +394,7 @@ def engine_from_model(
         graph_buckets=graph_buckets,
         fuse_projections=fuse_projections,
         overlap=overlap,
+        max_logprobs=max_logprobs,
     )
     _check_limits(target, config)
     spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)

@@ -45,6 +45,12 @@ class Generation:
     fit the context, which cut the budget short. A prompt the engine could not decode (its
     logits turned NaN, say) ends with ``finish_reason == "error"``, the tokens decoded before
     that, and ``error`` saying why; the other prompts are unaffected.
+
+    ``logprobs`` (``None`` unless asked for) holds one entry per generated token:
+    ``{"token_id": int, "logprob": float, "top_logprobs": [{"token_id": int, "logprob":
+    float}, ...]}``, the token's log-probability under the target's distribution that decided
+    it and that distribution's most likely tokens, most likely first
+    (``scheduler.Sampling.logprobs``, ``docs/request_controls.md``).
     """
 
     token_ids: tuple[int, ...]
@@ -52,6 +58,7 @@ class Generation:
     finish_reason: str
     stats: dict[str, float | int | str]
     error: str | None = None
+    logprobs: list[dict] | None = None
 
 
 def run_to_completion(
@@ -126,6 +133,7 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int = 0,
+    logprobs: int = 0,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
@@ -168,7 +176,10 @@ def generate(
     Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``.
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
-    string, or a sequence of them). ``max_context``, ``max_batch`` and ``page_size`` size the
+    string, or a sequence of them). ``logprobs`` N > 0 returns each generated token's
+    log-probability and its N most likely alternatives (``Generation.logprobs``); an engine
+    built here computes N, one given must have been built with ``max_logprobs >= N``.
+    ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
     ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
     device runs the previous one (same tokens; see ``docs/overlap.md``).
@@ -249,6 +260,7 @@ def _engine(arguments: dict[str, Any]) -> Engine:
         max_context=a["max_context"],
         max_batch=a["max_batch"],
         page_size=a["page_size"],
+        max_logprobs=a["logprobs"],
     )
 
 
@@ -388,7 +400,7 @@ def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
 
 
 #: ``generate``'s arguments that make a request's ``scheduler.Sampling``.
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
 
 #: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
 REQUEST_SETTINGS = (
@@ -398,6 +410,7 @@ REQUEST_SETTINGS = (
     "top_p",
     "min_p",
     "seed",
+    "logprobs",
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",
@@ -452,7 +465,20 @@ def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]
             **acceptance_stats(request.round_lengths),
         },
         error=request.error,
+        logprobs=_logprobs(request) if request.sampling.logprobs else None,
     )
+
+
+def _logprobs(request: scheduler.Request) -> list[dict]:
+    """``request``'s token log-probabilities in :class:`Generation`'s (JSON) shape."""
+    return [
+        {
+            "token_id": entry.token_id,
+            "logprob": entry.logprob,
+            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in entry.top_logprobs],
+        }
+        for entry in request.logprobs
+    ]
 
 
 def _length_limit(

@@ -58,6 +58,7 @@ _TOKENS = itertools.count(1)
 __all__ = [
     "GREEDY_BELOW",
     "Sampling",
+    "TokenLogprob",
     "Request",
     "RequestOutput",
     "SchedulerState",
@@ -97,6 +98,12 @@ class Sampling:
     ``None`` for ``top_k`` or ``seed``, a non-number for the others; with ``ValueError``: a
     value out of range, or one that leaves its range once rounded to float32 (the dtype
     sampling runs in: ``temperature=1e39`` becomes inf, ``top_p=1e-50`` becomes 0).
+
+    ``logprobs`` N > 0 asks for each generated token's log-probability and the N most likely
+    tokens of the distribution it was decided by (:class:`TokenLogprob`; the engine must be
+    built with ``max_logprobs >= N``); 0 asks for none. The distribution is the target's, in
+    float32, divided by the temperature (greedy requests: as it is), before top-k, top-p and
+    min-p truncation, and the same whatever the pipeline (``docs/request_controls.md``).
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -116,6 +123,18 @@ class Sampling:
             fix="seeds key 64-bit random streams; reduce it, e.g. seed % 2**63",
         ),
     )
+    logprobs: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target's distribution that decided it
+    (:class:`Sampling` says which), and that distribution's ``top_logprobs``: the request's
+    ``logprobs`` most likely ``(token_id, logprob)`` pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -125,7 +144,8 @@ class Request:
     ``round_lengths[k]`` counts the decoding rounds that emitted ``k`` tokens (bonus included,
     before any stop condition cut the round short): the acceptance-length histogram. A request
     the engine could not decode finishes with ``finish_reason == "error"`` and ``error`` saying
-    why (its id and the cause).
+    why (its id and the cause). ``logprobs`` holds one :class:`TokenLogprob` per token of
+    ``output`` when the request asked for them (``Sampling.logprobs > 0``), else nothing.
     """
 
     rid: int
@@ -139,6 +159,7 @@ class Request:
     prefilled: int = 0
     num_forwards: int = 0
     round_lengths: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
 
@@ -168,13 +189,16 @@ class Launched:
     the fault status travels with the tokens, costing no sync of its own). ``decode`` marks a
     decoding round (a prefill chunk emits each row's first token), ``plain_steps`` a round of
     plain steps (``StepOutput.plain_steps``: a round per token in the statistics).
-    ``launched_at`` and ``blocked_before`` (the state's ``blocked_seconds`` then) date the
-    launch on the host clock, for the hidden-host-time statistic."""
+    ``num_top`` is how many top alternatives each token's log-probabilities carry when they
+    travel in the same copy (:func:`_launched`), ``None`` when they do not. ``launched_at``
+    and ``blocked_before`` (the state's ``blocked_seconds`` then) date the launch on the host
+    clock, for the hidden-host-time statistic."""
 
     rids: tuple[int, ...]
     tokens: HostCopy
     decode: bool
     plain_steps: bool
+    num_top: int | None
     launched_at: float
     blocked_before: float
 
@@ -320,6 +344,17 @@ def _validate(engine: Engine, prompt: tuple[int, ...], max_new: int) -> None:
         )
 
 
+def _check_logprobs(engine: Engine, sampling: Sampling) -> None:
+    """Refuse more top alternatives than the engine's rounds compute (a static shape)."""
+    most = engine.config.max_logprobs
+    if sampling.logprobs > most:
+        raise ValueError(
+            f"logprobs={sampling.logprobs} asks for more top alternatives than the engine "
+            f"computes (max_logprobs={most}); build the engine with max_logprobs >= "
+            f"{sampling.logprobs}, or ask for at most {most}"
+        )
+
+
 def add_request(
     engine: Engine,
     state: SchedulerState,
@@ -337,9 +372,10 @@ def add_request(
     torch integers too, never floats or bools), ``max_new_tokens`` an int >= 1, ``sampling`` a
     :class:`Sampling` (greedy by default; temperatures below :data:`GREEDY_BELOW` are greedy),
     ``stop_strings`` non-empty strings (a bare string is one stop string; they need the
-    engine's tokenizer). Raises ``TypeError`` for a value of the wrong kind, ``ValueError`` for
-    one out of range and :class:`KVPoolExhausted` for a request that could never fit, each
-    naming the setting, the value and the fix; the state handed in is unchanged either way.
+    engine's tokenizer); ``sampling.logprobs`` at most the engine's ``max_logprobs``. Raises
+    ``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range and
+    :class:`KVPoolExhausted` for a request that could never fit, each naming the setting, the
+    value and the fix; the state handed in is unchanged either way.
     """
     vocab = engine.resources.target.config.vocab_size
     if isinstance(prompt, str):
@@ -356,6 +392,7 @@ def add_request(
     stop_strings = _stop_strings(stop_strings)
     ignore_eos = checks.flag("ignore_eos", ignore_eos)
     _validate(engine, prompt, max_new_tokens)
+    _check_logprobs(engine, sampling)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
@@ -438,7 +475,7 @@ def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
     return table
 
 
-def _sampling_params(requests: tuple[Request, ...]) -> SamplingParams:
+def _sampling_params(requests: tuple[Request, ...], num_logprobs: int) -> SamplingParams:
     s = [r.sampling for r in requests]
     return SamplingParams(
         temperature=torch.tensor([x.temperature for x in s], dtype=torch.float32),
@@ -446,6 +483,7 @@ def _sampling_params(requests: tuple[Request, ...]) -> SamplingParams:
         top_p=torch.tensor([x.top_p for x in s], dtype=torch.float32),
         min_p=torch.tensor([x.min_p for x in s], dtype=torch.float32),
         seed=torch.tensor([x.seed for x in s], dtype=torch.int64),
+        num_logprobs=num_logprobs,
     )
 
 
@@ -477,37 +515,76 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         tokens=to_device(tokens, device),
         q_lens=to_device(torch.tensor(sizes, dtype=torch.int64), device),
         next_tokens=to_device(torch.tensor(next_tokens, dtype=torch.int64), device),
-        sampling=tree_map_tensors(lambda x: to_device(x, device), _sampling_params(chosen)),
+        sampling=tree_map_tensors(
+            lambda x: to_device(x, device),
+            _sampling_params(chosen, engine.config.max_logprobs),
+        ),
         prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
     )
     return chunk, sizes
 
 
 def _launched(
-    state: SchedulerState, rids: tuple[int, ...], output: StepOutput, decode: bool
+    state: SchedulerState, requests: tuple[Request, ...], output: StepOutput, decode: bool
 ) -> Launched:
     """A launch's record: its rows' emitted tokens and fault status queued to the host in one
-    packed copy."""
-    packed = torch.cat([output.num_tokens[:, None], output.faults[:, None], output.tokens], dim=1)
+    packed copy, and their log-probabilities in the same copy when a request of the launch
+    asked for them (float32 bit patterns as integers: one transfer, no sync of their own)."""
+    packed = [output.num_tokens[:, None], output.faults[:, None], output.tokens]
+    logprobs = output.logprobs if any(r.sampling.logprobs for r in requests) else None
+    if logprobs is not None:
+        top_ids, top_logprobs = logprobs.top_ids, logprobs.top_logprobs
+        packed += [_bits(logprobs.chosen), top_ids.flatten(1), _bits(top_logprobs).flatten(1)]
     return Launched(
-        rids=rids,
-        tokens=to_host(packed),
+        rids=tuple(r.rid for r in requests),
+        tokens=to_host(torch.cat(packed, dim=1)),
         decode=decode,
         plain_steps=output.plain_steps,
+        num_top=None if logprobs is None else logprobs.top_ids.shape[2],
         launched_at=time.perf_counter(),
         blocked_before=state.blocked_seconds,
     )
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 values as their bit patterns in int64, to travel with the tokens (:func:`_floats`
+    reads them back exactly)."""
+    return x.float().view(torch.int32).long()
+
+
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    """The float32 values whose bit patterns :func:`_bits` packed into ``x``."""
+    return x.to(torch.int32).view(torch.float32)
+
+
+def _row_logprobs(
+    packed: torch.Tensor, num_top: int | None
+) -> list[list[tuple[float, list[int], list[float]]] | None]:
+    """Each row's ``(logprob, top ids, top logprobs)`` per emitted token (those it emitted,
+    ``packed[row, 0]``), unpacked from a launch's copy (:func:`_launched`); ``None`` per row
+    when the launch carried none."""
+    if num_top is None:
+        return [None] * packed.shape[0]
+    width = (packed.shape[1] - 2) // (2 + 2 * num_top)  # tokens, logprobs, top ids and logprobs
+    ends = itertools.accumulate([2, width, width, width * num_top, width * num_top])
+    _, _, chosen, top_ids, top_logprobs = torch.tensor_split(packed, list(ends)[:-1], dim=1)
+    chosen, top_logprobs = _floats(chosen), _floats(top_logprobs).reshape(-1, width, num_top)
+    top_ids = top_ids.reshape(-1, width, num_top)
+    rows = zip(chosen.tolist(), top_ids.tolist(), top_logprobs.tolist())
+    return [list(zip(*row))[:n] for row, n in zip(rows, packed[:, 0].tolist())]
+
+
 def _emitted(
     state: SchedulerState, launched: Launched, first: bool
-) -> tuple[SchedulerState, list[tuple[list[int], int]]]:
-    """Each row's emitted tokens and fault status, waiting for them if they are still on their
+) -> tuple[SchedulerState, list[tuple[list[int], int, list | None]]]:
+    """Each row's emitted tokens, fault status and, when the launch carried them, the tokens'
+    log-probabilities (:func:`_row_logprobs`), waiting for them if they are still on their
     way. The first launch a step collects dates the host work it overlapped: everything since
     it launched (waits excluded) ran while the device computed it, if it is found unfinished."""
     ready = launched.tokens.ready()
     begin = time.perf_counter()
-    packed = launched.tokens.get().tolist()
+    host = launched.tokens.get()
+    packed = host.tolist()
     waited = time.perf_counter() - begin
     hidden = 0.0
     if first and not ready:
@@ -518,7 +595,8 @@ def _emitted(
         blocked_seconds=state.blocked_seconds + waited,
         hidden_seconds=state.hidden_seconds + hidden,
     )
-    return state, [(row[2 : 2 + row[0]], row[1]) for row in packed]
+    logprobs = _row_logprobs(host, launched.num_top)
+    return state, [(row[2 : 2 + row[0]], row[1], lp) for row, lp in zip(packed, logprobs)]
 
 
 def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Request, tuple[int, ...]]:
@@ -531,6 +609,24 @@ def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Reques
             break
     kept = tuple(output[len(request.output) :])
     return attrs.evolve(request, output=tuple(output), finish_reason=reason), kept
+
+
+def _with_logprobs(request: Request, kept: tuple[int, ...], logprobs: list | None) -> Request:
+    """``request`` with the log-probabilities of its newly ``kept`` tokens appended (the first
+    ``len(kept)`` of the round's, each cut to the request's own number of alternatives), when
+    it asked for them."""
+    count = request.sampling.logprobs
+    if not count or logprobs is None:
+        return request
+    new = tuple(
+        TokenLogprob(
+            token_id=token,
+            logprob=chosen,
+            top_logprobs=tuple(zip(top_ids[:count], top_logprobs[:count])),
+        )
+        for token, (chosen, top_ids, top_logprobs) in zip(kept, logprobs)
+    )
+    return attrs.evolve(request, logprobs=request.logprobs + new)
 
 
 def _failed(request: Request, faults: int) -> Request:
@@ -567,7 +663,7 @@ def _launch_decode(
     if not state.running:
         return state, ()
     batch, output = engine.pipeline.decode(engine.resources, state.batch)
-    launched = _launched(state, tuple(r.rid for r in state.running), output, decode=True)
+    launched = _launched(state, state.running, output, decode=True)
     return attrs.evolve(state, batch=batch), (launched,)
 
 
@@ -599,8 +695,7 @@ def _launch_prefill(
     index = _rows(engine, joined_rows)
     new_rows = take_rows(rows, index)
     batch = new_rows if state.batch is None else concat_rows([state.batch, new_rows])
-    rids = tuple(r.rid for r in joined)
-    launched = _launched(state, rids, take_rows(first, index), decode=False)
+    launched = _launched(state, tuple(joined), take_rows(first, index), decode=False)
     return attrs.evolve(state, running=(*state.running, *joined), batch=batch), (launched,)
 
 
@@ -616,12 +711,13 @@ def _collect(
         state, emitted = _emitted(state, launched, first=number == 0)
         at = {r.rid: i for i, r in enumerate(state.running)}
         running, finished = list(state.running), []
-        for rid, (tokens, faults) in zip(launched.rids, emitted):
+        for rid, (tokens, faults, logprobs) in zip(launched.rids, emitted):
             if rid not in at:
                 continue
             # A faulty row's tokens are those decided before its fault: a stop condition
             # among them still finishes the request normally, as it would have alone.
             request, kept = _extend(engine, running[at[rid]], tokens)
+            request = _with_logprobs(request, kept, logprobs)
             if faults and not request.finish_reason:
                 request = _failed(request, faults)
             if launched.decode and tokens:
@@ -805,6 +901,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("max_context", config.max_context),
         ("max_batch", config.max_batch),
         ("overlap", config.overlap),
+        ("max_logprobs", config.max_logprobs),
         *pools,
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),

@@ -22,14 +22,18 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.spec.checks import checking, raise_for_rows
-from speculum.state.sampling import SamplingParams
+from speculum.state.record import make
+from speculum.state.sampling import SamplingParams, TokenLogprobs
 
 __all__ = [
     "Stream",
     "Fault",
     "describe_faults",
+    "scaled_logits",
     "logit_faults",
     "guard_logits",
+    "token_logprobs",
+    "no_logprobs",
     "first_fault",
     "draft_logits_guarded",
     "counter_uniforms",
@@ -85,6 +89,15 @@ def describe_faults(faults: int) -> str:
     return "; ".join(cause for bit, cause in _FAULT_CAUSES.items() if faults & bit)
 
 
+def scaled_logits(
+    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"]
+) -> Float[Tensor, "batch *rows vocab"]:
+    """``logits`` in float32 divided by each request's temperature (greedy rows,
+    ``temperature <= 0``, by 1), exactly as :func:`filtered_probs` divides them."""
+    x, t = logits.float(), temperature.float()
+    return x / torch.where(t > 0, t, 1.0).reshape(t.shape + (1,) * (x.ndim - 1))
+
+
 def logit_faults(
     logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
 ) -> Int[Tensor, " batch *rows"]:
@@ -95,10 +108,7 @@ def logit_faults(
     sampling would meet is found here. Pure tensor code with no host sync: it runs inside
     compiled and captured rounds.
     """
-    x = logits.float()
-    if temperature is not None:
-        t = temperature.float()
-        x = x / torch.where(t > 0, t, 1.0).reshape(t.shape + (1,) * (x.ndim - 1))
+    x = logits.float() if temperature is None else scaled_logits(logits, temperature)
     nan = x.isnan().any(-1)
     posinf = x.isposinf().any(-1)
     no_token = (x == float("-inf")).all(-1)
@@ -117,6 +127,39 @@ def guard_logits(
     """
     faults = logit_faults(logits, temperature)
     return logits.masked_fill((faults != 0)[..., None], 0.0), faults
+
+
+def token_logprobs(
+    logits: Float[Tensor, "batch tokens vocab"],
+    temperature: Float[Tensor, " batch"],
+    tokens: Int[Tensor, "batch tokens"],
+    num_top: int,
+) -> TokenLogprobs:
+    """The log-probability of each ``tokens[b, d]`` under the distribution that decided it,
+    ``logits[b, d]``, and that distribution's ``num_top`` most likely tokens (fewer when the
+    vocabulary is smaller); :func:`no_logprobs` when ``num_top`` is 0, computing nothing.
+
+    The distribution is ``log_softmax`` of the float32 logits divided by the request's
+    temperature (greedy rows: the logits as they are), before top-k, top-p and min-p
+    truncation, so greedy and truncated requests get meaningful values too
+    (``docs/request_controls.md``). Padding tokens (-1) read entry 0. Pure tensor code of fixed
+    shapes with no host sync: it runs inside compiled and captured rounds.
+    """
+    if num_top == 0:
+        return no_logprobs(tokens)
+    logprobs = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)
+    chosen = logprobs.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return make(TokenLogprobs, chosen=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def no_logprobs(tokens: Int[Tensor, "batch tokens"]) -> TokenLogprobs:
+    """The log-probabilities a round reports when none are asked for: zeros and no
+    alternatives. A record rather than ``None`` keeps every round's outputs tensors, as a
+    captured round's must be, at the cost of one tiny fill."""
+    none = tokens.new_zeros(*tokens.shape, 0)
+    chosen = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    return make(TokenLogprobs, chosen=chosen, top_ids=none, top_logprobs=none.float())
 
 
 def first_fault(

@@ -15,14 +15,14 @@ from torch import Tensor
 
 from speculum.spec.accept import accept
 from speculum.spec.paged import cache_slots, slots_at, tail_batch
-from speculum.spec.sampling import filtered_probs, guard_logits
+from speculum.spec.sampling import filtered_probs, guard_logits, no_logprobs, token_logprobs
 from speculum.spec.tree import tree_mask
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
-from speculum.state.sampling import SamplingParams
+from speculum.state.sampling import SamplingParams, TokenLogprobs
 from speculum.state.tree import AcceptResult, DraftTree, Verified
 
-__all__ = ["verify_tree", "commit_path", "commit_kv"]
+__all__ = ["verify_tree", "path_logprobs", "commit_path", "commit_kv"]
 
 
 def verify_tree(
@@ -47,7 +47,9 @@ def verify_tree(
     depth ``i``) verifies the first ``verify_lens[b]`` draft nodes of row ``b`` in the same
     forward: the rest are padding rows of the batch (ragged verify). A node whose target
     logits cannot be sampled is reported in ``faults`` (``spec.sampling.guard_logits``) rather
-    than raised, so the rest of the batch, and the rest of the tree, decode on.
+    than raised, so the rest of the batch, and the rest of the tree, decode on. With
+    ``sampling.num_logprobs > 0``, each emitted token's log-probabilities are read from the
+    target's distribution at the path node that decided it (:func:`path_logprobs`).
     """
     positions = kv.seq_lens[:, None] + tree.depths
     q_lens = None if verify_lens is None else verify_lens + 1
@@ -65,7 +67,31 @@ def verify_tree(
         max_children=max_children,
         verify_lens=verify_lens,
     )
-    return make(Verified, accepted=accepted, final_hidden=hidden, captured=captured, faults=faults)
+    return make(
+        Verified,
+        accepted=accepted,
+        final_hidden=hidden,
+        captured=captured,
+        faults=faults,
+        logprobs=path_logprobs(logits, accepted, sampling),
+    )
+
+
+def path_logprobs(
+    logits: Float[Tensor, "batch num_nodes vocab"],
+    accepted: AcceptResult,
+    sampling: SamplingParams,
+) -> TokenLogprobs:
+    """The log-probabilities of a round's emitted tokens (``spec.sampling.token_logprobs``):
+    token ``d`` was decided by the target's distribution at path node ``d``, so only those
+    rows are gathered (padding entries read the root) before the softmax runs over them;
+    nothing is gathered when ``sampling.num_logprobs`` is 0 (``spec.sampling.no_logprobs``)."""
+    if sampling.num_logprobs == 0:
+        return no_logprobs(accepted.emitted)
+    index = accepted.path.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1])
+    return token_logprobs(
+        logits.gather(1, index), sampling.temperature, accepted.emitted, sampling.num_logprobs
+    )
 
 
 def commit_path(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> PagedKV:

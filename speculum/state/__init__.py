@@ -14,7 +14,7 @@ from speculum.state.record import (
     tree_equal,
     tree_map_tensors,
 )
-from speculum.state.sampling import SamplingParams
+from speculum.state.sampling import SamplingParams, TokenLogprobs
 from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "PageAllocator",
     "PagedKV",
     "SamplingParams",
+    "TokenLogprobs",
     "batch_size",
     "concat_rows",
     "fields_of",

@@ -1,13 +1,13 @@
-"""Per-request sampling settings, as a batch record."""
+"""Per-request sampling settings, as a batch record, and the log-probabilities a round reports."""
 
 from __future__ import annotations
 
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.state.record import record
+from speculum.state.record import record, static
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "TokenLogprobs"]
 
 
 @record
@@ -18,6 +18,11 @@ class SamplingParams:
     switch the corresponding filter off. ``seed`` keys the request's counter-based random
     streams: a request's draws depend only on its seed and on token positions, never on the
     batch it runs in, so snapshot/restore and re-batching replay bit-exactly.
+
+    ``num_logprobs`` (static: the engine's ``max_logprobs``) is how many top alternatives every
+    emitted token reports with its own log-probability (:class:`TokenLogprobs`); 0 computes no
+    log-probabilities at all (the record is then zeros with no alternatives). It is the same
+    for the whole batch, so a round's shapes never depend on which requests ask for them.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -25,3 +30,16 @@ class SamplingParams:
     top_p: Float[Tensor, " batch"]
     min_p: Float[Tensor, " batch"]
     seed: Int[Tensor, " batch"]
+    num_logprobs: int = static(default=0)
+
+
+@record
+class TokenLogprobs:
+    """The target's log-probabilities of a round's emitted tokens (``spec.sampling
+    .token_logprobs``): ``chosen[b, d]`` is token ``d``'s own, ``top_ids[b, d]`` and
+    ``top_logprobs[b, d]`` the ``num_logprobs`` most likely tokens of the distribution that
+    decided it, most likely first. Entries past a row's emitted tokens are meaningless."""
+
+    chosen: Float[Tensor, "batch tokens"]
+    top_ids: Int[Tensor, "batch tokens num_top"]
+    top_logprobs: Float[Tensor, "batch tokens num_top"]

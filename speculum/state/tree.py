@@ -6,6 +6,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.state.record import record
+from speculum.state.sampling import TokenLogprobs
 
 __all__ = ["DraftCandidates", "DraftTree", "AcceptResult", "Verified"]
 
@@ -63,9 +64,13 @@ class Verified:
     """The target's view of a tree: its features at every node, its acceptance decision, and
     the fault status of its distribution at every node (``spec.sampling.Fault`` bits, 0 where
     the logits were usable). What a faulty node decides is meaningless; only faults on the
-    accepted path spoil the emission (``pipelines.base.verified_output``)."""
+    accepted path spoil the emission (``pipelines.base.verified_output``). ``logprobs`` are
+    the target's log-probabilities of the emitted tokens, each read from the distribution at
+    the path node that decided it (``spec.verify.path_logprobs``; empty unless the sampling
+    settings ask for them, ``None`` only in records built without)."""
 
     accepted: AcceptResult
     final_hidden: Float[Tensor, "batch num_nodes hidden"]
     captured: tuple[Float[Tensor, "batch num_nodes hidden"], ...]
     faults: Int[Tensor, "batch num_nodes"]
+    logprobs: TokenLogprobs | None = None
