@@ -107,11 +107,18 @@ def logit_faults(
     0``, by 1) in float32, exactly as :func:`filtered_probs` divides them, so an overflow that
     sampling would meet is found here. Pure tensor code with no host sync: it runs inside
     compiled and captured rounds.
+
+    One reduction reads the logits: a row's largest logit is NaN when any is (``amax``
+    propagates NaN), ``+inf`` when any is, ``-inf`` only when all are; and dividing by a
+    positive temperature is monotone, rounding included, so the largest scaled logit is the
+    largest logit scaled.
     """
-    x = logits.float() if temperature is None else scaled_logits(logits, temperature)
-    nan = x.isnan().any(-1)
-    posinf = x.isposinf().any(-1)
-    no_token = (x == float("-inf")).all(-1)
+    largest = logits.float().amax(-1)
+    if temperature is not None:
+        largest = scaled_logits(largest[..., None], temperature)[..., 0]
+    nan = largest.isnan()
+    posinf = largest.isposinf()
+    no_token = largest == float("-inf")
     return nan * int(Fault.NAN) + posinf * int(Fault.POSINF) + no_token * int(Fault.NO_TOKEN)
 
 

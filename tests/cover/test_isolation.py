@@ -395,3 +395,32 @@ def test_the_command_line_reports_a_failed_request_and_exits_1(capsys, tmp_path)
     lines = [json.loads(line) for line in out.splitlines()]
     assert status == 1 and [line["finish_reason"] for line in lines] == ["length", "error"]
     assert "error" not in lines[0] and lines[1]["error"].startswith("request 1 ")
+
+
+@given(
+    rows=st.lists(
+        st.lists(
+            st.sampled_from(
+                [0.0, -3.5, 2.0, 3e38, -3e38, float("nan"), float("inf"), -float("inf")]
+            ),
+            min_size=4,
+            max_size=4,
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+)
+def test_logit_faults_read_from_the_largest_logit_equal_the_elementwise_definition(rows, data):
+    """NaN anywhere; else +inf anywhere once divided by the temperature (overflow included);
+    else every logit -inf: one ``amax`` finds exactly what checking every scaled logit would."""
+    temperature = [data.draw(st.sampled_from([0.0, 1.0, 0.5, 1e-4, 3.0])) for _ in rows]
+    faults = logit_faults(torch.tensor(rows), torch.tensor(temperature)).tolist()
+    for row, t, got in zip(rows, temperature, faults):
+        scaled = torch.tensor(row) / (t if t > 0 else 1.0)  # float32, as sampling divides
+        if scaled.isnan().any():
+            assert got == Fault.NAN
+        elif scaled.isposinf().any():
+            assert got == Fault.POSINF
+        else:
+            assert got == (Fault.NO_TOKEN if (scaled == -float("inf")).all() else 0)
