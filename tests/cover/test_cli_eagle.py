@@ -21,10 +21,10 @@ import pytest
 import test_eagle_stats as h  # its mostly-Markov target and heads
 from conftest import tiny_config
 from heads import agreeing_head
+from test_cli import run_cli
 
 from speculum.models.draft_loading import save_draft, save_random_draft
 from speculum.models.loading import random_model, save_model
-from speculum.runtime import cli
 from speculum.runtime.generate import generate
 
 VOCAB = h.VOCAB
@@ -70,17 +70,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         "mtp-random": save_random_draft(target, "mtp", root / "mtp-random", seed=7, std=0.3),
         "eagle3-other-target": save_random_draft(other, "eagle3", root / "eagle3-other"),
     }
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr); a usage error
-    found while parsing exits (``SystemExit``) with its status."""
-    try:
-        status = cli.main(["generate", *args])
-    except SystemExit as stopped:
-        status = stopped.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def generate_json(capsys, *args: str, prompt: str = PROMPT) -> dict:

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_config
+from test_cli import run_cli
 
 from speculum.models.block_draft import random_block_draft, save_block_draft
 from speculum.models.draft_kind import draft_algorithm
@@ -71,17 +72,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
             random_model(tiny_config(vocab_size=258), seed=5), root / "other-vocabulary"
         ),
     }
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``speculum generate ARGS`` in-process: (exit status, stdout, stderr); usage errors
-    exit while parsing (``SystemExit``) with their status."""
-    try:
-        status = cli.main(["generate", *args])
-    except SystemExit as stopped:
-        status = stopped.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def ids(tokens: list[int]) -> str:

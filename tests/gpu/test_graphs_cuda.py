@@ -90,15 +90,20 @@ LABELS = [
 ]
 
 
-@pytest.mark.parametrize("label", LABELS)
-def test_fp32_captured_rounds_equal_plain_and_eager(label):
-    target = _target()
+def check_captured_rounds_equal_plain_and_eager(target, label: str) -> None:
+    """Pipeline ``label``'s captured rounds over ``target`` emit plain greedy decoding's tokens,
+    as its eager rounds do, and captured plain decoding emits eager plain decoding's."""
     algorithm, draft, spec = _drafts(target)[label]
     plain = _tokens(target, cuda_graphs=False)
     assert _tokens(target) == plain
     options = dict(algorithm=algorithm, draft=draft, spec=spec)
     assert _tokens(target, **options) == plain
     assert _tokens(target, cuda_graphs=False, **options) == plain
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_fp32_captured_rounds_equal_plain_and_eager(label):
+    check_captured_rounds_equal_plain_and_eager(_target(), label)
 
 
 def _logit_gap(target, ids: list[int]) -> float:

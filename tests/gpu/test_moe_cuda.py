@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from test_graphs_cuda import LABELS, PROMPTS, VOCAB, _drafts, _tokens
+from test_graphs_cuda import (
+    LABELS,
+    PROMPTS,
+    VOCAB,
+    _drafts,
+    _tokens,
+    check_captured_rounds_equal_plain_and_eager,
+)
 
 from speculum.models.config import MoEConfig
 from speculum.models.loading import random_model
@@ -42,13 +49,7 @@ def _moe_target(dtype: torch.dtype = torch.float32):
 
 @pytest.mark.parametrize("label", LABELS)
 def test_fp32_captured_rounds_on_an_moe_target_equal_plain_and_eager(label):
-    target = _moe_target()
-    algorithm, draft, spec = _drafts(target)[label]
-    plain = _tokens(target, cuda_graphs=False)
-    assert _tokens(target) == plain
-    options = dict(algorithm=algorithm, draft=draft, spec=spec)
-    assert _tokens(target, **options) == plain
-    assert _tokens(target, cuda_graphs=False, **options) == plain
+    check_captured_rounds_equal_plain_and_eager(_moe_target(), label)
 
 
 def test_bf16_captured_moe_rounds_run():
