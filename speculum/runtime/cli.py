@@ -90,6 +90,15 @@ def _prompt_text(text: str) -> str:
     return text
 
 
+def _stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "--stop is empty: an empty stop string would end every request at its first token; "
+            "drop it"
+        )
+    return text
+
+
 def _algorithm(text: str) -> str:
     name = text.lower()
     if name not in ALGORITHMS:
@@ -311,6 +320,22 @@ def parser() -> argparse.ArgumentParser:
         help="report each generated token's log-probability and its N most likely alternatives "
         '(--json\'s "logprobs"; see docs/request_controls.md); 0 = off',
     )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        type=_stop_text,
+        metavar="TEXT",
+        help="end the request when its text contains TEXT (repeatable); the text printed ends "
+        "before it",
+    )
+    gen.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="--stop: keep the stop string at the end of the text",
+    )
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="decode on past the model's end-of-text token"
+    )
     limits = gen.add_argument_group("engine limits")
     limits.add_argument(
         "--max-context",
@@ -489,7 +514,7 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
 
 #: Options whose value may begin with "-" (negative ids, a prompt such as "-x"): argparse would
 #: take such a value for an option, so ``--prompt-ids -5`` is joined into ``--prompt-ids=-5``.
-_DASHED_VALUES = ("--prompt", "--prompt-ids", "--adaptive-steps")
+_DASHED_VALUES = ("--prompt", "--prompt-ids", "--adaptive-steps", "--stop")
 
 
 def _join_dashed_values(argv: Sequence[str], known: set[str]) -> list[str]:
@@ -644,8 +669,9 @@ def _prompt_object(line: str, where: str) -> dict:
         values = [value] if isinstance(value, kind) else value
         if not isinstance(values, list) or not all(type(v) is kind for v in values):
             raise ValueError(f"{where}: {name} takes one {kind.__name__} or a list of them")
-    if type(raw.get("ignore_eos", False)) is not bool:
-        raise ValueError(f"{where}: ignore_eos takes true or false")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if type(raw.get(name, False)) is not bool:
+            raise ValueError(f"{where}: {name} takes true or false")
     for name, parse in _SETTINGS.items():
         if name in raw:
             try:
@@ -917,6 +943,9 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         max_batch=args.max_batch,
         page_size=args.page_size,
         logprobs=args.logprobs,
+        stop_strings=tuple(args.stop or ()),
+        include_stop_str_in_output=args.include_stop_str_in_output,
+        ignore_eos=args.ignore_eos,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,

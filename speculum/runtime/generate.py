@@ -101,6 +101,7 @@ class _TextStream:
         new = ""
         if tokenizer is not None:
             text, shown = tokenizer.decode(ids), self.shown.get(rid, "")
+            text = _shown_text(text, output.request)  # a stop string is never shown
             complete = output.finished or not text.endswith("\ufffd")
             if complete and text.startswith(shown):
                 new, self.shown[rid] = text[len(shown) :], text
@@ -137,6 +138,7 @@ def generate(
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
     max_context: int | None = None,
     max_batch: int = 16,
     page_size: int = 16,
@@ -176,7 +178,11 @@ def generate(
     Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``.
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
-    string, or a sequence of them). ``logprobs`` N > 0 returns each generated token's
+    string, or a sequence of them). A stop string ends the request at the token that completes
+    it (tokens after it, even of the same round, are discarded); the result's ``text`` ends
+    before the stop string, as vLLM's does, unless ``include_stop_str_in_output``, while
+    ``token_ids`` holds every token emitted, the one that completed the stop string included
+    (vLLM's ``token_ids`` too). ``logprobs`` N > 0 returns each generated token's
     log-probability and its N most likely alternatives (``Generation.logprobs``); an engine
     built here computes N, one given must have been built with ``max_logprobs >= N``.
     ``max_context``, ``max_batch`` and ``page_size`` size the
@@ -414,6 +420,7 @@ REQUEST_SETTINGS = (
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",
+    "include_stop_str_in_output",
 )
 
 
@@ -450,8 +457,25 @@ def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> Sequence[int]:
     return prompt
 
 
+def _shown_text(text: str, request: scheduler.Request) -> str:
+    """The part of ``request``'s decoded ``text`` its user sees: the text before the first stop
+    string it holds (all of it with ``include_stop_str_in_output``), and while the request
+    runs, without a tail that may still grow into a stop string (streamed text is never taken
+    back)."""
+    stops = () if request.include_stop_str_in_output else request.stop_strings
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if found:
+        return text[: min(found)]
+    if not stops or request.finish_reason is not None:
+        return text
+    # The longest tail of the text that is a proper prefix of some stop string waits.
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - held]
+
+
 def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]) -> Generation:
-    text = engine.tokenizer.decode(request.output) if engine.tokenizer else None
+    tokenizer = engine.tokenizer
+    text = _shown_text(tokenizer.decode(request.output), request) if tokenizer else None
     finish_reason = request.finish_reason or "length"
     return Generation(
         token_ids=request.output,

@@ -146,6 +146,9 @@ class Request:
     the engine could not decode finishes with ``finish_reason == "error"`` and ``error`` saying
     why (its id and the cause). ``logprobs`` holds one :class:`TokenLogprob` per token of
     ``output`` when the request asked for them (``Sampling.logprobs > 0``), else nothing.
+    ``output`` holds every token emitted up to the one that completed a stop string (vLLM's
+    ``token_ids`` too); ``include_stop_str_in_output`` says whether the request's text keeps
+    the stop string (``generate``'s ``Generation.text`` ends before it unless so).
     """
 
     rid: int
@@ -154,6 +157,7 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
+    include_stop_str_in_output: bool = False
     output: tuple[int, ...] = ()
     pages: tuple[int, ...] = ()
     prefilled: int = 0
@@ -365,6 +369,7 @@ def add_request(
     stop_token_ids: tuple[int, ...] = (),
     stop_strings: str | tuple[str, ...] = (),
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
 ) -> tuple[SchedulerState, int]:
     """Queue a request; returns the new state and the request id.
 
@@ -372,7 +377,10 @@ def add_request(
     torch integers too, never floats or bools), ``max_new_tokens`` an int >= 1, ``sampling`` a
     :class:`Sampling` (greedy by default; temperatures below :data:`GREEDY_BELOW` are greedy),
     ``stop_strings`` non-empty strings (a bare string is one stop string; they need the
-    engine's tokenizer); ``sampling.logprobs`` at most the engine's ``max_logprobs``. Raises
+    engine's tokenizer; a round that completes one ends the request there and its later tokens
+    are discarded, and the request's text excludes the stop string unless
+    ``include_stop_str_in_output``, a flag); ``sampling.logprobs`` at most the engine's
+    ``max_logprobs``. Raises
     ``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range and
     :class:`KVPoolExhausted` for a request that could never fit, each naming the setting, the
     value and the fix; the state handed in is unchanged either way.
@@ -391,6 +399,7 @@ def add_request(
     stop_ids = _token_ids("stop_token_ids", stop_token_ids, vocab)
     stop_strings = _stop_strings(stop_strings)
     ignore_eos = checks.flag("ignore_eos", ignore_eos)
+    include_stop = checks.flag("include_stop_str_in_output", include_stop_str_in_output)
     _validate(engine, prompt, max_new_tokens)
     _check_logprobs(engine, sampling)
     if stop_strings and engine.tokenizer is None:
@@ -404,6 +413,7 @@ def add_request(
         max_new_tokens=max_new_tokens,
         stop_token_ids=stops,
         stop_strings=stop_strings,
+        include_stop_str_in_output=include_stop,
     )
     new = attrs.evolve(state, waiting=(*state.waiting, request), next_rid=state.next_rid + 1)
     return new, request.rid

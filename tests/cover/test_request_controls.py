@@ -1,0 +1,158 @@
+"""Request controls under speculation (issue 25): stop strings end a request at the token that
+completes one, inside a multi-token round too, with plain decoding's tokens and text whatever
+the pipeline; the text returned and streamed excludes the stop string unless
+``include_stop_str_in_output``; ``token_ids`` keep every emitted token. The command line takes
+``--stop``, ``--include-stop-str-in-output`` and ``--ignore-eos``."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from conftest import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cli import parse_one_object, run_cli
+
+from speculum.models.loading import random_model
+from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
+from speculum.runtime import cli, scheduler
+from speculum.runtime.default_model import default_draft_dir, default_model_dir
+from speculum.runtime.engine import build_engine, engine_from_model
+from speculum.runtime.generate import generate
+
+PROMPT = "def fibonacci(n):"
+#: Completed by the first token of one of the bundled EAGLE-3 chain's rounds (" of" after
+#: " function"), which emits two more tokens the stop discards.
+STOP = "function of"
+
+
+@pytest.fixture(scope="module")
+def bundled() -> dict:
+    """The bundled model, plain and with its EAGLE-3 draft (a chain of 3 steps)."""
+    return {
+        "plain": build_engine(default_model_dir(), algorithm="plain"),
+        "eagle3 chain": build_engine(
+            default_model_dir(), algorithm="eagle3", draft=default_draft_dir()
+        ),
+    }
+
+
+def streamed(engine, prompt, **options):
+    """``generate``'s one result and what ``on_tokens`` streamed: each step's ids and text."""
+    steps = []
+    (result,) = generate(
+        prompt, engine=engine, on_tokens=lambda i, ids, text: steps.append((ids, text)), **options
+    )
+    return result, steps
+
+
+def test_a_stop_string_inside_a_round_ends_it_as_plain_decoding_does(bundled):
+    free, free_steps = streamed(bundled["eagle3 chain"], PROMPT, max_new_tokens=32)
+    tokenizer = bundled["plain"].tokenizer
+    assert STOP in free.text
+    # The token that completes the stop string, and the free speculative round that emits it
+    # with more tokens after it: the round the stop cuts short.
+    ids = free.token_ids
+    end = next(n for n in range(len(ids)) if STOP in tokenizer.decode(ids[: n + 1]))
+    emitted = next(e for e in itertools.accumulate(len(s) for s, _ in free_steps) if e > end)
+    assert emitted > end + 1, "the stop string must land inside a multi-token round"
+    for name, engine in bundled.items():
+        result, steps = streamed(engine, PROMPT, max_new_tokens=32, stop_strings=STOP)
+        assert result.finish_reason == "stop", name
+        assert result.token_ids == free.token_ids[: end + 1], name
+        assert result.text == free.text[: free.text.index(STOP)], name
+        assert "".join(text for _, text in steps) == result.text, name
+        assert sum(len(ids) for ids, _ in steps) == len(result.token_ids), name
+        kept, _ = streamed(
+            engine,
+            PROMPT,
+            max_new_tokens=32,
+            stop_strings=STOP,
+            include_stop_str_in_output=True,
+        )
+        assert kept.token_ids == result.token_ids, name
+        assert kept.text == tokenizer.decode(result.token_ids), name
+        assert kept.text.endswith(STOP) and kept.text.startswith(result.text + STOP), name
+
+
+@pytest.fixture(scope="module")
+def byte_engine():
+    """Plain decoding of a random model over a byte-level tokenizer (one token, one byte)."""
+    model = random_model(tiny_config(vocab_size=258), seed=3, std=0.3)
+    tokenizer = Tokenizer(byte_level_tokenizer())
+    return engine_from_model(model, tokenizer=tokenizer, page_size=4, max_context=64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), include=st.booleans())
+def test_stop_strings_are_cut_from_the_text_and_the_stream(byte_engine, data, include):
+    """Any stop strings, some found in the free text (across tokens), some only begun there
+    (held back while streaming, then shown): the stream adds up to the text, which ends before
+    the first stop string unless ``include_stop_str_in_output``; the tokens are the free run's
+    up to the one completing it."""
+    prompt, budget = [72, 105], 20
+    free, _ = streamed(byte_engine, [prompt], max_new_tokens=budget)
+    text = free.text
+    starts = st.integers(0, len(text) - 1)
+    pieces = st.tuples(starts, st.integers(1, 4)).map(lambda s: text[s[0] : s[0] + s[1]])
+    begun = st.tuples(starts, st.sampled_from(["\x00\x01", "\x02"])).map(
+        lambda s: text[s[0] :] + s[1]
+    )
+    stops = data.draw(st.lists(st.one_of(pieces, begun), min_size=1, max_size=3))
+    result, steps = streamed(
+        byte_engine,
+        [prompt],
+        max_new_tokens=budget,
+        stop_strings=stops,
+        include_stop_str_in_output=include,
+    )
+    tokenizer = byte_engine.tokenizer
+    decoded = tokenizer.decode(result.token_ids)
+    assert result.token_ids == free.token_ids[: len(result.token_ids)]
+    assert "".join(text for _, text in steps) == result.text
+    found = [decoded.find(s) for s in stops if s in decoded]
+    assert (result.finish_reason == "stop") == bool(found)
+    if include or not found:
+        assert result.text == decoded
+    else:
+        assert result.text == decoded[: min(found)]
+        assert not any(s in result.text for s in stops)
+
+
+def test_include_stop_str_in_output_is_a_flag_kept_on_the_request(byte_engine):
+    state = scheduler.new_state(byte_engine)
+    added, _ = scheduler.add_request(
+        byte_engine, state, [72], stop_strings="ab", include_stop_str_in_output=True
+    )
+    assert added.waiting[0].include_stop_str_in_output is True
+    with pytest.raises(TypeError, match=r"include_stop_str_in_output='yes'.*True or False"):
+        scheduler.add_request(
+            byte_engine, state, [72], stop_strings="ab", include_stop_str_in_output="yes"
+        )
+    assert state.waiting == () and state.next_rid == 0
+
+
+def test_the_command_line_takes_stop_strings_and_ignore_eos(capsys, bundled):
+    tokenizer = bundled["plain"].tokenizer
+    common = ["--prompt", PROMPT, "--algorithm", "plain", "--max-new-tokens", "32"]
+    status, out, _ = run_cli(capsys, *common, "--json")
+    free = parse_one_object(out)
+    status, out, _ = run_cli(capsys, *common, "--json", "--stop", "zzz", "--stop", STOP)
+    stopped = parse_one_object(out)
+    assert status == 0 and stopped["finish_reason"] == "stop"
+    assert stopped["text"] == free["text"][: free["text"].index(STOP)]
+    assert STOP in tokenizer.decode(stopped["token_ids"])
+    status, out, _ = run_cli(capsys, *common, "--stop", STOP)  # streamed as it is decoded
+    assert status == 0 and out == stopped["text"] + "\n"
+    keep = ("--json", "--stop", STOP, "--include-stop-str-in-output")
+    status, out, _ = run_cli(capsys, *common, *keep)
+    assert parse_one_object(out)["text"] == tokenizer.decode(stopped["token_ids"])
+    status, out, err = run_cli(capsys, *common, "--stop", "")
+    assert status == 2 and "--stop is empty" in err and out == ""
+    args = cli.parser().parse_args(["generate", *common, "--ignore-eos", "--stop=-x"])
+    _, options = cli._generate_call(args, "plain")
+    assert options["ignore_eos"] is True and options["stop_strings"] == ("-x",)
+    assert options["include_stop_str_in_output"] is False
+    assert cli.main(["generate", *common, "--json", "--stop", "-x"]) == 0
+    assert "-x" not in parse_one_object(capsys.readouterr().out)["text"]
