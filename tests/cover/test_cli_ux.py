@@ -509,6 +509,7 @@ def test_a_prompts_file_decodes_each_line_as_generate_does_alone(capsys, tmp_pat
         ('{"prompt": "a", "prompt_ids": [1]}', ["prompts.jsonl:2", "prompt_ids"]),
         ('{"prompt": "a", "colour": 1}', ["prompts.jsonl:2", "'colour'"]),
         ('{"prompt": "a", "stop_strings": 3}', ["prompts.jsonl:2", "stop_strings"]),
+        ('{"prompt": "a", "include_stop_str_in_output": 1}', ["jsonl:2", "include_stop_str"]),
         ("not json", ["prompts.jsonl:2", "not a JSON object"]),
     ],
 )

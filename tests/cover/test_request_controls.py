@@ -7,6 +7,7 @@ the pipeline; the text returned and streamed excludes the stop string unless
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from conftest import tiny_config
@@ -156,3 +157,15 @@ def test_the_command_line_takes_stop_strings_and_ignore_eos(capsys, bundled):
     assert options["include_stop_str_in_output"] is False
     assert cli.main(["generate", *common, "--json", "--stop", "-x"]) == 0
     assert "-x" not in parse_one_object(capsys.readouterr().out)["text"]
+
+
+def test_a_prompts_file_line_may_keep_its_stop_string(capsys, bundled, tmp_path):
+    lines = [{"prompt": PROMPT}, {"prompt": PROMPT, "include_stop_str_in_output": True}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = ["--algorithm", "plain", "--max-new-tokens", "32", "--stop", STOP]
+    status, out, _ = run_cli(capsys, "--prompts-file", str(prompts), *common)
+    cut, kept = (json.loads(line) for line in out.splitlines())
+    assert status == 0 and cut["token_ids"] == kept["token_ids"]
+    assert kept["text"] == bundled["plain"].tokenizer.decode(kept["token_ids"])
+    assert kept["text"].startswith(cut["text"] + STOP) and STOP not in cut["text"]
