@@ -198,7 +198,9 @@ def plain_round(
             extend_batch(kv, token[:, None], ones), resources.target_pool, capture
         )
         logits, fault = guard_logits(
-            resources.target.logits(hidden[:, 0]), state.sampling.temperature
+            resources.target.logits(hidden[:, 0]),
+            state.sampling.temperature,
+            state.sampling.logit_bias,
         )
         token = sample(logits, state.sampling, kv.seq_lens + 1)
         tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]

@@ -59,7 +59,10 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
     batch = extend_batch(state.kv, state.next_tokens[:, None], ones)
     hidden, _ = resources.target(batch, resources.target_pool)
     seq_lens = state.kv.seq_lens + 1
-    logits, faults = guard_logits(resources.target.logits(hidden[:, 0]), state.sampling.temperature)
+    sampling = state.sampling
+    logits, faults = guard_logits(
+        resources.target.logits(hidden[:, 0]), sampling.temperature, sampling.logit_bias
+    )
     tokens = sample(logits, state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)
     logprobs = step_logprobs(logits, state.sampling, tokens)

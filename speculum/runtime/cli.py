@@ -17,7 +17,7 @@ from typing import NoReturn
 from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
-from speculum.runtime import distributed
+from speculum.runtime import distributed, scheduler
 from speculum.runtime.default_model import DEFAULT_ALGORITHM
 from speculum.runtime.engine import NgramOptions
 from speculum.runtime.generate import REQUEST_SETTINGS, Comparison, compare_plain, generate
@@ -88,6 +88,19 @@ def _prompt_text(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("--prompt is empty: give some text to continue")
     return text
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """``--logit-bias``'s JSON object of token ids and biases, checked as
+    ``scheduler.Sampling`` checks it."""
+    try:
+        bias = scheduler.Sampling(logit_bias=json.loads(text)).logit_bias
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(
+            f"--logit-bias {text}: expected a JSON object of token ids and biases in "
+            f"[-100, 100], e.g. '{{\"5\": -100}}' ({err})"
+        ) from err
+    return dict(bias)
 
 
 def _stop_text(text: str) -> str:
@@ -319,6 +332,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="report each generated token's log-probability and its N most likely alternatives "
         '(--json\'s "logprobs"; see docs/request_controls.md); 0 = off',
+    )
+    gen.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        metavar="JSON",
+        help="add each bias (in [-100, 100]) to its token's logit, e.g. '{\"5\": -100}' bans "
+        "token 5 (OpenAI's and vLLM's logit_bias)",
     )
     gen.add_argument(
         "--stop",
@@ -669,6 +689,11 @@ def _prompt_object(line: str, where: str) -> dict:
         values = [value] if isinstance(value, kind) else value
         if not isinstance(values, list) or not all(type(v) is kind for v in values):
             raise ValueError(f"{where}: {name} takes one {kind.__name__} or a list of them")
+    if "logit_bias" in raw:
+        try:
+            scheduler.Sampling(logit_bias=raw["logit_bias"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from err
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if type(raw.get(name, False)) is not bool:
             raise ValueError(f"{where}: {name} takes true or false")
@@ -943,6 +968,7 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         max_batch=args.max_batch,
         page_size=args.page_size,
         logprobs=args.logprobs,
+        logit_bias=args.logit_bias,
         stop_strings=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
         ignore_eos=args.ignore_eos,

@@ -73,7 +73,9 @@ class EngineConfig:
     token's log-probability (``scheduler.Sampling.logprobs``); 0, the default, computes no
     log-probabilities at all, and any other value computes that many for every token of every
     round (a softmax and a top-k over the vocabulary per emitted token;
-    ``docs/request_controls.md``).
+    ``docs/request_controls.md``). ``logit_bias`` lets requests carry a logit bias
+    (``scheduler.Sampling.logit_bias``): a ``[batch, vocab]`` float32 row per request, added to
+    every target distribution; False, the default, adds nothing and stores nothing.
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -89,6 +91,7 @@ class EngineConfig:
     fuse_projections: bool = attrs.field(default=True, converter=_FLAG)
     overlap: bool = attrs.field(default=False, converter=_FLAG)
     max_logprobs: int = attrs.field(default=0, converter=_count(0))
+    logit_bias: bool = attrs.field(default=False, converter=_FLAG)
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -363,6 +366,7 @@ def engine_from_model(
     fuse_projections: bool = True,
     overlap: bool = False,
     max_logprobs: int = 0,
+    logit_bias: bool = False,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -373,7 +377,8 @@ def engine_from_model(
     exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
-    ``max_logprobs`` bounds the top alternatives a request may ask for (:class:`EngineConfig`).
+    ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
+    requests carry a logit bias (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -395,6 +400,7 @@ def engine_from_model(
         fuse_projections=fuse_projections,
         overlap=overlap,
         max_logprobs=max_logprobs,
+        logit_bias=logit_bias,
     )
     _check_limits(target, config)
     spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)

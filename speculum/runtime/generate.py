@@ -135,6 +135,7 @@ def generate(
     min_p: float = 0.0,
     seed: int = 0,
     logprobs: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
@@ -175,7 +176,10 @@ def generate(
     ``model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``,
     ``prompt_lookup_max``, ``prompt_lookup_min``) in place of those arguments.
 
-    Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``.
+    Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``;
+    ``logit_bias`` ``{token_id: bias}`` adds each bias (in [-100, 100]) to the target's logit of
+    that token before all of them (an engine built here allows it when asked; one given must
+    have been built with ``logit_bias=True``).
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
     string, or a sequence of them). A stop string ends the request at the token that completes
@@ -267,7 +271,15 @@ def _engine(arguments: dict[str, Any]) -> Engine:
         max_batch=a["max_batch"],
         page_size=a["page_size"],
         max_logprobs=a["logprobs"],
+        logit_bias=_asks_for_logit_bias(a),
     )
+
+
+def _asks_for_logit_bias(arguments: dict[str, Any]) -> bool:
+    """Whether ``generate``'s call gives a logit bias, shared or a mapping prompt's own."""
+    prompts = arguments["prompts"]
+    own = [] if isinstance(prompts, str) else [p for p in prompts if isinstance(p, Mapping)]
+    return bool(arguments["logit_bias"]) or any(p.get("logit_bias") for p in own)
 
 
 #: ``generate``'s arguments that shape drafting, which plain decoding does without.
@@ -406,7 +418,7 @@ def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
 
 
 #: ``generate``'s arguments that make a request's ``scheduler.Sampling``.
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "logit_bias")
 
 #: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
 REQUEST_SETTINGS = (
@@ -417,6 +429,7 @@ REQUEST_SETTINGS = (
     "min_p",
     "seed",
     "logprobs",
+    "logit_bias",
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",

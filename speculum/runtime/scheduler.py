@@ -27,7 +27,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -87,6 +87,34 @@ def _temperature(value: object) -> float:
     return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
+#: The largest logit bias, either way (OpenAI's and vLLM's range): -100 bans a token in
+#: practice, +100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A checked logit bias as sorted ``(token_id, bias)`` pairs: ``{token_id: bias}`` with
+    ids as ints or decimal strings (OpenAI's JSON keys), each bias a number in [-100, 100];
+    None is none. The vocabulary bound is checked by ``add_request``, which knows it."""
+    if value is None:
+        return ()
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)  # the stored form, as attrs.evolve hands it back
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"logit_bias={value!r}: must map token ids to biases, e.g. {{5: -100.0}}, not "
+            f"{type(value).__name__}"
+        )
+    pairs = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdecimal() else key
+        token = checks.integer(f"logit_bias key {key!r}", token, minimum=0)
+        pairs[token] = checks.real(
+            f"logit_bias[{token}]", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS
+        )
+    return tuple(sorted(pairs.items()))
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Sampling:
     """Host-side sampling settings of one request, checked when built.
@@ -104,6 +132,11 @@ class Sampling:
     built with ``max_logprobs >= N``); 0 asks for none. The distribution is the target's, in
     float32, divided by the temperature (greedy requests: as it is), before top-k, top-p and
     min-p truncation, and the same whatever the pipeline (``docs/request_controls.md``).
+
+    ``logit_bias`` ``{token_id: bias}`` (OpenAI's and vLLM's) adds ``bias``, in [-100, 100],
+    to the target's logit of that token before the temperature, the filters and the
+    log-probabilities, at every position; stored as sorted ``(token_id, bias)`` pairs. The
+    engine must be built with ``logit_bias=True``.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -124,6 +157,7 @@ class Sampling:
         ),
     )
     logprobs: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -359,6 +393,19 @@ def _check_logprobs(engine: Engine, sampling: Sampling) -> None:
         )
 
 
+def _check_logit_bias(engine: Engine, sampling: Sampling, vocab: int) -> None:
+    """Refuse a logit bias the engine does not apply, or one naming ids outside the vocabulary."""
+    if not sampling.logit_bias:
+        return
+    if not engine.config.logit_bias:
+        raise ValueError(
+            "logit_bias: the engine was built without logit_bias, so its rounds add no bias; "
+            "build it with logit_bias=True (engine_from_model, build_engine; generate does so "
+            "when asked for one)"
+        )
+    _token_ids("logit_bias", [token for token, _ in sampling.logit_bias], vocab)
+
+
 def add_request(
     engine: Engine,
     state: SchedulerState,
@@ -402,6 +449,7 @@ def add_request(
     include_stop = checks.flag("include_stop_str_in_output", include_stop_str_in_output)
     _validate(engine, prompt, max_new_tokens)
     _check_logprobs(engine, sampling)
+    _check_logit_bias(engine, sampling, vocab)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
@@ -485,8 +533,16 @@ def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
     return table
 
 
-def _sampling_params(requests: tuple[Request, ...], num_logprobs: int) -> SamplingParams:
+def _sampling_params(
+    requests: tuple[Request, ...], num_logprobs: int, bias_vocab: int | None
+) -> SamplingParams:
+    """The requests' settings as device rows; a dense logit-bias row each over ``bias_vocab``
+    tokens (zeros without one), or no bias at all when ``bias_vocab`` is None."""
     s = [r.sampling for r in requests]
+    bias = None if bias_vocab is None else torch.zeros(len(s), bias_vocab, dtype=torch.float32)
+    for row, x in enumerate(s if bias is not None else ()):
+        for token, value in x.logit_bias:
+            bias[row, token] = value
     return SamplingParams(
         temperature=torch.tensor([x.temperature for x in s], dtype=torch.float32),
         top_k=torch.tensor([x.top_k for x in s], dtype=torch.int64),
@@ -494,7 +550,13 @@ def _sampling_params(requests: tuple[Request, ...], num_logprobs: int) -> Sampli
         min_p=torch.tensor([x.min_p for x in s], dtype=torch.float32),
         seed=torch.tensor([x.seed for x in s], dtype=torch.int64),
         num_logprobs=num_logprobs,
+        logit_bias=bias,
     )
+
+
+def _bias_vocab(engine: Engine) -> int | None:
+    """The width of the logit-bias rows: the target's vocabulary, or None (no bias)."""
+    return engine.resources.target.config.vocab_size if engine.config.logit_bias else None
 
 
 def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[PrefillChunk, list[int]]:
@@ -527,7 +589,7 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         next_tokens=to_device(torch.tensor(next_tokens, dtype=torch.int64), device),
         sampling=tree_map_tensors(
             lambda x: to_device(x, device),
-            _sampling_params(chosen, engine.config.max_logprobs),
+            _sampling_params(chosen, engine.config.max_logprobs, _bias_vocab(engine)),
         ),
         prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
     )

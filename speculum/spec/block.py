@@ -119,7 +119,8 @@ def propose_block(
     hidden = head(batch, resources.draft_pool)
     hidden = hidden[:, config.first_slot : config.first_slot + config.num_drafts]
     positions = kv.seq_lens[:, None] + torch.arange(1, config.num_drafts + 1, device=hidden.device)
-    base = draft_logits_guarded(head.logits(hidden), state.sampling.temperature)
+    sampling = state.sampling
+    base = draft_logits_guarded(head.logits(hidden), sampling.temperature, sampling.logit_bias)
     if not hasattr(head, "step_logits"):
         tokens, q = _draw(base, state.sampling, positions, config.sample_drafts)
         proposal = make(BlockProposal, tokens=tokens, confidence=_top_probability(base))

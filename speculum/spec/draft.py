@@ -203,7 +203,9 @@ def _sampled_probs(
     sampling: SamplingParams,
 ) -> Float[Tensor, "batch width vocab"]:
     """The draft's filtered distribution at ``hidden``, each request's own settings applied."""
-    logits = draft_logits_guarded(resources.draft.logits(hidden), sampling.temperature)
+    logits = draft_logits_guarded(
+        resources.draft.logits(hidden), sampling.temperature, sampling.logit_bias
+    )
     return filtered_probs(logits, sampling)
 
 

@@ -122,16 +122,32 @@ def logit_faults(
     return nan * int(Fault.NAN) + posinf * int(Fault.POSINF) + no_token * int(Fault.NO_TOKEN)
 
 
+def biased_logits(
+    logits: Float[Tensor, "batch *rows vocab"], bias: Float[Tensor, "batch vocab"] | None
+) -> Float[Tensor, "batch *rows vocab"]:
+    """``logits`` plus each request's logit bias (``SamplingParams.logit_bias``), in float32,
+    at every row of the request: the bias depends on the token alone, not on its position, so
+    every tree node and every step gets the same. ``bias`` None returns ``logits`` as they are.
+    """
+    if bias is None:
+        return logits
+    return logits.float() + bias.view(bias.shape[0], *([1] * (logits.dim() - 2)), bias.shape[1])
+
+
 def guard_logits(
-    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
+    logits: Float[Tensor, "batch *rows vocab"],
+    temperature: Float[Tensor, " batch"] | None = None,
+    bias: Float[Tensor, "batch vocab"] | None = None,
 ) -> tuple[Float[Tensor, "batch *rows vocab"], Int[Tensor, " batch *rows"]]:
-    """``logits`` with every faulty row replaced by zeros, and each row's faults.
+    """``logits`` (plus ``bias``, :func:`biased_logits`, so that everything read from them
+    sees it) with every faulty row replaced by zeros, and each row's faults.
 
     A faulty row becomes a uniform distribution, so everything computed from it (draws, trees,
     acceptance) stays finite and defined; what it decides is meaningless, and its faults say
     so. Every other row passes unchanged, bit for bit: a tree node whose logits are NaN (a draft
     token with a broken embedding row, say) spoils only what that node decides.
     """
+    logits = biased_logits(logits, bias)
     faults = logit_faults(logits, temperature)
     return logits.masked_fill((faults != 0)[..., None], 0.0), faults
 
@@ -188,15 +204,19 @@ def first_fault(
 
 
 def draft_logits_guarded(
-    logits: Float[Tensor, "batch *rows vocab"], temperature: Float[Tensor, " batch"] | None = None
+    logits: Float[Tensor, "batch *rows vocab"],
+    temperature: Float[Tensor, " batch"] | None = None,
+    bias: Float[Tensor, "batch vocab"] | None = None,
 ) -> Float[Tensor, "batch *rows vocab"]:
     """:func:`guard_logits` for a draft: a faulty row drafts from a uniform distribution.
+    ``bias`` (the requests' logit bias, over the target's vocabulary) makes the draft propose
+    what the biased target will accept; acceptance is exact either way.
 
     A draft's faults are not reported: its tokens are proposals that the target verifies, and
     the distribution a proposal was drawn from (uniform, here) is what the verifier is given,
     so a broken draft lowers acceptance but never changes the output.
     """
-    return guard_logits(logits, temperature)[0]
+    return guard_logits(logits, temperature, bias)[0]
 
 
 def _mul32(x, c: int):

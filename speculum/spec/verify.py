@@ -55,7 +55,7 @@ def verify_tree(
     q_lens = None if verify_lens is None else verify_lens + 1
     batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree), q_lens=q_lens)
     hidden, captured = target(batch, pool, capture_layers)
-    logits, faults = guard_logits(target.logits(hidden), sampling.temperature)
+    logits, faults = guard_logits(target.logits(hidden), sampling.temperature, sampling.logit_bias)
     target_probs = filtered_probs(logits, sampling)
     accepted = accept(
         tree,

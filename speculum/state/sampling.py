@@ -23,6 +23,11 @@ class SamplingParams:
     emitted token reports with its own log-probability (:class:`TokenLogprobs`); 0 computes no
     log-probabilities at all (the record is then zeros with no alternatives). It is the same
     for the whole batch, so a round's shapes never depend on which requests ask for them.
+
+    ``logit_bias[b, t]`` is added to request ``b``'s target logit of token ``t`` before
+    anything else reads it (temperature, filters, log-probabilities; ``spec.sampling
+    .biased_logits``); zeros for a request without one. ``None`` (engines built without
+    ``logit_bias``) adds nothing and costs nothing.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -31,6 +36,7 @@ class SamplingParams:
     min_p: Float[Tensor, " batch"]
     seed: Int[Tensor, " batch"]
     num_logprobs: int = static(default=0)
+    logit_bias: Float[Tensor, "batch vocab"] | None = None
 
 
 @record

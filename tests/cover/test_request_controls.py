@@ -10,10 +10,14 @@ import itertools
 import json
 
 import pytest
+import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli import parse_one_object, run_cli
+from test_eagle import VOCAB
+from test_logprobs import assert_token_logprobs, target_logprobs
+from test_overlap import PIPELINES, engine
 
 from speculum.models.loading import random_model
 from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
@@ -58,15 +62,15 @@ def test_a_stop_string_inside_a_round_ends_it_as_plain_decoding_does(bundled):
     end = next(n for n in range(len(ids)) if STOP in tokenizer.decode(ids[: n + 1]))
     emitted = next(e for e in itertools.accumulate(len(s) for s, _ in free_steps) if e > end)
     assert emitted > end + 1, "the stop string must land inside a multi-token round"
-    for name, engine in bundled.items():
-        result, steps = streamed(engine, PROMPT, max_new_tokens=32, stop_strings=STOP)
+    for name, built in bundled.items():
+        result, steps = streamed(built, PROMPT, max_new_tokens=32, stop_strings=STOP)
         assert result.finish_reason == "stop", name
         assert result.token_ids == free.token_ids[: end + 1], name
         assert result.text == free.text[: free.text.index(STOP)], name
         assert "".join(text for _, text in steps) == result.text, name
         assert sum(len(ids) for ids, _ in steps) == len(result.token_ids), name
         kept, _ = streamed(
-            engine,
+            built,
             PROMPT,
             max_new_tokens=32,
             stop_strings=STOP,
@@ -169,3 +173,122 @@ def test_a_prompts_file_line_may_keep_its_stop_string(capsys, bundled, tmp_path)
     assert status == 0 and cut["token_ids"] == kept["token_ids"]
     assert kept["text"] == bundled["plain"].tokenizer.decode(kept["token_ids"])
     assert kept["text"].startswith(cut["text"] + STOP) and STOP not in cut["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# logit_bias: added to the target's logits before everything else, at every tree node
+
+BIAS_PROMPTS = [[1, 2, 3], [5], [9, 4, 12, 0, 7]]
+
+
+@pytest.fixture(scope="module")
+def free_markov():
+    """Greedy plain decoding of the Markov target of ``test_eagle``, without a bias."""
+    return generate(BIAS_PROMPTS, engine=engine("plain", False), max_new_tokens=12)
+
+
+def banned_and_boosted(free) -> dict[int, float]:
+    """A bias that bans the first token plain decoding picks for the first prompt and boosts
+    one it never picks there."""
+    first = free[0].token_ids
+    unused = next(t for t in range(VOCAB) if t not in first)
+    return {first[0]: -100.0, unused: 8.0}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_greedy_decoding_under_a_logit_bias_is_plain_decodings(name, free_markov):
+    bias = banned_and_boosted(free_markov)
+    plain = generate(
+        BIAS_PROMPTS,
+        engine=engine("plain", False, logit_bias=True),
+        max_new_tokens=12,
+        logit_bias=bias,
+    )
+    banned = min(bias, key=bias.get)
+    assert plain[0].token_ids != free_markov[0].token_ids  # the bias changes the output
+    assert all(banned not in r.token_ids for r in plain)
+    results = generate(
+        BIAS_PROMPTS,
+        engine=engine(name, False, logit_bias=True),
+        max_new_tokens=12,
+        logit_bias=bias,
+    )
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle tree", "eagle3 sampled drafts", "dflash"])
+def test_sampled_tokens_come_from_the_biased_distribution(name, free_markov):
+    """Each sampled token's reported log-probability is ``log_softmax((logits + bias) / T)``
+    of a direct forward, so the distribution that decided it had the bias; a banned token is
+    never drawn."""
+    bias = banned_and_boosted(free_markov)
+    row = torch.zeros(VOCAB)
+    row[list(bias)] = torch.tensor(list(bias.values()))
+    temperature = 0.8
+    results = generate(
+        BIAS_PROMPTS,
+        engine=engine(name, False, logit_bias=True, max_logprobs=2),
+        max_new_tokens=10,
+        temperature=temperature,
+        seed=5,
+        logprobs=2,
+        logit_bias=bias,
+    )
+    for prompt, result in zip(BIAS_PROMPTS, results):
+        unbiased = target_logprobs(prompt, result.token_ids, temperature)
+        expected = torch.log_softmax(unbiased + row / temperature, dim=-1)
+        assert min(bias, key=bias.get) not in result.token_ids
+        assert_token_logprobs(result.logprobs, expected, result.token_ids, 2)
+
+
+@pytest.mark.parametrize(
+    ("bias", "error", "words"),
+    [
+        ({VOCAB: 1.0}, ValueError, ["logit_bias", f"[{VOCAB}]", "outside the vocabulary"]),
+        ({3: float("nan")}, ValueError, ["logit_bias[3]", "nan", "[-100, 100]"]),
+        ({3: 100.5}, ValueError, ["logit_bias[3]", "100.5", "[-100, 100]"]),
+        ({-1: 1.0}, ValueError, ["logit_bias key -1"]),
+        ({"x": 1.0}, TypeError, ["logit_bias key 'x'"]),
+        ([(3, 1.0, 2)], TypeError, ["logit_bias", "must map token ids to biases"]),
+    ],
+)
+def test_a_bad_logit_bias_is_refused_and_the_state_is_unchanged(bias, error, words):
+    biased = engine("plain", False, logit_bias=True)
+    state = scheduler.new_state(biased)
+    with pytest.raises(error) as raised:
+        scheduler.add_request(biased, state, [1, 2], sampling=scheduler.Sampling(logit_bias=bias))
+    assert all(w in str(raised.value) for w in words), str(raised.value)
+    assert state.waiting == () and state.next_rid == 0
+
+
+def test_a_logit_bias_needs_an_engine_built_for_it():
+    unbiased = engine("plain", False)
+    state = scheduler.new_state(unbiased)
+    sampling = scheduler.Sampling(logit_bias={"3": -100})  # OpenAI's JSON keys are strings
+    assert sampling.logit_bias == ((3, -100.0),)
+    with pytest.raises(ValueError, match="built without logit_bias.*logit_bias=True"):
+        scheduler.add_request(unbiased, state, [1, 2], sampling=sampling)
+    assert state.waiting == ()
+
+
+def test_the_command_line_takes_a_logit_bias(capsys, tmp_path):
+    common = ["--prompt", PROMPT, "--algorithm", "plain", "--max-new-tokens", "8", "--json"]
+    status, out, _ = run_cli(capsys, *common)
+    free = parse_one_object(out)["token_ids"]
+    banned = json.dumps({str(free[0]): -100})
+    status, out, _ = run_cli(capsys, *common, "--logit-bias", banned)
+    biased = parse_one_object(out)["token_ids"]
+    assert status == 0 and free[0] not in biased and biased != free
+    (alone,) = generate(PROMPT, algorithm="plain", max_new_tokens=8, logit_bias={free[0]: -100})
+    assert list(alone.token_ids) == biased
+    for bad in ('{"5": 101}', "[5]", '{"5": "x"}', "{5: 1}"):
+        status, out, err = run_cli(capsys, *common, "--logit-bias", bad)
+        assert status == 2 and out == "" and "--logit-bias" in err and "[-100, 100]" in err
+    # A prompt of a file may carry its own (OpenAI's JSON: string keys); a bad one is refused.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "logit_bias": {str(free[0]): -100}}) + "\n")
+    status, out, _ = run_cli(capsys, "--prompts-file", str(prompts), *common[2:-1])
+    assert status == 0 and json.loads(out)["token_ids"] == biased
+    prompts.write_text(json.dumps({"prompt": PROMPT, "logit_bias": {"5": 200}}) + "\n")
+    status, out, err = run_cli(capsys, "--prompts-file", str(prompts), *common[2:-1])
+    assert status == 2 and "prompts.jsonl:1" in err and "logit_bias[5]" in err
