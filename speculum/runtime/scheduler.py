@@ -534,13 +534,14 @@ def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
 
 
 def _sampling_params(
-    requests: tuple[Request, ...], num_logprobs: int, bias_vocab: int | None
+    requests: tuple[Request, ...], num_logprobs: int, bias_vocab: int
 ) -> SamplingParams:
     """The requests' settings as device rows; a dense logit-bias row each over ``bias_vocab``
-    tokens (zeros without one), or no bias at all when ``bias_vocab`` is None."""
+    tokens (zeros without one; no columns, so nothing added, when ``bias_vocab`` is 0). The
+    bias is always a tensor: a captured round's records may hold nothing else."""
     s = [r.sampling for r in requests]
-    bias = None if bias_vocab is None else torch.zeros(len(s), bias_vocab, dtype=torch.float32)
-    for row, x in enumerate(s if bias is not None else ()):
+    bias = torch.zeros(len(s), bias_vocab, dtype=torch.float32)
+    for row, x in enumerate(s if bias_vocab else ()):
         for token, value in x.logit_bias:
             bias[row, token] = value
     return SamplingParams(
@@ -554,9 +555,9 @@ def _sampling_params(
     )
 
 
-def _bias_vocab(engine: Engine) -> int | None:
-    """The width of the logit-bias rows: the target's vocabulary, or None (no bias)."""
-    return engine.resources.target.config.vocab_size if engine.config.logit_bias else None
+def _bias_vocab(engine: Engine) -> int:
+    """The width of the logit-bias rows: the target's vocabulary, or 0 (no bias)."""
+    return engine.resources.target.config.vocab_size if engine.config.logit_bias else 0
 
 
 def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[PrefillChunk, list[int]]:

@@ -127,9 +127,10 @@ def biased_logits(
 ) -> Float[Tensor, "batch *rows vocab"]:
     """``logits`` plus each request's logit bias (``SamplingParams.logit_bias``), in float32,
     at every row of the request: the bias depends on the token alone, not on its position, so
-    every tree node and every step gets the same. ``bias`` None returns ``logits`` as they are.
+    every tree node and every step gets the same. ``bias`` None, or with no columns (an engine
+    built without logit bias), returns ``logits`` as they are.
     """
-    if bias is None:
+    if bias is None or bias.shape[-1] == 0:
         return logits
     return logits.float() + bias.view(bias.shape[0], *([1] * (logits.dim() - 2)), bias.shape[1])
 

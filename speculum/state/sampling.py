@@ -26,8 +26,9 @@ class SamplingParams:
 
     ``logit_bias[b, t]`` is added to request ``b``'s target logit of token ``t`` before
     anything else reads it (temperature, filters, log-probabilities; ``spec.sampling
-    .biased_logits``); zeros for a request without one. ``None`` (engines built without
-    ``logit_bias``) adds nothing and costs nothing.
+    .biased_logits``); zeros for a request without one. With no columns (the scheduler's rows
+    for an engine built without ``logit_bias``), or ``None``, it adds nothing and costs
+    nothing; captured rounds need the former, a tensor.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -36,7 +37,7 @@ class SamplingParams:
     min_p: Float[Tensor, " batch"]
     seed: Int[Tensor, " batch"]
     num_logprobs: int = static(default=0)
-    logit_bias: Float[Tensor, "batch vocab"] | None = None
+    logit_bias: Float[Tensor, "batch bias_vocab"] | None = None
 
 
 @record

@@ -292,3 +292,17 @@ def test_the_command_line_takes_a_logit_bias(capsys, tmp_path):
     prompts.write_text(json.dumps({"prompt": PROMPT, "logit_bias": {"5": 200}}) + "\n")
     status, out, err = run_cli(capsys, "--prompts-file", str(prompts), *common[2:-1])
     assert status == 2 and "prompts.jsonl:1" in err and "logit_bias[5]" in err
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize("controls", [{}, {"logit_bias": True, "max_logprobs": 2}])
+def test_every_leaf_of_a_round_is_a_tensor(name, controls):
+    """A CUDA graph captures records whose leaves are all tensors (``runtime.graphs``): a
+    control an engine was built without must still be a tensor (with no columns), never None,
+    in the batch state a round reads and in everything it returns."""
+    built = engine(name, False, **controls)
+    state, _ = scheduler.add_request(built, scheduler.new_state(built), [3, 4], max_new_tokens=6)
+    state, _ = scheduler.step(built, state)
+    round_output = built.pipeline.decode(built.resources, state.batch)
+    leaves = torch.utils._pytree.tree_leaves((state.batch, round_output))
+    assert leaves and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
