@@ -24,11 +24,16 @@ __all__ = ["DEVICE_KERNELS", "model_ops", "paged_attention", "register_device_ke
 
 #: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
 TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")
+#: Modules whose ``register()`` installs CUDA kernels built on torch alone (no Triton needed).
+TORCH_CUDA_MODULES = ("grouped_moe",)
 
 
 def register_device_kernels() -> str:
-    """Install the Triton kernels as the CUDA kernels of every op; returns the path that CUDA
-    tensors take: ``"triton"``, or ``"reference"`` (with a warning) where Triton is missing."""
+    """Install the CUDA kernels of speculum's ops (Triton's, and the torch-only grouped-GEMM
+    MoE); returns the path that CUDA tensors take: ``"triton"``, or ``"reference"`` (with a
+    warning) where Triton is missing."""
+    for name in TORCH_CUDA_MODULES:
+        importlib.import_module(f"speculum.kernels.{name}").register()
     try:
         import triton  # noqa: F401
     except ImportError:

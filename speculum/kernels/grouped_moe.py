@@ -1,0 +1,111 @@
+"""The routed experts of a mixture-of-experts MLP as two grouped GEMMs over each row's selected
+experts only: the CUDA kernel of ``speculum::moe``.
+
+The reference (``model_ops.moe_reference``) runs every row through every expert, which costs
+``num_experts / top_k`` times the FLOPs and, worse for decoding, reads every expert's weights
+each step. Here the ``rows * top_k`` (row, expert) pairs are sorted by expert, each expert's
+contiguous run of pairs goes through its own weights (``torch._grouped_mm``, whose group
+boundaries are read on the device: no ``.item()``, no shape that depends on the routing, so a
+captured round stays one CUDA graph, and experts no row selected are never read), and each
+row's ``top_k`` outputs are summed back in ascending expert order, as the reference sums them
+(a fixed order, not atomics racing: the same inputs give the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from speculum.kernels import model_ops
+
+__all__ = ["grouped_experts", "grouped_mm_supported", "moe_cuda", "register"]
+
+
+def grouped_mm_supported(x: Tensor, experts_down: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for these activations and experts: bfloat16 on a CUDA
+    device of compute capability 9.0 or newer (Hopper), where its CUTLASS kernel exists, with
+    hidden and expert widths whose rows are multiples of 16 bytes (its alignment rule)."""
+    aligned = all(width * x.element_size() % 16 == 0 for width in experts_down.shape[1:])
+    return (
+        aligned
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def _expert_offsets(
+    expert_of_pair: Int[Tensor, " pairs"], num_experts: int
+) -> Int[Tensor, " expert"]:
+    """End offset of each expert's run in the expert-sorted pairs (int32, as ``_grouped_mm``
+    wants). A scatter-add, not ``bincount``, which would sync to size its output."""
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=expert_of_pair.device)
+    ones = torch.ones_like(expert_of_pair, dtype=torch.int32)
+    return counts.scatter_add_(0, expert_of_pair, ones).cumsum(0, dtype=torch.int32)
+
+
+def grouped_experts(
+    rows: Float[Tensor, "row hidden"],
+    top_weights: Float[Tensor, "row k"],
+    top_index: Int[Tensor, "row k"],
+    experts_gate_up: Float[Tensor, "expert two_inter hidden"],
+    experts_down: Float[Tensor, "expert hidden inter"],
+) -> Float[Tensor, "row hidden"]:
+    """``sum_j top_weights[r, j] * down_e(silu(gate_e(x_r)) * up_e(x_r))`` over each row's
+    selected experts ``e = top_index[r, j]``, the terms added in ascending expert order.
+
+    The weights are rounded to ``rows.dtype`` before scaling, as the reference does. Needs
+    ``grouped_mm_supported(rows, experts_down)``.
+    """
+    num_rows, k = top_index.shape
+    # Ascending expert order within each row: the order the terms are summed in.
+    top_index, within = top_index.sort(dim=-1)
+    top_weights = top_weights.gather(-1, within).to(rows.dtype)
+    expert_of_pair = top_index.flatten()
+    order = expert_of_pair.argsort(stable=True)
+    offsets = _expert_offsets(expert_of_pair, experts_gate_up.shape[0])
+    pair_rows = rows[order // k]
+    gate, up = torch._grouped_mm(pair_rows, experts_gate_up.transpose(1, 2), offs=offsets).chunk(
+        2, dim=-1
+    )
+    pair_out = torch._grouped_mm(
+        (F.silu(gate) * up).contiguous(), experts_down.transpose(1, 2), offs=offsets
+    )
+    # Back to (row, j) order, then scaled and summed over j.
+    unsorted = torch.empty_like(pair_out).index_copy_(0, order, pair_out)
+    weights = top_weights[..., None]
+    # A selected expert of weight 0 adds nothing even where its output overflows (as in the
+    # reference, which drops unselected experts by ``where``).
+    scaled = torch.where(weights != 0, unsorted.view(num_rows, k, -1) * weights, 0)
+    out = scaled[:, 0]
+    for j in range(1, k):
+        out = out + scaled[:, j]
+    return out
+
+
+def moe_cuda(
+    x: Tensor,
+    router: Tensor,
+    experts_gate_up: Tensor,
+    experts_down: Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> Tensor:
+    """The CUDA kernel of ``speculum::moe``: the reference's routing, then
+    :func:`grouped_experts` where ``torch._grouped_mm`` runs (else the dense reference)."""
+    if not grouped_mm_supported(x, experts_down):
+        return model_ops.moe_reference(
+            x, router, experts_gate_up, experts_down, top_k, renormalize
+        ).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    weights = model_ops.moe_routing_weights(F.linear(rows, router), top_k, renormalize)
+    routed = grouped_experts(rows, *weights.topk(top_k), experts_gate_up, experts_down)
+    return routed.view(x.shape)
+
+
+def register() -> None:
+    """Install :func:`moe_cuda` as the CUDA kernel of ``speculum::moe``."""
+    model_ops.moe.register_kernel("cuda")(moe_cuda)
