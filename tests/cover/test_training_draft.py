@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from speculum.models.config import MoEConfig
 from speculum.models.decoder import dense_batch
 from speculum.models.draft import random_draft
 from speculum.models.draft_loading import DraftTargetMismatch, save_random_draft
@@ -36,7 +37,7 @@ VOCAB = 258  # the byte-level tokenizer's ids; 256 is <s>, 257 is </s>
 LETTERS = torch.arange(ord("a"), ord("z") + 1)
 
 
-def cycle_target(hidden_size: int = 32):
+def cycle_target(hidden_size: int = 32, **changes):
     """A target whose greedy continuation is fully predictable: after a letter comes the next
     letter of the alphabet (``z`` wraps to ``a``), after any other token the same token again.
 
@@ -49,6 +50,7 @@ def cycle_target(hidden_size: int = 32):
         eos_token_ids=(257,),
         bos_token_id=256,
         tie_word_embeddings=False,
+        **changes,
     )
     model = random_model(config, seed=1, std=0.02)
     following = torch.arange(VOCAB)
@@ -144,6 +146,25 @@ def test_training_lowers_the_loss_and_saves_a_loadable_draft(
     # Nothing of the run is left beside the finished folder.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
     assert_decodes_like_plain(out_dir, target_dir, algorithm)
+
+
+def test_training_a_draft_for_a_mixture_of_experts_target(corpus, tmp_path):
+    """``train-draft`` on an MoE target (Qwen3-MoE: 4 experts, top 2, a dense layer): the
+    target's forward runs through its experts, the (dense) draft learns, and its speculative
+    decoding of the MoE target equals plain decoding."""
+    moe = MoEConfig(
+        num_experts=4, top_k=2, expert_intermediate_size=16, norm_topk_prob=True, dense_layers=(1,)
+    )
+    target = cycle_target(architecture="Qwen3MoeForCausalLM", qk_norm=True, moe=moe)
+    target_dir = write_target(tmp_path / "moe-target", target)
+    out_dir = tmp_path / "draft"
+    metrics = train(target_dir, corpus, out_dir, "mtp", steps=30)
+    (_, before), *_, (_, after) = json.loads((out_dir / "training.json").read_text())[
+        "heldout_history"
+    ]
+    assert after < 0.8 * before
+    assert metrics["acceptance_length"] >= 1.0
+    assert_decodes_like_plain(out_dir, target_dir, "mtp")
 
 
 def test_eagle3_on_a_predictable_target_accepts_deeply(target_dir, corpus, tmp_path):
