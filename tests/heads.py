@@ -50,5 +50,14 @@ def agreeing_head(target: DecoderModel, algorithm: str, seed: int = 3):
         if projection.bias is not None:
             projection.bias.zero_()
         layer.self_attn.o_proj.weight.mul_(0.1)
-        layer.mlp.down_proj.weight.zero_()
+        silence_mlp(layer.mlp)
     return head
+
+
+def silence_mlp(mlp: torch.nn.Module) -> None:
+    """Zero the output projections of a layer's MLP block, dense or mixture of experts (every
+    expert, and the shared one), so that the block adds nothing to the residual stream."""
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            if name.endswith(("down_proj.weight", "experts_down")):
+                param.zero_()
