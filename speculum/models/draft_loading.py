@@ -37,7 +37,10 @@ Layouts (``save_draft(head, folder, layout=...)`` writes each):
     ``model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm}.weight``, optional
     ``model.layers.{L}.shared_head.head.weight`` and ``model.layers.{L}.embed_tokens.weight``,
     and the decoder layer ``model.layers.{L}.{self_attn.*,mlp.*,input_layernorm.weight,
-    post_attention_layernorm.weight}``. ``load_model`` loads the same folder as the target.
+    post_attention_layernorm.weight}``, built as the target builds its layer ``L`` (in a
+    mixture-of-experts target's sparse layers an MoE layer, its experts one by one under the
+    target's key names, ``mlp.experts.{e}.gate_proj.weight`` ...; ``docs/moe.md``).
+    ``load_model`` loads the same folder as the target.
 ``mtp``  the same keys in a folder of their own (SGLang's ``export_deepseek_nextn.py`` form,
     ``model.layers.0.*`` with ``num_hidden_layers: 1``, is read too).
 
