@@ -155,6 +155,24 @@ def test_a_missing_or_extra_expert_of_an_mtp_layer_is_named(
         load(folder, target)
 
 
+def test_the_released_duplicate_embedding_is_accepted_and_shared(
+    written: Written, tmp_path: Path
+) -> None:
+    """DeepSeek's released MTP layer stores a copy of the target's embedding
+    (``model.layers.{L}.embed_tokens.weight``): accepted (not required), the head then reads
+    the target's own embedding, and its weights are those loaded without the copy."""
+    folder = Path(shutil.copytree(written.mtp, tmp_path / "copy"))
+    key = f"model.layers.{TARGET_LAYERS}.embed_tokens.weight"
+    edit_weights(folder, lambda t: t.update({key: t["model.embed_tokens.weight"].clone()}))
+    target = load_model(folder)
+    head = load_draft(folder, target, "mtp")
+    assert head.embedding is target.model.embed_tokens and not head.config.own_embedding
+    without = dict(load_draft(written.mtp, target, "mtp").named_parameters())
+    params = dict(head.named_parameters())
+    assert params.keys() == without.keys()
+    assert all(params[name].equal(without[name]) for name in params)
+
+
 def test_the_target_folder_round_trips_with_its_mtp_layers(
     written: Written, tmp_path: Path
 ) -> None:
