@@ -356,13 +356,14 @@ def head_checkpoint_names(head: nn.Module, layout: str, prefix: str) -> dict[str
     of a stacked expert weight. An MTP head's decoder layer maps as the target's layers do
     (``loading.layer_checkpoint_names``) under ``prefix`` (``model.layers.{L}.``)."""
     to_key = _key_map(layout, prefix)
+    params = [name for name, _ in head.named_parameters()]
+    if not isinstance(head, MTPHead):
+        return {name: to_key(name) for name in params}
     names: dict[str, str | Stacked] = {
-        name: to_key(name) for name, _ in head.named_parameters() if not name.startswith("decoder.")
+        name: to_key(name) for name in params if not name.startswith("decoder.")
     }
-    if isinstance(head, MTPHead):
-        architecture = head.config.layer.architecture
-        names |= layer_checkpoint_names(head.decoder, architecture, "decoder.", prefix)
-    return names
+    architecture = head.config.layer.architecture
+    return names | layer_checkpoint_names(head.decoder, architecture, "decoder.", prefix)
 
 
 def target_checkpoint_keys(target: DecoderModel) -> set[str]:
