@@ -9,6 +9,7 @@ from conftest import tiny_config
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
+from speculum.models.multi_layer_eagle import random_multi_layer
 
 
 def markov_target(vocab: int, head_scale: float = 1.0, **changes: object) -> DecoderModel:
@@ -41,14 +42,39 @@ def agreeing_head(target: DecoderModel, algorithm: str, seed: int = 3):
     handed over by verify and the draft's own KV cache still matter).
     """
     head = random_draft(target, algorithm, seed=seed, std=0.3)
-    width = target.config.hidden_size
-    projection = head.fc if algorithm == "eagle" else head.eh_proj
-    layer = head.layers[0] if algorithm == "eagle" else head.decoder
+    if algorithm == "eagle":
+        agree_(head.fc, head.layers[0])
+    else:
+        agree_(head.eh_proj, head.decoder)
+    return head
+
+
+def agreeing_multi_layer(target: DecoderModel, num_layers: int, seed: int = 3):
+    """A multi-layer EAGLE head whose every MTP layer agrees as :func:`agreeing_head`'s."""
+    head = random_multi_layer(target, num_layers, seed=seed, std=0.3)
+    for layer in head.layers:
+        agree_(layer.eh_proj, layer.decoder)
+    return head
+
+
+def agree_(projection: torch.nn.Linear, layer: torch.nn.Module) -> None:
+    """Make a draft's input ``projection`` over ``[embedding; hidden]`` pass the embedding
+    through (the hidden input damped), damp the decoder ``layer``'s attention output and
+    silence its MLP, in place."""
+    width = projection.out_features
     with torch.no_grad():
         projection.weight[:, :width] = torch.eye(width)
         projection.weight[:, width:] *= 0.1
         if projection.bias is not None:
             projection.bias.zero_()
         layer.self_attn.o_proj.weight.mul_(0.1)
-        layer.mlp.down_proj.weight.zero_()
-    return head
+        silence_mlp(layer.mlp)
+
+
+def silence_mlp(mlp: torch.nn.Module) -> None:
+    """Zero the output projections of a layer's MLP block, dense or mixture of experts (every
+    expert, and the shared one), so that the block adds nothing to the residual stream."""
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            if name.endswith(("down_proj.weight", "experts_down")):
+                param.zero_()

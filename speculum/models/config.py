@@ -144,8 +144,9 @@ class DecoderConfig:
     #: DeepSeek-V3-style multi-token-prediction layers stored after the decoder's own layers
     #: (``model.layers.{num_layers} ...``); the target ignores them, an MTP draft loads them.
     num_nextn_predict_layers: int = 0
-    #: Routing of the mixture-of-experts layers; ``None`` for a dense decoder. Draft layers
-    #: shaped like the target's are dense (:meth:`dense`).
+    #: Routing of the mixture-of-experts layers; ``None`` for a dense decoder. MTP layers are
+    #: of the target's kind; the other draft layers shaped like the target's are dense
+    #: (:meth:`dense`).
     moe: MoEConfig | None = None
 
     @classmethod
@@ -181,6 +182,7 @@ class DecoderConfig:
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(raw.get("attention_bias", False))
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
+        nextn = _integer(raw, "num_nextn_predict_layers", where, minimum=0, default=0)
         uses_window = not (qwen2 or qwen3) or raw.get("use_sliding_window", False)
         window = _integer(raw, "sliding_window", where, minimum=1) if uses_window else None
         return cls(
@@ -207,10 +209,8 @@ class DecoderConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            num_nextn_predict_layers=_integer(
-                raw, "num_nextn_predict_layers", where, minimum=0, default=0
-            ),
-            moe=_moe_settings(raw, arch, where, size["num_hidden_layers"]),
+            num_nextn_predict_layers=nextn,
+            moe=_moe_settings(raw, arch, where, size["num_hidden_layers"], nextn),
         )
 
     @classmethod
@@ -233,7 +233,8 @@ class DecoderConfig:
     def dense(self) -> DecoderConfig:
         """This config with a dense MLP in every layer, under the dense architecture with the
         same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3): the shape
-        of draft layers built like the target's."""
+        of draft layers built like the target's for training (EAGLE, EAGLE-3, block and
+        frozen-KV drafts; MTP layers keep the target's own kind)."""
         return attrs.evolve(
             self,
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
@@ -342,23 +343,32 @@ def _expert_count(raw: dict[str, Any], where: str) -> int:
     return next(iter(given.values()))
 
 
-def _layer_list(raw: dict[str, Any], key: str, where: str, num_layers: int) -> tuple[int, ...]:
-    """``raw[key]``, a list of decoder layer indices (none when absent)."""
+def _layer_list(
+    raw: dict[str, Any], key: str, where: str, num_layers: int, nextn: int
+) -> tuple[int, ...]:
+    """``raw[key]``, a list of layer indices (none when absent): the ``num_layers`` decoder
+    layers and the ``nextn`` MTP layers stored after them."""
     value = raw.get(key) or []
+    total = num_layers + nextn
     ok = isinstance(value, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < num_layers for n in value
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < total for n in value
     )
     if not ok:
+        counted = f" plus num_nextn_predict_layers {nextn}" if nextn else ""
         raise CheckpointError(
             f"{where}: {key} is {value!r}; it must be a list of layer indices in 0 .. "
-            f"{num_layers - 1} (num_hidden_layers {num_layers}): fix {key} in the file"
+            f"{total - 1} (num_hidden_layers {num_layers}{counted}): fix {key} in the file"
         )
     return tuple(sorted(set(value)))
 
 
-def _moe_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -> MoEConfig | None:
+def _moe_settings(
+    raw: dict[str, Any], arch: str, where: str, num_layers: int, nextn: int
+) -> MoEConfig | None:
     """The routing of a mixture-of-experts architecture (``None`` for a dense one), with
-    transformers' defaults for what the file leaves out."""
+    transformers' defaults for what the file leaves out. ``mlp_only_layers`` may name the
+    ``nextn`` MTP layers after the ``num_layers`` decoder layers too: an MTP layer is built as
+    the decoder would build a layer of its index (``decoder.decoder_layer``)."""
     if arch not in _DENSE_ARCHITECTURES:
         return None
     experts = _expert_count(raw, where)
@@ -393,7 +403,7 @@ def _moe_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -
         norm_topk_prob=norm,
         shared_expert_intermediate_size=shared,
         sparse_step=_integer(raw, "decoder_sparse_step", where, minimum=1, default=1),
-        dense_layers=_layer_list(raw, "mlp_only_layers", where, num_layers),
+        dense_layers=_layer_list(raw, "mlp_only_layers", where, num_layers, nextn),
     )
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "apply_rope",
     "cache_kv_heads",
     "dense_attention",
+    "decoder_layer",
     "dense_batch",
     "float32_logits",
     "FusedLinear",
@@ -44,6 +45,7 @@ __all__ = [
     "fused_linear",
     "holds",
     "mlp_block",
+    "pool_for",
     "rope_inv_freq",
 ]
 
@@ -434,6 +436,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), x
 
 
+def decoder_layer(config: DecoderConfig, layer: int, cache_layer: int) -> DecoderLayer:
+    """Decoder layer ``layer`` exactly as a model of ``config`` builds it (the attention and
+    MLP kinds the config gives that index), its attention reading and writing layer
+    ``cache_layer`` of its pool instead of layer ``layer``.
+
+    MTP layers are built here: DeepSeek-style checkpoints store them after the decoder's own
+    layers (``model.layers.{num_layers + i}``), so layer ``num_layers + i`` has the kind the
+    config's rule gives that index (an MoE layer in an MoE model), while its K/V live in layer
+    ``i`` of the draft's own pool (:func:`pool_for`)."""
+    built = DecoderLayer(config, layer)
+    built.self_attn.layer = cache_layer
+    return built
+
+
 class Backbone(nn.Module):
     """Embedding, decoder layers and final norm (transformers' ``model.*``)."""
 
@@ -483,6 +499,30 @@ def cache_kv_heads(module: nn.Module, default: int) -> int:
     return next((m.num_kv_heads for m in module.modules() if isinstance(m, Attention)), default)
 
 
+def pool_for(
+    module: nn.Module,
+    config: DecoderConfig,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype | None = None,
+) -> KVPool:
+    """A zeroed pool of ``num_layers`` layers shaped like the attention of ``config``'s layers
+    (with this rank's K/V heads when ``module`` is sharded), in ``module``'s dtype (unless
+    given) and on its device: the one place a model's pool and its drafts' pools are shaped
+    from a config (page 0 is the padding sink)."""
+    weight = next(module.parameters())
+    return KVPool.allocate(
+        num_layers=num_layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=cache_kv_heads(module, config.num_kv_heads),
+        head_dim=config.head_dim,
+        dtype=dtype or weight.dtype,
+        device=weight.device,
+    )
+
+
 class DecoderModel(nn.Module):
     """A Llama-family causal LM over the paged KV cache.
 
@@ -510,16 +550,7 @@ class DecoderModel(nn.Module):
 
     def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
         """A zeroed KV pool shaped for this model (for this rank's K/V heads, when sharded)."""
-        weight = self.model.embed_tokens.weight
-        return KVPool.allocate(
-            num_layers=self.config.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=cache_kv_heads(self, self.config.num_kv_heads),
-            head_dim=self.config.head_dim,
-            dtype=dtype or weight.dtype,
-            device=weight.device,
-        )
+        return pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
 
     def forward(
         self, batch: ForwardBatch, pool: KVPool | None, capture_layers: tuple[int, ...] = ()

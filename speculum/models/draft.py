@@ -48,7 +48,8 @@ from speculum.models.decoder import (
     DecoderModel,
     LMHead,
     RMSNorm,
-    cache_kv_heads,
+    decoder_layer,
+    pool_for,
     rope_inv_freq,
 )
 from speculum.models.loading import randomize_
@@ -80,29 +81,6 @@ _ALIASES = {
     "mtp": "mtp",
     "nextn": "mtp",
 }
-
-
-def pool_for(
-    module: nn.Module,
-    layer: DecoderConfig,
-    num_layers: int,
-    num_pages: int,
-    page_size: int,
-    dtype: torch.dtype | None = None,
-) -> KVPool:
-    """A zeroed pool of ``num_layers`` layers shaped like ``layer``'s attention (with this
-    rank's K/V heads when ``module`` is sharded), in ``module``'s dtype (unless given) and on
-    its device."""
-    weight = next(module.parameters())
-    return KVPool.allocate(
-        num_layers=num_layers,
-        num_pages=num_pages,
-        page_size=page_size,
-        num_kv_heads=cache_kv_heads(module, layer.num_kv_heads),
-        head_dim=layer.head_dim,
-        dtype=dtype or weight.dtype,
-        device=weight.device,
-    )
 
 
 def canonical_algorithm(name: str) -> str:
@@ -456,18 +434,23 @@ class _SharedHead(nn.Module):
 
 
 class MTPHead(_DraftBase):
-    """DeepSeek-V3-style MTP / NEXTN layer (SGLang ``deepseek_nextn.py``) for a Llama-family
-    target: ``eh_proj([enorm(embed); hnorm(hidden)])`` (embedding first), one decoder layer
-    of the target's kind, then ``shared_head.norm``; logits by ``shared_head.head`` when the
-    checkpoint has one, else the target's ``lm_head``."""
+    """DeepSeek-V3-style MTP / NEXTN layer (SGLang ``deepseek_nextn.py``):
+    ``eh_proj([enorm(embed); hnorm(hidden)])`` (embedding first), one decoder layer of the
+    target's kind, then ``shared_head.norm``; logits by ``shared_head.head`` when the
+    checkpoint has one, else the target's ``lm_head``.
 
-    def __init__(self, config: DraftConfig, target: DecoderModel) -> None:
+    The decoder layer is built as the target builds layer ``target_num_layers + depth``
+    (``decoder.decoder_layer``; ``depth`` counts the MTP layers stored after the target's):
+    an MoE layer of the target's routing in an MoE model's sparse layers, the dense MLP
+    elsewhere. Its K/V go to layer ``depth`` of the draft's pool."""
+
+    def __init__(self, config: DraftConfig, target: DecoderModel, depth: int = 0) -> None:
         super().__init__(config, target)
         h, eps = config.hidden_size, config.layer.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.decoder = DecoderLayer(config.layer, 0)
+        self.decoder = decoder_layer(config.layer, config.target_num_layers + depth, depth)
         self.shared_head = _SharedHead(h, config.vocab_size, eps, config.own_head)
 
     def forward(
@@ -499,12 +482,15 @@ def draft_config(target: DecoderConfig, algorithm: str, **changes: object) -> Dr
     EAGLE-1 gets an ``fc`` bias (the EAGLE reference default); EAGLE-3 a bias-free Llama
     layer, the full vocabulary and the default capture layers (for targets too shallow for
     those, fewer than 8 layers or so, the last three layers, or all of them); MTP the target's
-    own layer kind. ``changes`` override :class:`DraftConfig` fields (``layer=`` for the layer
+    own layer kind, mixture of experts included (an MTP layer is a layer of the target stored
+    after its own). ``changes`` override :class:`DraftConfig` fields (``layer=`` for the layer
     shape).
     """
     algorithm = canonical_algorithm(algorithm)
-    # Draft layers are dense, also over a mixture-of-experts target.
-    layer = attrs.evolve(target.dense(), num_layers=1, num_nextn_predict_layers=0)
+    # EAGLE-family layers built to the target's shape for training are dense, also over a
+    # mixture-of-experts target; an MTP layer is the target's kind (MTPHead).
+    shape = target if algorithm == "mtp" else target.dense()
+    layer = attrs.evolve(shape, num_layers=1, num_nextn_predict_layers=0)
     fields: dict[str, object] = {}
     if algorithm == "eagle":
         fields["fc_bias"] = True

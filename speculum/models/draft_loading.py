@@ -37,7 +37,10 @@ Layouts (``save_draft(head, folder, layout=...)`` writes each):
     ``model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm}.weight``, optional
     ``model.layers.{L}.shared_head.head.weight`` and ``model.layers.{L}.embed_tokens.weight``,
     and the decoder layer ``model.layers.{L}.{self_attn.*,mlp.*,input_layernorm.weight,
-    post_attention_layernorm.weight}``. ``load_model`` loads the same folder as the target.
+    post_attention_layernorm.weight}``, built as the target builds its layer ``L`` (in a
+    mixture-of-experts target's sparse layers an MoE layer, its experts one by one under the
+    target's key names, ``mlp.experts.{e}.gate_proj.weight`` ...; ``docs/moe.md``).
+    ``load_model`` loads the same folder as the target.
 ``mtp``  the same keys in a folder of their own (SGLang's ``export_deepseek_nextn.py`` form,
     ``model.layers.0.*`` with ``num_hidden_layers: 1``, is read too).
 
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +88,12 @@ from speculum.models.loading import (
     DTYPES,
     CheckpointError,
     CheckpointTensor,
+    Stacked,
     check_keys,
+    checkpoint_names,
+    checkpoint_shapes,
+    checkpoint_tensors,
+    layer_checkpoint_names,
     open_checkpoint,
     read,
     save_model,
@@ -97,10 +105,12 @@ __all__ = [
     "LAYOUTS",
     "DraftTargetMismatch",
     "detect_layout",
+    "head_checkpoint_names",
     "load_draft",
     "materialize",
     "save_draft",
     "save_random_draft",
+    "target_checkpoint_keys",
 ]
 
 #: layout -> algorithm it holds.
@@ -187,8 +197,8 @@ def detect_layout(raw: dict[str, Any], found: dict[str, torch.Tensor], kind: str
 
 def _base_layer_config(raw: dict[str, Any], where: str) -> DecoderConfig:
     """The draft layer's :class:`DecoderConfig` (``where`` names the file in errors); draft
-    architecture names map to their base. A mixture-of-experts layer (an MTP layer inside an
-    MoE checkpoint) raises :class:`UnsupportedModel`: draft layers are dense."""
+    architecture names map to their base. An MoE architecture's routing comes along (an MTP
+    layer inside an MoE checkpoint is an MoE layer)."""
     d = dict(raw)
     archs = d.get("architectures") or []
     arch = archs[0] if archs else None
@@ -202,13 +212,6 @@ def _base_layer_config(raw: dict[str, Any], where: str) -> DecoderConfig:
             d.pop("architectures")
             d.setdefault("model_type", "llama")
     layer = DecoderConfig.from_dict(d, where)
-    if layer.moe is not None:
-        raise UnsupportedModel(
-            f"{where}: the draft layers would be mixture-of-experts layers "
-            f"({layer.architecture}), and draft layers are dense for now (MoE MTP layers, such "
-            "as those inside DeepSeek checkpoints, are not supported yet): use a draft with "
-            "dense layers; for an MoE target, save it in its own folder (layout 'mtp')"
-        )
     if "qkv_bias" in raw:  # the EAGLE reference's switch for Qwen2-style q/k/v biases
         layer = attrs.evolve(layer, qkv_bias=bool(raw["qkv_bias"]))
     return attrs.evolve(layer, num_nextn_predict_layers=0)
@@ -338,14 +341,35 @@ def _check_target(vocab: int, target_hidden: int, target: DecoderConfig, where: 
 
 
 def _key_map(layout: str, prefix: str) -> Callable[[str], str]:
-    """Head parameter name -> checkpoint key."""
+    """Head parameter name -> checkpoint key (outside an MTP head's decoder layer)."""
     if layout == "speculators-eagle3":
         return lambda name: (
             "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
         )
     if LAYOUTS[layout] == "mtp":
-        return lambda name: prefix + name.removeprefix("decoder.")
+        return lambda name: prefix + name
     return lambda name: name
+
+
+def head_checkpoint_names(head: nn.Module, layout: str, prefix: str) -> dict[str, str | Stacked]:
+    """Each parameter of ``head`` -> its checkpoint key in ``layout``, or the per-expert keys
+    of a stacked expert weight. An MTP head's decoder layer maps as the target's layers do
+    (``loading.layer_checkpoint_names``) under ``prefix`` (``model.layers.{L}.``)."""
+    to_key = _key_map(layout, prefix)
+    params = [name for name, _ in head.named_parameters()]
+    if not isinstance(head, MTPHead):
+        return {name: to_key(name) for name in params}
+    names: dict[str, str | Stacked] = {
+        name: to_key(name) for name in params if not name.startswith("decoder.")
+    }
+    architecture = head.config.layer.architecture
+    return names | layer_checkpoint_names(head.decoder, architecture, "decoder.", prefix)
+
+
+def target_checkpoint_keys(target: DecoderModel) -> set[str]:
+    """The keys of ``target``'s own weights in its checkpoint (experts one by one), and a tied
+    ``lm_head.weight``: what an MTP folder that is the target's may hold besides its layers."""
+    return set(checkpoint_shapes(target, checkpoint_names(target))) | {"lm_head.weight"}
 
 
 def _vocab_map(
@@ -440,20 +464,19 @@ def load_draft(
             "trained with that norm is not this architecture"
         )
     config, prefix = _parse(layout, raw, found, target.config, where)
-    to_key = _key_map(layout, prefix)
     vocab_ids = _vocab_map(config, found, where) if algorithm == "eagle3" else None
 
     with torch.device("meta"):
         head = build_draft(config, target)
-    names = {to_key(name): name for name, _ in head.named_parameters()}
-    expected = {to_key(name): param.shape for name, param in head.named_parameters()}
+    names = head_checkpoint_names(head, layout, prefix)
     tolerated: set[str] = {k for k in found if k.endswith("rotary_emb.inv_freq")}
     if algorithm == "eagle3":
         tolerated |= {"d2t", "t2d"}
     if algorithm == "mtp":
         # Outside the MTP layer, only the target's own weights may sit in the folder.
-        target_keys = {n for n, _ in target.named_parameters()} | {"lm_head.weight"}
+        target_keys = target_checkpoint_keys(target)
         tolerated |= {k for k in found if not k.startswith(prefix) and k in target_keys}
+    expected = checkpoint_shapes(head, names)
     check_keys(expected, found, where, frozenset(tolerated), config.layer)
 
     weight = target.model.embed_tokens.weight
@@ -468,8 +491,8 @@ def load_draft(
 
 def materialize(
     head: nn.Module,
-    names: dict[str, str],
-    found: dict[str, torch.Tensor | CheckpointTensor],
+    names: Mapping[str, str | Stacked],
+    found: Mapping[str, torch.Tensor | CheckpointTensor],
     target: DecoderModel,
     *,
     dtype: torch.dtype | None,
@@ -477,15 +500,19 @@ def materialize(
     tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """Shard a meta-device head for ``tp`` (nothing to do for one rank), allocate it and copy
-    checked weights into it, each sharded one's part only: ``names`` maps checkpoint keys to
-    parameter names. ``dtype`` and ``device`` default to the target's."""
+    checked weights into it, each sharded one's part only: ``names`` maps parameter names to
+    checkpoint keys (or an MoE layer's per-expert keys, stacked here). ``dtype`` and
+    ``device`` default to the target's."""
     weight = target.model.embed_tokens.weight
     shard_(head, tp)
     head.to_empty(device=weight.device if device is None else device)
     params, splits = dict(head.named_parameters()), splits_of(head)
     with torch.no_grad():
-        for key, name in names.items():
-            params[name].copy_(read(found[key], splits.get(name)))
+        for name, key in names.items():
+            if isinstance(key, Stacked):
+                params[name].copy_(key.gather(found))
+            else:
+                params[name].copy_(read(found[key], splits.get(name)))
     head = head.to(dtype or weight.dtype)
     head.reset_buffers()
     return head
@@ -602,6 +629,7 @@ _LAYER_FIELDS = (
     "o_bias",
     "mlp_bias",
     "qk_norm",
+    "moe",
 )
 
 
@@ -624,9 +652,9 @@ def save_draft(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix = f"model.layers.{config.target_num_layers}." if config.algorithm == "mtp" else ""
-    to_key = _key_map(layout, prefix)
     tensors = {
-        to_key(name): p.detach().contiguous().cpu().clone() for name, p in head.named_parameters()
+        key: p.detach().contiguous().cpu().clone()
+        for key, p in checkpoint_tensors(head, head_checkpoint_names(head, layout, prefix)).items()
     }
     if layout == "eagle-reference" and not config.own_embedding:
         # The EAGLE reference loads strictly into a model that owns an embedding.

@@ -46,9 +46,11 @@ __all__ = [
     "CheckpointTensor",
     "Stacked",
     "checkpoint_names",
+    "checkpoint_shapes",
     "checkpoint_tensors",
     "cast_weights",
     "load_model",
+    "layer_checkpoint_names",
     "load_state_dict",
     "open_checkpoint",
     "read",
@@ -277,25 +279,43 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
     except in mixture-of-experts layers (see the module docstring)."""
     # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
     names: dict[str, str | Stacked] = {name: name for name, _ in model.named_parameters()}
-    block, gate_up, down = _EXPERT_NAMES.get(model.config.architecture, _QWEN_EXPERT_NAMES)
     for n, layer in enumerate(model.model.layers):
-        if not isinstance(layer.mlp, SparseMoE):
-            continue
-        ours, theirs = f"model.layers.{n}.mlp.", f"model.layers.{n}.{block}."
-        names |= {ours + name: theirs + name for name, _ in layer.mlp.named_parameters()}
-        experts = [f"{theirs}experts.{e}." for e in range(layer.mlp.num_experts)]
-        names[ours + "experts_gate_up"] = Stacked(
-            tuple(tuple(f"{e}{p}.weight" for p in gate_up) for e in experts)
-        )
-        names[ours + "experts_down"] = Stacked(tuple((f"{e}{down}.weight",) for e in experts))
+        prefix = f"model.layers.{n}."
+        names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
     return names
 
 
-def checkpoint_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
-    """``model``'s weights by checkpoint key, experts one by one (views, not copies)."""
-    params = dict(model.named_parameters())
+def layer_checkpoint_names(
+    layer: torch.nn.Module, architecture: str, ours: str, theirs: str
+) -> dict[str, str | Stacked]:
+    """Each parameter of decoder layer ``layer``, named ``ours + name``, -> its checkpoint key
+    under ``theirs`` (``model.layers.{n}.``) in ``architecture``'s spelling, or the per-expert
+    keys of a stacked expert weight: the target's own layers and the MTP layers stored after
+    them (``speculum.models.draft_loading``) map alike."""
+    names: dict[str, str | Stacked] = {
+        ours + name: theirs + name for name, _ in layer.named_parameters()
+    }
+    if not isinstance(layer.mlp, SparseMoE):
+        return names
+    block, gate_up, down = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
+    mine, hub = f"{ours}mlp.", f"{theirs}{block}."
+    names |= {mine + name: hub + name for name, _ in layer.mlp.named_parameters()}
+    experts = [f"{hub}experts.{e}." for e in range(layer.mlp.num_experts)]
+    names[mine + "experts_gate_up"] = Stacked(
+        tuple(tuple(f"{e}{p}.weight" for p in gate_up) for e in experts)
+    )
+    names[mine + "experts_down"] = Stacked(tuple((f"{e}{down}.weight",) for e in experts))
+    return names
+
+
+def checkpoint_tensors(
+    module: torch.nn.Module, names: Mapping[str, str | Stacked]
+) -> dict[str, torch.Tensor]:
+    """``module``'s weights by checkpoint key, experts one by one (views, not copies);
+    ``names`` maps each parameter to its key(s) (:func:`checkpoint_names`)."""
+    params = dict(module.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
-    for name, key in checkpoint_names(model).items():
+    for name, key in names.items():
         if isinstance(key, Stacked):
             tensors |= key.scatter(params[name])
         else:
@@ -303,10 +323,14 @@ def checkpoint_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _expected_shapes(model: DecoderModel) -> dict[str, torch.Size]:
-    params = dict(model.named_parameters())
+def checkpoint_shapes(
+    module: torch.nn.Module, names: Mapping[str, str | Stacked]
+) -> dict[str, torch.Size]:
+    """The shape of each checkpoint tensor ``module``'s parameters are loaded from, by key;
+    ``names`` maps each parameter to its key(s) (:func:`checkpoint_names`)."""
+    params = dict(module.named_parameters())
     shapes: dict[str, torch.Size] = {}
-    for name, key in checkpoint_names(model).items():
+    for name, key in names.items():
         if isinstance(key, Stacked):
             shapes |= key.shapes(params[name].shape)
         else:
@@ -344,13 +368,13 @@ def load_model(
     nextn = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
     prefixes = tuple(f"model.layers.{n}." for n in nextn)
     tolerated |= {k for k in found if k.startswith(prefixes)}
-    check_keys(_expected_shapes(model), found, str(folder), frozenset(tolerated), config)
+    names = checkpoint_names(model)
+    check_keys(checkpoint_shapes(model, names), found, str(folder), frozenset(tolerated), config)
     shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     splits = splits_of(model)
-    names = checkpoint_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = names[name]
@@ -370,7 +394,8 @@ def save_model(model: DecoderModel, folder: str | Path) -> Path:
             f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
             "model (load it without tp)"
         )
-    return write_checkpoint(folder, checkpoint_tensors(model), model.config.to_dict())
+    tensors = checkpoint_tensors(model, checkpoint_names(model))
+    return write_checkpoint(folder, tensors, model.config.to_dict())
 
 
 def write_checkpoint(

@@ -15,7 +15,9 @@ Checkpoint layouts (both strict, both DeepSeek-style keys ``model.layers.{L + k}
   ``num_nextn_predict_layers``).
 
 Key names per layer are those of ``speculum.models.draft_loading``'s MTP layouts (its
-``_key_map``), so a one-layer folder of either form is also an ordinary MTP checkpoint.
+``head_checkpoint_names``: an MoE target's MTP layers are MoE layers, experts one by one as the
+target stores its own), so a one-layer folder of either form is also an ordinary MTP
+checkpoint.
 """
 
 from __future__ import annotations
@@ -29,20 +31,24 @@ from torch import Tensor, nn
 
 from speculum.models.config import read_json_object
 from speculum.models.decoder import DecoderModel
-from speculum.models.draft import DraftConfig, MTPHead, build_draft, draft_config, pool_for
+from speculum.models.draft import DraftConfig, MTPHead, draft_config, pool_for
 from speculum.models.draft_loading import (
     DraftTargetMismatch,
     _base_layer_config,
     _check_target,
-    _key_map,
     _mtp_layers,
     _read_weights,
     _share_equal_embedding,
+    head_checkpoint_names,
     materialize,
+    target_checkpoint_keys,
 )
 from speculum.models.loading import (
     CheckpointError,
+    Stacked,
     check_keys,
+    checkpoint_shapes,
+    checkpoint_tensors,
     randomize_,
     save_model,
     write_checkpoint,
@@ -74,10 +80,8 @@ class MultiLayerEagleHead(nn.Module):
         if num_layers < 1:
             raise ValueError(f"a multi-layer EAGLE head needs at least one layer, not {num_layers}")
         self.config = config
-        self.layers = nn.ModuleList(build_draft(config, target) for _ in range(num_layers))
-        for k, layer in enumerate(self.layers):
-            assert isinstance(layer, MTPHead)
-            layer.decoder.self_attn.layer = k  # layer k reads and writes pool layer k
+        # Layer k is the target's layer L + k (its kind by the target's rule) on pool layer k.
+        self.layers = nn.ModuleList(MTPHead(config, target, k) for k in range(num_layers))
 
     @property
     def draft_vocab_size(self) -> int:
@@ -133,13 +137,12 @@ def _prefixes(num_target_layers: int, num_layers: int) -> list[str]:
     return [f"model.layers.{num_target_layers + k}." for k in range(num_layers)]
 
 
-def _keys(head: MultiLayerEagleHead) -> dict[str, str]:
-    """Checkpoint key -> head parameter name."""
-    out = {}
+def _keys(head: MultiLayerEagleHead) -> dict[str, str | Stacked]:
+    """Head parameter name -> checkpoint key (or an MoE layer's per-expert keys)."""
+    out: dict[str, str | Stacked] = {}
     for k, prefix in enumerate(_prefixes(head.config.target_num_layers, head.num_layers)):
-        to_key = _key_map("mtp", prefix)
-        for name, _ in head.layers[k].named_parameters():
-            out[to_key(name)] = f"layers.{k}.{name}"
+        names = head_checkpoint_names(head.layers[k], "mtp", prefix)
+        out |= {f"layers.{k}.{name}": key for name, key in names.items()}
     return out
 
 
@@ -209,12 +212,10 @@ def load_multi_layer(
     with torch.device("meta"):
         head = MultiLayerEagleHead(config, target, num_layers)
     names = _keys(head)
-    params = dict(head.named_parameters())
-    expected = {key: params[name].shape for key, name in names.items()}
-    target_keys = {n for n, _ in target.named_parameters()} | {"lm_head.weight"}
+    target_keys = target_checkpoint_keys(target)
     tolerated = {k for k in found if k.endswith("rotary_emb.inv_freq")}
     tolerated |= {k for k in found if k in target_keys and not k.startswith(tuple(prefixes))}
-    check_keys(expected, found, where, frozenset(tolerated), layer)
+    check_keys(checkpoint_shapes(head, names), found, where, frozenset(tolerated), layer)
     weight = target.model.embed_tokens.weight
     head = materialize(head, names, found, target, dtype=dtype, device=device, tp=tp)
     for mtp in head.layers:
@@ -228,8 +229,7 @@ def save_multi_layer(
     """Write ``head`` to ``folder``: inside the target's folder when ``target`` is given (its
     weights and config too, ``num_nextn_predict_layers = K``), else the separate form."""
     folder = Path(folder)
-    params = dict(head.named_parameters())
-    tensors = {key: params[name] for key, name in _keys(head).items()}
+    tensors = checkpoint_tensors(head, _keys(head))
     shape = attrs.evolve(
         head.config.layer,
         num_layers=head.config.target_num_layers,
@@ -238,12 +238,6 @@ def save_multi_layer(
     if target is not None:
         if target.config.num_layers != head.config.target_num_layers:
             raise ValueError("this head belongs to a target with another layer count")
-        if target.config.moe is not None:
-            raise ValueError(
-                "the target is a mixture-of-experts model, whose MTP layers would be read as "
-                "MoE layers, and draft layers are dense for now: save the head in its own "
-                "folder (target=None)"
-            )
         save_model(target, folder)
         from safetensors.torch import load_file
 

@@ -27,7 +27,7 @@ from test_models import (
 
 from speculum.kernels import model_ops
 from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
-from speculum.models.config import DecoderConfig, MoEConfig, UnsupportedModel
+from speculum.models.config import DecoderConfig, MoEConfig
 from speculum.models.decoder import SparseMoE, dense_batch
 from speculum.models.draft import random_draft
 from speculum.models.draft_loading import LAYOUTS, load_draft, save_draft
@@ -290,12 +290,17 @@ SMALL = random_model(
     seed=8,
     std=0.3,
 )
+#: An MTP layer of the target's kind (the target's layer 4, sparse: an MoE layer with the
+#: target's routing and shared expert), built to agree with the target; chains reuse it.
+MTP_HEAD = agreeing_head(TARGET, "mtp")
 #: name -> (algorithm, draft, spec options); tree shapes are drawn per example.
 PIPELINES = {
     "plain": ("plain", None, {}),
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
     "eagle3 tree": ("eagle3", random_draft(TARGET, "eagle3", seed=11, std=0.3), "tree"),
-    "mtp": ("mtp", agreeing_head(TARGET, "mtp"), "tree"),
+    "mtp": ("mtp", MTP_HEAD, "tree"),
+    "mtp chain 1": ("mtp", MTP_HEAD, {"num_steps": 1}),
+    "mtp chain 3": ("mtp", MTP_HEAD, {"num_steps": 3}),
     "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
     "ngram": ("ngram", None, {"num_draft_tokens": 6}),
     "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=4), {}),
@@ -337,7 +342,8 @@ def test_every_pipeline_equals_plain_greedy_on_an_moe_target(
     name, prompts, tree, page_size, prefill_budget
 ) -> None:
     """Token for token, for a batch of prompts, any page size, chunked prefill or not, and
-    tree shape; the draft layers built from the MoE target are dense."""
+    tree shape; EAGLE-family, block and frozen-KV draft layers built from the MoE target are
+    dense, MTP and multi-layer EAGLE layers are MoE layers of the target's kind."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
     ours = generate(prompts, engine=moe_engine(name, tree, **limits), max_new_tokens=10)
     plain = generate(prompts, engine=moe_engine("plain", tree, **limits), max_new_tokens=10)
@@ -385,8 +391,9 @@ def test_snapshot_restore_of_an_moe_batch_replays_exactly() -> None:
 
 def test_speculative_sampling_on_an_moe_target_follows_the_target_law() -> None:
     """Seeded sampling is lossless on an MoE target: the first two tokens that MTP tree rounds
-    emit at temperature 1, over many seeds, follow the law enumerated from the target's own
-    next-token distributions (``test_eagle_stats``'s check), with rounds accepting drafts."""
+    (the MTP layer an MoE layer of the target's kind) emit at temperature 1, over many seeds,
+    follow the law enumerated from the target's own next-token distributions
+    (``test_eagle_stats``'s check), with rounds accepting drafts."""
     vocab = 6  # test_eagle_stats enumerates joints over its VOCAB, also 6
     target = markov_target(
         vocab,
@@ -419,19 +426,26 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
 
 
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"mtp-in-target"}))
-def test_drafts_for_an_moe_target_are_dense_and_round_trip(layout: str, tmp_path: Path) -> None:
-    """A head built for an MoE target has dense layers (the dense sibling architecture) and
-    saves and loads back in every layout of its own folder."""
-    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
-    assert head.config.layer.moe is None
-    assert head.config.layer.architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM")
-    save_draft(head, tmp_path, layout)
-    assert same_weights(load_draft(tmp_path, TARGET, LAYOUTS[layout]), head)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_drafts_for_an_moe_target_round_trip_in_every_layout(layout: str, tmp_path: Path) -> None:
+    """A head built for an MoE target saves and loads back in every layout, the target's own
+    folder included: EAGLE-family layers are dense (the dense sibling architecture), an MTP
+    layer is the target's layer after its own, here an MoE layer of the target's routing."""
+    algorithm = LAYOUTS[layout]
+    head = random_draft(TARGET, algorithm, seed=1, std=0.3)
+    if algorithm == "mtp":
+        assert head.config.layer.moe == TARGET.config.moe
+        assert isinstance(head.decoder.mlp, SparseMoE)
+    else:
+        assert head.config.layer.moe is None
+        assert head.config.layer.architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM")
+    save_draft(head, tmp_path, layout, target=TARGET)
+    assert same_weights(load_draft(tmp_path, TARGET, algorithm), head)
 
 
 def test_other_drafts_for_an_moe_target_round_trip(tmp_path: Path) -> None:
-    """Block drafts, FROZEN_KV_MTP and multi-layer EAGLE heads of an MoE target save and load."""
+    """Block drafts, FROZEN_KV_MTP and multi-layer EAGLE heads (MoE layers) of an MoE target
+    save and load in folders of their own."""
     for algorithm in ("dflash", "dspark"):
         head = random_block_draft(TARGET, algorithm, seed=1, std=0.3, block_size=4)
         save_block_draft(head, tmp_path / algorithm)
@@ -442,13 +456,3 @@ def test_other_drafts_for_an_moe_target_round_trip(tmp_path: Path) -> None:
     multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
     save_multi_layer(multi, tmp_path / "multi")
     assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
-
-
-def test_mtp_layers_inside_an_moe_checkpoint_are_refused(tmp_path: Path) -> None:
-    """MTP layers stored in an MoE target's folder would be MoE layers, which drafts do not
-    have yet: writing them is refused, and so is reading such a folder, naming the reason."""
-    with pytest.raises(UnsupportedModel, match=r"would be mixture-of-experts layers \(Qwen2Moe"):
-        save_draft(agreeing_head(TARGET, "mtp"), tmp_path / "mtp", "mtp-in-target", target=TARGET)
-    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
-    with pytest.raises(ValueError, match=r"the target is a mixture-of-experts model"):
-        save_multi_layer(multi, tmp_path / "multi", target=TARGET)
