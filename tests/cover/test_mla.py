@@ -1,0 +1,214 @@
+"""Multi-head latent attention targets (DeepSeek-V2/V3, dense layers): equal to transformers,
+strict checkpoints that round-trip, a cache of latents, and every pipeline equal to plain
+decoding on an MLA target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
+
+from speculum.models.config import CheckpointError, DecoderConfig, UnsupportedModel
+from speculum.models.decoder import LatentAttention, dense_batch
+from speculum.models.loading import load_model, save_model
+from speculum.models.parallel import UnsupportedSplit, shard_
+from speculum.runtime.engine import engine_from_model
+from speculum.runtime.generate import generate
+from speculum.state.parallel import TensorParallel
+
+transformers.logging.disable_progress_bar()
+
+VOCAB = 96  # test_models.run_in_steps pads with id VOCAB - 1 of its own VOCAB, also 96
+#: DeepSeek's YaRN: 4x the original context, mscale below mscale_all_dim, so that both the
+#: rotary tables (attention factor 0.93) and the softmax scale (mscale 1.14 squared) change.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 0.7,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+#: case -> (family, config changes): V3's interleaved rope and plain q_proj, V3 with halves
+#: rope and a low-rank query, V2's complex (interleaved) rope with YaRN, V3 with YaRN.
+CASES = {
+    "v3": ("DeepseekV3", {}),
+    "v3-halves-q-lora": ("DeepseekV3", {"rope_interleave": False, "q_lora_rank": 12}),
+    "v2-yarn-q-lora": ("DeepseekV2", {"q_lora_rank": 12, "rope_parameters": YARN}),
+    "v3-yarn": ("DeepseekV3", {"rope_parameters": YARN}),
+}
+
+
+def hf_mla(family: str, **changes: object) -> transformers.PreTrainedModel:
+    """A float32 transformers DeepSeek model with dense layers only, every parameter random
+    (norms around one)."""
+    config = getattr(transformers, f"{family}Config")(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 10,
+            "first_k_dense_replace": 2,
+            "max_position_embeddings": 128,
+            **changes,
+        }
+    )
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3
+            mean = 1.0 if "norm" in name else 0.0
+            param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def hf_checkpoint(request, tmp_path_factory) -> tuple[transformers.PreTrainedModel, Path]:
+    """Each case's transformers model and the folder its ``save_pretrained`` wrote."""
+    family, changes = CASES[request.param]
+    model = hf_mla(family, **changes)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
+    """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts) emits
+    transformers' ``generate`` tokens, token for token."""
+    hf, folder = hf_checkpoint
+    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
+    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
+    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :]
+        assert list(result.token_ids) == expected.tolist()
+
+
+def test_logits_match_transformers_through_the_latent_cache(hf_checkpoint) -> None:
+    """Chunked prefill and decode through the paged latent cache, in a ragged batch, and the
+    cache-free (training) forward give transformers' logits (float32)."""
+    hf, folder = hf_checkpoint
+    ours = load_model(folder)
+    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
+    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
+    lengths = [len(p) for p in prompts]
+    table = page_table(lengths, 3, list(range(1, 12)), extra=1)
+    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
+    for prompt, streams in zip(prompts, stepped, strict=True):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+            dense, _ = ours(dense_batch(torch.tensor([prompt])), None)
+        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
+        assert relative_error(ours.logits(dense[0]), expected) < 1e-5
+
+
+def test_the_cache_holds_the_latent_and_the_rotary_key_per_token(hf_checkpoint) -> None:
+    """Per token and layer the pool holds kv_lora_rank + qk_rope_head_dim values (one
+    "head"), not per-head keys and values: its ``v`` is empty."""
+    _, folder = hf_checkpoint
+    pool = load_model(folder).new_pool(num_pages=5, page_size=4)
+    assert pool.k.shape == (2, 5, 4, 1, 16 + 8)
+    assert pool.v.shape == (2, 5, 4, 1, 0)
+
+
+def test_saving_writes_the_hub_layout_back_exactly(hf_checkpoint, tmp_path: Path) -> None:
+    """Load then save writes transformers' keys with the same tensors, config.json reads back
+    as the same config, and transformers loads the result to the same logits."""
+    hf, folder = hf_checkpoint
+    ours = load_model(folder)
+    saved = save_model(ours, tmp_path)
+    theirs, again = load_file(folder / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert sorted(again) == sorted(theirs)
+    assert all(torch.equal(again[key], theirs[key]) for key in theirs)
+    assert load_model(saved).config == ours.config
+    reread = type(hf).from_pretrained(saved).eval()
+    tokens = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        assert torch.equal(reread(tokens).logits, hf(tokens).logits)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A DeepSeek-V3 checkpoint with a low-rank query, to break."""
+    hf_mla("DeepseekV3", q_lora_rank=12).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_a_missing_latent_weight_is_named(checkpoint: Path) -> None:
+    """Every latent-attention weight is required by its hub name."""
+    gone = "model.layers.1.self_attn.kv_a_layernorm.weight"
+    edit_weights(checkpoint, lambda t: t.pop(gone))
+    with pytest.raises(CheckpointError, match=rf"missing weights \['{gone}'\]"):
+        load_model(checkpoint)
+
+
+def test_a_kv_lora_rank_the_weights_contradict_is_named(checkpoint: Path) -> None:
+    """A config whose kv_lora_rank disagrees with kv_b_proj's columns names the field, the
+    key and the rank the weights imply."""
+    edit_config(checkpoint, kv_lora_rank=20)
+    with pytest.raises(
+        CheckpointError,
+        match=r"kv_lora_rank 20 in config.json disagrees with the weights: "
+        r"'model.layers.0.self_attn.kv_b_proj.weight' .* latent of 16 values; set kv_lora_rank "
+        r"to 16",
+    ):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"kv_lora_rank": None}, CheckpointError, r"needs kv_lora_rank \(the width of the comp"),
+        ({"kv_lora_rank": 0}, CheckpointError, r"kv_lora_rank is 0; it must be an integer of"),
+        ({"qk_rope_head_dim": 7}, CheckpointError, r"qk_rope_head_dim 7 is odd"),
+        ({"v_head_dim": None}, CheckpointError, r"needs v_head_dim \(each head's value width"),
+        ({"q_lora_rank": -1}, CheckpointError, r"q_lora_rank is -1; it must be an integer"),
+        ({"rope_interleave": "yes"}, CheckpointError, r"rope_interleave is 'yes'; it must be"),
+        (
+            {"first_k_dense_replace": 1},
+            UnsupportedModel,
+            r"first_k_dense_replace 1 makes layers 1 .. 1 mixture-of-experts layers",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            CheckpointError,
+            r"rope_scaling.original_max_position_embeddings is None; it must be a number above",
+        ),
+    ],
+    ids=["no rank", "rank 0", "odd rope", "no v", "q rank", "interleave", "sparse", "yarn"],
+)
+def test_bad_latent_settings_are_refused_naming_the_field(
+    changes: dict, error: type, message: str
+) -> None:
+    """A DeepSeek config.json whose latent-attention fields no model can run with, or whose
+    layers are mixture-of-experts (not implemented for DeepSeek yet), fails at parse."""
+    raw = hf_mla("DeepseekV3").config.to_dict()
+    with pytest.raises(error, match=message):
+        DecoderConfig.from_dict({**raw, **changes})
+
+
+def test_tensor_parallelism_refuses_latent_attention(checkpoint: Path) -> None:
+    """Latent attention is not split over ranks yet: sharding says so and changes nothing."""
+    model = load_model(checkpoint)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedSplit, match=r"tp=2: multi-head latent attention layers"):
+        shard_(model, TensorParallel(rank=0, size=2))
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert isinstance(model.model.layers[0].self_attn, LatentAttention)
