@@ -48,7 +48,7 @@ from speculum.models.decoder import (
     DecoderModel,
     LMHead,
     RMSNorm,
-    cache_kv_heads,
+    kv_pool,
     rope_inv_freq,
 )
 from speculum.models.loading import randomize_
@@ -91,18 +91,9 @@ def pool_for(
     dtype: torch.dtype | None = None,
 ) -> KVPool:
     """A zeroed pool of ``num_layers`` layers shaped like ``layer``'s attention (with this
-    rank's K/V heads when ``module`` is sharded), in ``module``'s dtype (unless given) and on
-    its device."""
-    weight = next(module.parameters())
-    return KVPool.allocate(
-        num_layers=num_layers,
-        num_pages=num_pages,
-        page_size=page_size,
-        num_kv_heads=cache_kv_heads(module, layer.num_kv_heads),
-        head_dim=layer.head_dim,
-        dtype=dtype or weight.dtype,
-        device=weight.device,
-    )
+    rank's K/V heads when ``module`` is sharded; latents for latent attention), in
+    ``module``'s dtype (unless given) and on its device (``decoder.kv_pool``)."""
+    return kv_pool(module, layer, num_layers, num_pages, page_size, dtype)
 
 
 def canonical_algorithm(name: str) -> str:

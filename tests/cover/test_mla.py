@@ -9,15 +9,27 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_config
+from heads import agreeing_head, markov_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
+from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
 
-from speculum.models.config import CheckpointError, DecoderConfig, UnsupportedModel
+from speculum.models.block_draft import random_block_draft
+from speculum.models.config import CheckpointError, DecoderConfig, MLAConfig, UnsupportedModel
 from speculum.models.decoder import LatentAttention, dense_batch
-from speculum.models.loading import load_model, save_model
+from speculum.models.draft import random_draft
+from speculum.models.draft_loading import DraftTargetMismatch
+from speculum.models.frozen_kv import random_frozen_kv
+from speculum.models.loading import load_model, random_model, save_model
+from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.models.parallel import UnsupportedSplit, shard_
-from speculum.runtime.engine import engine_from_model
-from speculum.runtime.generate import generate
+from speculum.models.standalone import StandaloneHead
+from speculum.runtime import scheduler
+from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
+from speculum.runtime.generate import generate, run_to_completion
 from speculum.state.parallel import TensorParallel
 
 transformers.logging.disable_progress_bar()
@@ -212,3 +224,116 @@ def test_tensor_parallelism_refuses_latent_attention(checkpoint: Path) -> None:
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert isinstance(model.model.layers[0].self_attn, LatentAttention)
+
+
+#: A tiny DeepSeek-V3-shaped target (interleaved rope, low-rank query, values narrower than
+#: keys) whose next token is usually a function of the last one (``heads.markov_target``).
+MLA_SHAPES = {
+    "architecture": "DeepseekV3ForCausalLM",
+    "num_kv_heads": 4,
+    "head_dim": 8,
+    "mla": MLAConfig(
+        q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6
+    ),
+}
+PIPE_VOCAB = 16
+TARGET = markov_target(PIPE_VOCAB, **MLA_SHAPES)
+#: An MLA standalone draft: a latent cache in the draft's seat too.
+SMALL = random_model(tiny_config(vocab_size=PIPE_VOCAB, num_layers=1, **MLA_SHAPES), seed=8)
+#: name -> (algorithm, draft, spec options); tree shapes are drawn per example. Frozen-KV MTP
+#: reads the target's per-head keys, which an MLA cache does not hold: it is refused (below).
+PIPELINES = {
+    "plain": ("plain", None, {}),
+    "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
+    "eagle3 tree": ("eagle3", random_draft(TARGET, "eagle3", seed=11, std=0.3), "tree"),
+    "mtp": ("mtp", agreeing_head(TARGET, "mtp"), "tree"),
+    "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
+    "ngram": ("ngram", None, {"num_draft_tokens": 6}),
+    "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=4), {}),
+    "dspark": ("dspark", random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4), {}),
+    "multi_layer_eagle": (
+        "multi_layer_eagle",
+        random_multi_layer(TARGET, 3, seed=5, std=0.3),
+        {"num_steps": 3},
+    ),
+}
+#: (num_steps, topk, num_draft_tokens) of the pipelines that take a drawn tree.
+TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
+
+
+def mla_engine(name: str, tree: tuple[int, int, int], **limits):
+    algorithm, draft, spec = PIPELINES[name]
+    if spec == "tree":
+        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
+    return engine_from_model(
+        TARGET,
+        algorithm=algorithm,
+        draft=draft,
+        spec=SpecOptions(**spec),
+        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
+        **({"max_context": 48} | limits),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(set(PIPELINES) - {"plain"}))
+@settings(max_examples=3)
+@given(
+    prompts=prompt_batches(PIPE_VOCAB, max_batch=4),
+    tree=TREES,
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
+)
+def test_every_pipeline_equals_plain_greedy_on_an_mla_target(
+    name, prompts, tree, page_size, prefill_budget
+) -> None:
+    """Token for token, for a batch of prompts, any page size, chunked prefill or not, and
+    tree shape: verify and tree attention over the latent cache, and the path commit that
+    moves accepted latents, are exact."""
+    limits = {"page_size": page_size, "prefill_budget": prefill_budget}
+    ours = generate(prompts, engine=mla_engine(name, tree, **limits), max_new_tokens=10)
+    plain = generate(prompts, engine=mla_engine("plain", tree, **limits), max_new_tokens=10)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+
+
+def test_speculative_rounds_on_the_mla_target_accept_deep_paths() -> None:
+    """The equality above is only strong if rounds accept drafts."""
+    engine = mla_engine("eagle chain", (0, 0, 0), page_size=4)
+    results = generate([[1, 2, 3], [9, 9, 9, 1]], engine=engine, max_new_tokens=30)
+    assert all(r.stats["accept_length_mean"] > 1.5 for r in results)
+
+
+def test_drafts_built_from_an_mla_target_cache_as_their_layers_attend() -> None:
+    """EAGLE/MTP draft layers are the target's kind (latent attention, latent pool); block
+    drafts' Qwen3 layers are grouped-query (per-head pool)."""
+    mtp, dflash = PIPELINES["mtp"][1], PIPELINES["dflash"][1]
+    assert isinstance(mtp.decoder.self_attn, LatentAttention)
+    assert mtp.new_pool(3, 4).k.shape == (1, 3, 4, 1, 16 + 8)
+    assert dflash.new_pool(3, 4).v.shape == (2, 3, 4, 4, 8)
+
+
+def test_a_frozen_kv_draft_is_refused_on_an_mla_target() -> None:
+    """A frozen-KV draft attends to the target's cached per-head keys, which MLA does not
+    keep: building one says so."""
+    with pytest.raises(DraftTargetMismatch, match=r"target \(DeepseekV3ForCausalLM\) is multi"):
+        random_frozen_kv(TARGET, seed=4)
+
+
+def test_snapshot_restore_of_an_mla_batch_replays_exactly() -> None:
+    """A snapshot of a sampled batch on the MLA target (its latent pages, and the MTP draft's),
+    restored, replays bit for bit."""
+    engine = mla_engine("mtp", (3, 2, 6), page_size=4)
+    state = scheduler.new_state(engine)
+    rids = []
+    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
+        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
+        state, rid = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=16
+        )
+        rids.append(rid)
+    for _ in range(3):
+        state, _ = scheduler.step(engine, state)
+    snap = scheduler.take_snapshot(engine, state)
+    _, finished = run_to_completion(engine, state)
+    first = [finished[rid].output for rid in rids]
+    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
+    assert [finished[rid].output for rid in rids] == first
