@@ -422,6 +422,13 @@ def _tiles(num_q: int, group: int, head_dim: int, v_dim: int, dtype: torch.dtype
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program
     if not _INTERPRET and item * block_d > 256:  # wide rows (float32, head_dim > 128)
         block_n //= 2
+    if not _INTERPRET and block_d + block_dv > 512:
+        # Latent attention's rows (576-wide keys, 512-wide values, padded to 1024 and 512):
+        # small tiles, so that the Q tile and a stage of K and V tiles fit in shared memory
+        # (for groups of up to 32 heads). A function of the widths alone, so that the calls of
+        # one batch still tile alike. Not yet measured on a GPU.
+        block_m = max(triton.next_power_of_2(group), min(block_m, 32))
+        block_n = 32
     # Pipeline depth: as many K/V stages as fit beside the Q tile.
     stage_bytes = block_n * (block_d + block_dv) * item
     stages = max(1, min(3, (_SMEM_BUDGET - block_m * block_d * item) // stage_bytes))
