@@ -17,19 +17,25 @@ from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
 
-from speculum.models.block_draft import random_block_draft
+from speculum import kernels
+from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
 from speculum.models.config import CheckpointError, DecoderConfig, MLAConfig, UnsupportedModel
 from speculum.models.decoder import LatentAttention, dense_batch
 from speculum.models.draft import random_draft
-from speculum.models.draft_loading import DraftTargetMismatch
+from speculum.models.draft_loading import LAYOUTS, DraftTargetMismatch, load_draft, save_draft
 from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import load_model, random_model, save_model
-from speculum.models.multi_layer_eagle import random_multi_layer
+from speculum.models.multi_layer_eagle import (
+    load_multi_layer,
+    random_multi_layer,
+    save_multi_layer,
+)
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.spec.paged import causal_mask
 from speculum.state.parallel import TensorParallel
 
 transformers.logging.disable_progress_bar()
@@ -245,6 +251,7 @@ SMALL = random_model(tiny_config(vocab_size=PIPE_VOCAB, num_layers=1, **MLA_SHAP
 PIPELINES = {
     "plain": ("plain", None, {}),
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
+    "adaptive": ("eagle", agreeing_head(TARGET, "eagle"), {"adaptive_steps": (0, 1, 3)}),
     "eagle3 tree": ("eagle3", random_draft(TARGET, "eagle3", seed=11, std=0.3), "tree"),
     "mtp": ("mtp", agreeing_head(TARGET, "mtp"), "tree"),
     "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
@@ -309,6 +316,45 @@ def test_drafts_built_from_an_mla_target_cache_as_their_layers_attend() -> None:
     assert isinstance(mtp.decoder.self_attn, LatentAttention)
     assert mtp.new_pool(3, 4).k.shape == (1, 3, 4, 1, 16 + 8)
     assert dflash.new_pool(3, 4).v.shape == (2, 3, 4, 4, 8)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two modules hold the same parameters under the same names."""
+    left, right = a.state_dict(), b.state_dict()
+    return list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_drafts_for_an_mla_target_round_trip(layout: str, tmp_path: Path) -> None:
+    """EAGLE/MTP heads with latent-attention layers save and load back in every layout (MTP
+    layers inside the target's folder too)."""
+    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
+    target = {"target": TARGET} if layout == "mtp-in-target" else {}
+    save_draft(head, tmp_path, layout, **target)
+    assert same_weights(load_draft(tmp_path, TARGET, LAYOUTS[layout]), head)
+
+
+def test_other_drafts_for_an_mla_target_round_trip(tmp_path: Path) -> None:
+    """Block drafts and multi-layer EAGLE heads of an MLA target save and load."""
+    for algorithm in ("dflash", "dspark"):
+        head = random_block_draft(TARGET, algorithm, seed=1, std=0.3, block_size=4)
+        save_block_draft(head, tmp_path / algorithm)
+        assert same_weights(load_block_draft(tmp_path / algorithm, TARGET, algorithm), head)
+    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
+    save_multi_layer(multi, tmp_path / "multi")
+    assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
+
+
+def test_the_attention_op_traces_latent_calls() -> None:
+    """``speculum::paged_attention`` passes torch's custom-op checks on latent attention's call
+    (values a narrower view of the keys): its fake kernel gives the values' width."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 2, 1, 12, generator=gen)
+    q = torch.randn(2, 3, 4, 12, generator=gen)
+    args = (torch.tensor([[1, 2], [3, 0]]), torch.tensor([1, 0]), torch.tensor([3, 2]))
+    torch.library.opcheck(
+        kernels.paged_attention, (q, cache, cache[..., :8], *args, causal_mask(2, 3), 0.3)
+    )
 
 
 def test_a_frozen_kv_draft_is_refused_on_an_mla_target() -> None:
