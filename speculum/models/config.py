@@ -638,7 +638,7 @@ def _rope_settings(
             f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     if rope_type == "yarn":
-        _check_yarn(source, where, arch)
+        _check_yarn(source, "rope_scaling" if scaling else "rope_parameters", where, arch)
     if rope_type == "default":
         return theta, None
     source["rope_type"] = rope_type
@@ -646,14 +646,14 @@ def _rope_settings(
     return theta, source
 
 
-def _check_yarn(source: dict[str, Any], where: str, arch: str) -> None:
+def _check_yarn(source: dict[str, Any], section: str, where: str, arch: str) -> None:
     """YaRN scaling is read for the latent-attention architectures (whose softmax scale and
-    rotary tables it corrects, see ``decoder.rope_attention_factor``) with the two keys it
-    cannot do without."""
+    rotary tables it corrects, see ``decoder.rope_attention_factor``) with the two keys of
+    ``section`` (``rope_scaling`` or ``rope_parameters``) it cannot do without."""
     if arch not in MLA_ARCHITECTURES:
         raise UnsupportedModel(
             f"{where}: rope type 'yarn' is supported for {', '.join(MLA_ARCHITECTURES)} only, "
             f"not {arch}"
         )
     for key in ("factor", "original_max_position_embeddings"):
-        _positive(source.get(key), f"rope_scaling.{key}", where, "the checkpoint's value")
+        _positive(source.get(key), f"{section}.{key}", where, "the checkpoint's value")

@@ -206,7 +206,7 @@ def test_a_kv_lora_rank_the_weights_contradict_is_named(checkpoint: Path) -> Non
         (
             {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
             CheckpointError,
-            r"rope_scaling.original_max_position_embeddings is None; it must be a number above",
+            r"rope_parameters.original_max_position_embeddings is None; it must be a number",
         ),
     ],
     ids=["no rank", "rank 0", "odd rope", "no v", "q rank", "interleave", "sparse", "yarn"],
