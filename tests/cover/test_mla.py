@@ -4,6 +4,8 @@ decoding on an MLA target."""
 
 from __future__ import annotations
 
+import random
+import string
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
+from test_training_draft import assert_decodes_like_plain, train, write_target
 
 from speculum import kernels
 from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
@@ -383,3 +386,17 @@ def test_snapshot_restore_of_an_mla_batch_replays_exactly() -> None:
     first = [finished[rid].output for rid in rids]
     _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
     assert [finished[rid].output for rid in rids] == first
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "mtp"])
+def test_train_draft_on_an_mla_target_decodes_like_plain(algorithm, tmp_path: Path) -> None:
+    """``train-draft`` trains through the target's cache-free latent attention (EAGLE-3's
+    auxiliary hidden states, MTP's final one); the saved draft loads and its chains and trees
+    emit plain decoding's tokens."""
+    model = random_model(tiny_config(vocab_size=260, bos_token_id=256, **MLA_SHAPES), seed=0)
+    target = write_target(tmp_path / "target", model)
+    rng = random.Random(0)
+    words = ("".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 8))) for _ in range(3000))
+    (tmp_path / "corpus.txt").write_text(" ".join(words))
+    train(target, [tmp_path / "corpus.txt"], tmp_path / "draft", algorithm, steps=4)
+    assert_decodes_like_plain(tmp_path / "draft", target, algorithm)
