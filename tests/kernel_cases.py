@@ -168,8 +168,12 @@ def attention_inputs(
     kv_heads: int,
     head_dim: int,
     page_size: int,
+    latent_dim: int | None = None,
 ) -> dict:
     """Float32 inputs of ``paged_attention`` on ``gen``'s device, with a ``ref_mask`` beside.
+
+    With ``latent_dim``, the values are the keys' first ``latent_dim`` columns (a strided view,
+    as latent attention's cache gives them).
 
     Every pool slot that some query row (padding too, as the reference defines it) sees holds a
     random value; every other slot, and every padded query row, holds NaN, inf or 1e30.
@@ -194,7 +198,8 @@ def attention_inputs(
         values[live] = torch.randn(live.numel(), *shape[1:], generator=gen, device=device)
         return values.view(num_pages, page_size, kv_heads, head_dim)
 
-    k_cache, v_cache = pool(), pool()
+    k_cache = pool()
+    v_cache = pool() if latent_dim is None else k_cache[..., :latent_dim]
     queries = torch.randn(batch, q, heads, head_dim, generator=gen, device=device)
     queries[torch.arange(q, device=device)[None, :] >= lens[:, None]] = float("nan")
     return {
@@ -226,7 +231,7 @@ def run_attention(
     args = kernel_args(inputs)
     want = paged_attention(**{**args, "new_mask": inputs["ref_mask"]})
     q, k, v = (args.pop(name).to(dtype) for name in ("q", "k_cache", "v_cache"))
-    out = torch.full_like(q, float("nan"))
+    out = q.new_full((*q.shape[:-1], v.shape[-1]), float("nan"))
     got = paged_attention_triton(q, k, v, **args, num_splits=num_splits, out=out)
     return got, want
 

@@ -36,7 +36,9 @@ def paged_attention(
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale):
-    return torch.empty_like(q)
+    # One output row per query head, as wide as a value head (latent attention's values are
+    # narrower than its keys).
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
 
 @write_kv.register_fake

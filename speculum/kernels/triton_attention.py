@@ -101,6 +101,7 @@ def _attend_block(
     stride_vp,
     stride_vs,
     d_ok,
+    dv_ok,
     ones,
     m_i,
     l_acc,
@@ -125,9 +126,9 @@ def _attend_block(
     """
     page = tl.load(page_row + (s // PAGE_SIZE) * stride_pp, mask=key_ok, other=0)
     offset = (s % PAGE_SIZE).to(tl.int64)
-    load_ok = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_base + (page * stride_kp + offset * stride_ks)[:, None], mask=load_ok, other=0.0)
-    v = tl.load(v_base + (page * stride_vp + offset * stride_vs)[:, None], mask=load_ok, other=0.0)
+    load_k, load_v = key_ok[:, None] & d_ok[None, :], key_ok[:, None] & dv_ok[None, :]
+    k = tl.load(k_base + (page * stride_kp + offset * stride_ks)[:, None], mask=load_k, other=0.0)
+    v = tl.load(v_base + (page * stride_vp + offset * stride_vs)[:, None], mask=load_v, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -201,6 +202,8 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -211,7 +214,9 @@ def _attention_kernel(
 
     With ``SPLITS == 1`` it writes the normalised output into ``out_ptr``; otherwise it writes
     its unnormalised accumulator to ``out_ptr`` (a contiguous ``[batch, q, head, splits,
-    head_dim]`` float32 buffer) and its row max / row sum to ``m_ptr`` / ``l_ptr``.
+    v_dim]`` float32 buffer) and its row max / row sum to ``m_ptr`` / ``l_ptr``. Keys are
+    ``HEAD_DIM`` wide, values ``V_DIM`` (narrower for latent attention, whose values are the
+    first columns of its keys).
     """
     q_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -224,6 +229,8 @@ def _attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < V_DIM
     keys = tl.arange(0, BLOCK_N)
 
     prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
@@ -261,11 +268,11 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_acc = tl.zeros([BLOCK_M, 16], tl.float32)
     ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     page_row = page_table_ptr + b * stride_pb
     k_base = k_ptr + kv_head * stride_kh + d[None, :] * stride_kd
-    v_base = v_ptr + kv_head * stride_vh + d[None, :] * stride_vd
+    v_base = v_ptr + kv_head * stride_vh + dv[None, :] * stride_vd
     mask_rows = mask_ptr + b * stride_mb + qi[:, None] * stride_mi
 
     # Key tiles start at multiples of BLOCK_N of the cache index and this split owns the fixed
@@ -285,23 +292,24 @@ def _attention_kernel(
         key_ok = s < hi
         m_i, l_acc, acc = _attend_block(
             q, s, key_ok, key_ok[None, :], page_row, stride_pp, k_base, stride_kp, stride_ks,
-            v_base, stride_vp, stride_vs, d_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE,
-            DOT_PRECISION,
+            v_base, stride_vp, stride_vs, d_ok, dv_ok, ones, m_i, l_acc, acc, qk_scale,
+            PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
     for start in range(prefix_tiles_end, dense_tiles_end, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
         m_i, l_acc, acc = _attend_block(
             q, s, s < hi, visible, page_row, stride_pp, k_base, stride_kp, stride_ks, v_base,
-            stride_vp, stride_vs, d_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
+            stride_vp, stride_vs, d_ok, dv_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE,
+            DOT_PRECISION,
         )  # fmt: skip
     for start in range(dense_tiles_end, hi, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
         m_i, l_acc, acc = _attend_block(
             q, s, tl.max(visible.to(tl.int32), axis=0) > 0, visible, page_row, stride_pp,
-            k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, ones, m_i, l_acc,
-            acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
+            k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, dv_ok, ones, m_i,
+            l_acc, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
     # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
@@ -314,17 +322,17 @@ def _attention_kernel(
             + b * stride_ob
             + qi[:, None] * stride_oi
             + head[:, None] * stride_oh
-            + d[None, :] * stride_od,
+            + dv[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & d_ok[None, :],
+            mask=row_in[:, None] & dv_ok[None, :],
         )
     else:
         num_heads = num_kv_heads * GROUP
         part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
         tl.store(
-            out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            out_ptr + part[:, None] * V_DIM + dv[None, :],
             acc,
-            mask=row_in[:, None] & d_ok[None, :],
+            mask=row_in[:, None] & dv_ok[None, :],
         )
         tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
         tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
@@ -347,7 +355,8 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merge the ``SPLITS`` partials of one (request, query, head) row into its output."""
+    """Merge the ``SPLITS`` partials of one (request, query, head) row into its output
+    (``HEAD_DIM``: the values' width)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (num_q * num_heads)
     qi = (row // num_heads) % num_q
@@ -383,7 +392,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+def _tiles(num_q: int, group: int, head_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes and launch options, from shapes alone (measured on an H200, bf16, d=128).
 
     Rows of one program are ``BLOCK_Q`` tokens times ``group`` heads: 128 rows with 64-key tiles
@@ -395,6 +404,7 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     query-block boundaries.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(v_dim))
     item = torch.tensor([], dtype=dtype).element_size()
     rows = num_q * group
     if _INTERPRET:
@@ -412,8 +422,15 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one token per program
     if not _INTERPRET and item * block_d > 256:  # wide rows (float32, head_dim > 128)
         block_n //= 2
+    if not _INTERPRET and block_d + block_dv > 512:
+        # Latent attention's rows (576-wide keys, 512-wide values, padded to 1024 and 512):
+        # small tiles, so that the Q tile and a stage of K and V tiles fit in shared memory
+        # (for groups of up to 32 heads). A function of the widths alone, so that the calls of
+        # one batch still tile alike. Not yet measured on a GPU.
+        block_m = max(triton.next_power_of_2(group), min(block_m, 32))
+        block_n = 32
     # Pipeline depth: as many K/V stages as fit beside the Q tile.
-    stage_bytes = 2 * block_n * block_d * item
+    stage_bytes = block_n * (block_d + block_dv) * item
     stages = max(1, min(3, (_SMEM_BUDGET - block_m * block_d * item) // stage_bytes))
     tokens = triton.next_power_of_2(block_m // group)
     return {
@@ -421,6 +438,7 @@ def _tiles(num_q: int, group: int, head_dim: int, dtype: torch.dtype) -> dict[st
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
+        "BLOCK_DV": block_dv,
         # The mask scan reads ~8K bytes a step (1 per token and column), and no fewer than a tile.
         "TOKENS": tokens,
         "SCAN_N": block_n if _INTERPRET else max(block_n, min(1024, 8192 // tokens)),
@@ -460,7 +478,9 @@ def paged_attention_triton(
 ) -> Float[Tensor, "batch q head head_dim"]:
     """Attention of ``q`` over each request's paged prefix and masked tail, in Triton.
 
-    Same arguments and result as :func:`speculum.spec.attention.paged_attention`: float32
+    Same arguments and result as :func:`speculum.spec.attention.paged_attention` (values may
+    be narrower than keys, and ``v_cache`` a strided view such as a latent cache's first
+    columns): float32
     accumulation, output in ``q.dtype``, zeros for padded rows (``i >= q_lens[b]``) and for
     queries that see no key. Tensors live on one CUDA device (or the CPU under
     ``TRITON_INTERPRET=1``). Reads no tensor value on the host, so the call can be captured in
@@ -472,14 +492,15 @@ def paged_attention_triton(
     """
     batch, num_q, heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    v_dim = v_cache.shape[-1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into {kv_heads} KV-head groups")
     group = heads // kv_heads
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(batch, num_q, heads, v_dim)
     if q.numel() == 0:
         return out
-    tiles = _tiles(num_q, group, head_dim, q.dtype)
+    tiles = _tiles(num_q, group, head_dim, v_dim, q.dtype)
     q_blocks = triton.cdiv(num_q, tiles["BLOCK_Q"])
     capacity = page_table.shape[1] * page_size
     if num_splits is None:
@@ -493,7 +514,7 @@ def paged_attention_triton(
         )
     if num_splits > 1:
         part_shape = (batch, num_q, heads, num_splits)
-        acc = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
+        acc = torch.empty(*part_shape, v_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(part_shape, dtype=torch.float32, device=q.device)
         l_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
         target, target_strides = acc, (0, 0, 0, 0)  # partials are addressed as contiguous
@@ -529,6 +550,8 @@ def paged_attention_triton(
         BLOCK_N=tiles["BLOCK_N"],
         HEAD_DIM=head_dim,
         BLOCK_D=tiles["BLOCK_D"],
+        V_DIM=v_dim,
+        BLOCK_DV=tiles["BLOCK_DV"],
         PAGE_SIZE=page_size,
         SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -548,8 +571,8 @@ def paged_attention_triton(
             *out.stride(),
             SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=tiles["BLOCK_D"],
+            HEAD_DIM=v_dim,
+            BLOCK_D=tiles["BLOCK_DV"],
             num_warps=4,
         )
     return out

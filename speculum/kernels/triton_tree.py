@@ -399,16 +399,18 @@ def _commit_kernel(
     source_ptr,
     destination_ptr,
     width,
-    row_size,
-    layer_size,
+    k_row_size,
+    v_row_size,
+    layer_slots,
     BLOCK: tl.constexpr,
 ):
     layer = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < row_size
-    k_layer = k_ptr + layer * layer_size
-    v_layer = v_ptr + layer * layer_size
+    # A latent pool's v rows are empty (v_row_size 0): its loads and stores are all masked.
+    in_k, in_v = cols < k_row_size, cols < v_row_size
+    k_layer = k_ptr + layer * layer_slots * k_row_size
+    v_layer = v_ptr + layer * layer_slots * v_row_size
     # In increasing depth order; why that reads every source before it is overwritten is
     # explained in commit_kv_triton.
     for d in range(0, width):
@@ -416,10 +418,10 @@ def _commit_kernel(
         destination = tl.load(destination_ptr + b * width + d)
         # The root (d = 0) and padding entries (both at the padding sink) stay where they are.
         if source != destination:
-            k = tl.load(k_layer + source * row_size + cols, mask=inside)
-            v = tl.load(v_layer + source * row_size + cols, mask=inside)
-            tl.store(k_layer + destination * row_size + cols, k, mask=inside)
-            tl.store(v_layer + destination * row_size + cols, v, mask=inside)
+            k = tl.load(k_layer + source * k_row_size + cols, mask=in_k)
+            v = tl.load(v_layer + source * v_row_size + cols, mask=in_v)
+            tl.store(k_layer + destination * k_row_size + cols, k, mask=in_k)
+            tl.store(v_layer + destination * v_row_size + cols, v, mask=in_v)
 
 
 def commit_kv_triton(
@@ -441,15 +443,18 @@ def commit_kv_triton(
     indices of a request are distinct slots), and where an earlier source is a later
     destination, the same thread reads it before it writes it. Requests own disjoint pages, so
     programs never touch each other's slots (padding entries are skipped, see the kernel).
-    ``block`` (a power of two) is the column block.
+    ``block`` (a power of two) is the column block. ``v``'s rows may be narrower than ``k``'s
+    (a latent pool's hold nothing).
     """
-    if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape):
+    if not (k.is_contiguous() and v.is_contiguous() and k.shape[:3] == v.shape[:3]):
         raise ValueError(
-            "commit_kv: k and v must be contiguous pools of one shape (they are written in place)"
+            "commit_kv: k and v must be contiguous pools of the same layers and pages (they "
+            "are written in place)"
         )
     batch, width = source.shape
     layers = k.shape[0]
-    row_size = k.shape[3] * k.shape[4]
+    k_row, v_row = k.shape[3] * k.shape[4], v.shape[3] * v.shape[4]
+    row_size = max(k_row, v_row)
     if batch == 0 or layers == 0 or row_size == 0:
         return
     block = min(block, triton.next_power_of_2(row_size))
@@ -459,8 +464,9 @@ def commit_kv_triton(
         source.contiguous(),
         destination.contiguous(),
         width,
-        row_size,
-        k[0].numel(),
+        k_row,
+        v_row,
+        k.shape[1] * k.shape[2],
         BLOCK=block,
         num_warps=num_warps,
     )

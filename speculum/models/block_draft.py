@@ -430,6 +430,7 @@ def block_draft_config(
         mlp_bias=False,
         qk_norm=True,
         num_nextn_predict_layers=0,
+        mla=None,  # Qwen3 layers: grouped-query attention over the target's head shapes
     )
     dspark = algorithm == "dspark"
     mask = target.bos_token_id if mask_token_id is None else mask_token_id

@@ -4,16 +4,20 @@ One config covers the Llama family as transformers writes it: ``LlamaForCausalLM
 3.1 ``rope_scaling``), ``Qwen2ForCausalLM`` (q/k/v bias), ``Qwen3ForCausalLM`` (q/k RMSNorm) and
 ``MistralForCausalLM``, and the mixture-of-experts kinds of them: ``MixtralForCausalLM``,
 ``Qwen2MoeForCausalLM`` (with its sigmoid-gated shared expert) and ``Qwen3MoeForCausalLM``,
-whose routing settings are a :class:`MoEConfig`. Both spellings of the rotary settings are
-read: ``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters``
-(transformers 5).
+whose routing settings are a :class:`MoEConfig`, and DeepSeek's multi-head latent attention
+(``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose shapes
+are an :class:`MLAConfig`; DeepSeek checkpoints load with dense layers only for now
+(``first_k_dense_replace`` at least ``num_hidden_layers``). Both spellings of the rotary
+settings are read: ``rope_theta`` plus ``rope_scaling`` (transformers 4) and
+``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
 ``head_dim`` the rotary embedding cannot rotate, ``rope_theta`` or ``rms_norm_eps`` not above
 zero, EOS ids outside the vocabulary, routing settings that contradict each other
-(``num_experts_per_tok`` above the number of experts, two different expert counts), and an
-unreadable ``generation_config.json``.
+(``num_experts_per_tok`` above the number of experts, two different expert counts), latent
+attention widths missing or not positive (``kv_lora_rank`` ...) or an odd
+``qk_rope_head_dim``, and an unreadable ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import attrs
 __all__ = [
     "CheckpointError",
     "DecoderConfig",
+    "MLAConfig",
     "MoEConfig",
     "UnsupportedModel",
     "SUPPORTED_ARCHITECTURES",
@@ -43,6 +48,8 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 #: architecture -> transformers' ``model_type``
 MODEL_TYPES = {
@@ -53,8 +60,12 @@ MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: Architectures whose attention is multi-head latent attention (:class:`MLAConfig`).
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -117,6 +128,36 @@ class MoEConfig:
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
+class MLAConfig:
+    """Shapes of multi-head latent attention (DeepSeek-V2/V3; all static).
+
+    Each token's hidden state is compressed to a latent of ``kv_lora_rank`` values (RMS-normed)
+    and a rotary key of ``qk_rope_head_dim`` values shared by every head; ``kv_b_proj`` expands
+    the latent into each head's ``qk_nope_head_dim`` key and ``v_head_dim`` value columns. The
+    queries come from ``q_proj``, or through the low-rank ``q_a_proj`` / ``q_b_proj`` pair when
+    ``q_lora_rank`` is set. ``rope_interleave``: the rotary dimensions pair up interleaved
+    (``(x0, x1), (x2, x3) ..``, DeepSeek's own layout) rather than as halves.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and (expanded) key: the unrotated part then the rotary."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values the paged cache holds per token and layer: the latent then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
 class DecoderConfig:
     """Shapes and options of a Llama-family decoder (all static)."""
 
@@ -148,6 +189,10 @@ class DecoderConfig:
     #: of the target's kind; the other draft layers shaped like the target's are dense
     #: (:meth:`dense`).
     moe: MoEConfig | None = None
+    #: Multi-head latent attention's shapes (DeepSeek-V2/V3); ``None`` for grouped-query
+    #: attention. With MLA, ``head_dim`` is the rotary width ``mla.qk_rope_head_dim`` and
+    #: ``num_kv_heads`` equals ``num_heads``.
+    mla: MLAConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> DecoderConfig:
@@ -173,10 +218,15 @@ class DecoderConfig:
             raise UnsupportedModel(
                 f"{where}: hidden_act {raw['hidden_act']!r}: only 'silu' is supported"
             )
-        rope = _rope_settings(raw, where)
+        rope = _rope_settings(raw, where, arch)
         size = {key: _integer(raw, key, where, minimum=1) for key in _REQUIRED}
         heads, hidden = size["num_attention_heads"], size["hidden_size"]
+        mla = _mla_settings(raw, arch, where, size["num_hidden_layers"])
         kv_heads = _integer(raw, "num_key_value_heads", where, minimum=1, default=heads)
+        if mla is not None:
+            # MLA's keys and values come per head out of one latent: transformers' DeepSeek
+            # configs carry a num_key_value_heads that nothing reads (V3's default is 128).
+            kv_heads = heads
         _check_head_groups(heads, kv_heads, where)
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -193,7 +243,7 @@ class DecoderConfig:
             num_layers=size["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=_head_dim(raw, hidden, heads, where),
+            head_dim=mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where),
             rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, "1e-6"),
             rope_theta=rope[0],
             rope_scaling=rope[1],
@@ -211,6 +261,7 @@ class DecoderConfig:
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             num_nextn_predict_layers=nextn,
             moe=_moe_settings(raw, arch, where, size["num_hidden_layers"], nextn),
+            mla=mla,
         )
 
     @classmethod
@@ -273,6 +324,7 @@ class DecoderConfig:
             "torch_dtype": self.dtype,
             **(nextn if self.num_nextn_predict_layers else {}),
             **(_moe_dict(self) if self.moe is not None else {}),
+            **(_mla_dict(self) if self.mla is not None else {}),
         }
 
 
@@ -302,6 +354,77 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
         qwen["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
         qwen["qkv_bias"] = config.qkv_bias
     return qwen
+
+
+def _mla_dict(config: DecoderConfig) -> dict[str, Any]:
+    """The latent-attention keys of a DeepSeek ``config.json``; every layer dense
+    (``first_k_dense_replace``), the only kind speculum loads them with yet."""
+    mla = config.mla
+    assert mla is not None
+    keys = {
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "first_k_dense_replace": config.num_layers,
+    }
+    if config.architecture == "DeepseekV3ForCausalLM":
+        keys["rope_interleave"] = mla.rope_interleave
+    return keys
+
+
+def _mla_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -> MLAConfig | None:
+    """The latent-attention shapes of a DeepSeek architecture (``None`` for any other).
+
+    Mixture-of-experts layers of DeepSeek checkpoints are refused here, in one place, until
+    their routing (sigmoid, group-limited, shared experts) is implemented."""
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    first_dense = _integer(
+        raw,
+        "first_k_dense_replace",
+        where,
+        minimum=0,
+        default=3 if arch == "DeepseekV3ForCausalLM" else 0,
+    )
+    if first_dense < num_layers:
+        raise UnsupportedModel(
+            f"{where}: first_k_dense_replace {first_dense} makes layers {first_dense} .. "
+            f"{num_layers - 1} mixture-of-experts layers, whose DeepSeek routing speculum does "
+            "not run yet; only DeepSeek checkpoints whose layers are all dense "
+            f"(first_k_dense_replace >= num_hidden_layers {num_layers}) load"
+        )
+    why = {
+        "kv_lora_rank": "the width of the compressed key/value latent",
+        "qk_nope_head_dim": "each head's unrotated query/key width",
+        "qk_rope_head_dim": "the rotary query/key width",
+        "v_head_dim": "each head's value width",
+    }
+    size = {}
+    for key, meaning in why.items():
+        size[key] = _integer(raw, key, where, minimum=1)
+        if size[key] is None:
+            raise CheckpointError(
+                f"{where}: a multi-head latent attention config needs {key} ({meaning}), which "
+                f"the file lacks: add {key} to the file"
+            )
+    if size["qk_rope_head_dim"] % 2:
+        raise CheckpointError(
+            f"{where}: qk_rope_head_dim {size['qk_rope_head_dim']} is odd; the rotary "
+            "embedding rotates pairs of dimensions: fix qk_rope_head_dim in the file"
+        )
+    interleave = arch == "DeepseekV2ForCausalLM" or raw.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise CheckpointError(
+            f"{where}: rope_interleave is {interleave!r}; it must be true or false: fix it in "
+            "the file"
+        )
+    return MLAConfig(
+        q_lora_rank=_integer(raw, "q_lora_rank", where, minimum=1),
+        rope_interleave=interleave,
+        **size,
+    )
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
@@ -511,7 +634,9 @@ def _rope_theta(raw: dict[str, Any], params: dict[str, Any], where: str) -> floa
     return next(iter(given.values()), 10000.0)
 
 
-def _rope_settings(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+def _rope_settings(
+    raw: dict[str, Any], where: str, arch: str
+) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
     theta = _rope_theta(raw, params, where)
@@ -522,8 +647,23 @@ def _rope_settings(raw: dict[str, Any], where: str) -> tuple[float, dict[str, An
         raise UnsupportedModel(
             f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
+    if rope_type == "yarn":
+        _check_yarn(source, "rope_scaling" if scaling else "rope_parameters", where, arch)
     if rope_type == "default":
         return theta, None
     source["rope_type"] = rope_type
     source.pop("type", None)
     return theta, source
+
+
+def _check_yarn(source: dict[str, Any], section: str, where: str, arch: str) -> None:
+    """YaRN scaling is read for the latent-attention architectures (whose softmax scale and
+    rotary tables it corrects, see ``decoder.rope_attention_factor``) with the two keys of
+    ``section`` (``rope_scaling`` or ``rope_parameters``) it cannot do without."""
+    if arch not in MLA_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"{where}: rope type 'yarn' is supported for {', '.join(MLA_ARCHITECTURES)} only, "
+            f"not {arch}"
+        )
+    for key in ("factor", "original_max_position_embeddings"):
+        _positive(source.get(key), f"{section}.{key}", where, "the checkpoint's value")

@@ -1,8 +1,10 @@
 """One Llama-family decoder over the paged KV cache.
 
-Each layer composes an attention block and an MLP block chosen from the config: the dense
-SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`) in the sparse layers of
-Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints; the one forward runs them all.
+Each layer composes an attention block and an MLP block chosen from the config: grouped-query
+:class:`Attention`, or DeepSeek's multi-head latent attention (:class:`LatentAttention`, over a
+cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`)
+in the sparse layers of Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints; the one forward runs
+them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
@@ -41,11 +43,15 @@ __all__ = [
     "dense_batch",
     "float32_logits",
     "FusedLinear",
+    "LatentAttention",
+    "attention_block",
     "fuse_projections_",
     "fused_linear",
     "holds",
+    "mla_softmax_scale",
     "mlp_block",
     "pool_for",
+    "rope_attention_factor",
     "rope_inv_freq",
 ]
 
@@ -64,7 +70,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
-    """Rotary inverse frequencies, with linear or Llama 3.1 frequency scaling applied."""
+    """Rotary inverse frequencies, with linear, Llama 3.1 or YaRN frequency scaling applied."""
     dim = config.head_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
@@ -73,6 +79,8 @@ def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, config.rope_theta, dim, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling["low_freq_factor"])
@@ -85,6 +93,61 @@ def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def _yarn_inv_freq(
+    inv_freq: Float[Tensor, " half"], theta: float, dim: int, scaling: dict
+) -> Float[Tensor, " half"]:
+    """YaRN's frequencies, as transformers computes them: interpolated (divided by
+    ``factor``) below the ``beta_slow`` rotation count over the original context, kept above
+    ``beta_fast``, linearly blended between."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(config: DecoderConfig) -> float:
+    """The factor YaRN scales rotated queries and keys by (transformers multiplies its cosines
+    and sines by it): ``attention_factor`` when given, else from ``mscale`` over
+    ``mscale_all_dim``, else from ``factor`` alone; 1 for every other rope type."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = (scaling.get(k) for k in ("factor", "mscale", "mscale_all_dim"))
+    if mscale and all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    return _yarn_mscale(factor)
+
+
+def mla_softmax_scale(config: DecoderConfig) -> float:
+    """Latent attention's softmax scale: ``qk_head_dim ** -0.5``, times ``mscale(factor,
+    mscale_all_dim) ** 2`` under a scaled rope with ``mscale_all_dim`` (DeepSeek's YaRN)."""
+    assert config.mla is not None
+    scale = config.mla.qk_head_dim**-0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("mscale_all_dim"):
+        mscale = _yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
 
 
 def apply_rope(
@@ -282,18 +345,169 @@ def dense_attention(
     ks: Float[Tensor, "batch k kv_head head_dim"],
     vs: Float[Tensor, "batch k kv_head head_dim"],
     mask: Bool[Tensor, "batch q k"],
-) -> Float[Tensor, "batch q head head_dim"]:
+    scale: float | None = None,
+) -> Float[Tensor, "batch q head v_dim"]:
     """Grouped-query softmax attention of ``qs`` over ``ks``/``vs`` where ``mask`` allows, with
-    no cache (training). Every query must see at least one key."""
+    no cache (training), scaled by ``scale`` (default ``head_dim ** -0.5``). Every query must
+    see at least one key."""
     group = qs.shape[2] // ks.shape[2]
     out = F.scaled_dot_product_attention(
         qs.transpose(1, 2),
         ks.repeat_interleave(group, dim=2).transpose(1, 2),
         vs.repeat_interleave(group, dim=2).transpose(1, 2),
         attn_mask=mask[:, None],
-        scale=1.0 / math.sqrt(qs.shape[-1]),
+        scale=1.0 / math.sqrt(qs.shape[-1]) if scale is None else scale,
     )
     return out.transpose(1, 2)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3) over a latent paged cache.
+
+    Parameters carry the hub's names: ``q_proj`` (or ``q_a_proj``, ``q_a_layernorm``,
+    ``q_b_proj`` when ``q_lora_rank`` is set), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj``. The cache holds, per token, the normed latent ``c`` and the
+    rotated key ``k_pe`` (:meth:`KVPool.allocate_latent`), never the per-head keys and values.
+    Attention runs *absorbed*: ``kv_b_proj``'s key rows ``W_UK`` fold into the queries (head
+    ``h`` scores ``[q_nope W_UK_h, q_pe] . [c, k_pe]``, which is ``q_nope . k_nope + q_pe .
+    k_pe``), every head attends to the one latent "KV head" with the latent as its values, and
+    ``kv_b_proj``'s value rows ``W_UV`` map each head's latent output to ``v_head_dim`` before
+    ``o_proj``. So the paged attention op is the grouped-query one, unchanged.
+
+    Rotary dims that pair up interleaved (``rope_interleave``, DeepSeek-V2's complex rope) are
+    permuted to halves (evens then odds) before the halves-convention rope op: a query's and a
+    key's rotary parts get the same permutation, so their dot product is unchanged, and each
+    rotated value is the one transformers computes.
+    """
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        mla = config.mla
+        if mla is None:
+            raise ValueError("LatentAttention needs a config with mla settings (config.mla)")
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.mla = mla
+        h, heads, bias = config.hidden_size, config.num_heads, config.qkv_bias
+        q_out = heads * mla.qk_head_dim
+        # The latent norms' eps is transformers' RMSNorm default, not the config's.
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, mla.cache_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, h, bias=config.o_bias)
+        self.scale = mla_softmax_scale(config)
+        self.rope_factor = rope_attention_factor(config)
+
+    def _rotate(self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor) -> Tensor:
+        """The rotary part ``x`` rotated at ``batch.positions`` (in halves order)."""
+        if self.mla.rope_interleave:  # (x0, x1), (x2, x3) .. -> x0, x2, .. then x1, x3, ..
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        rotated = apply_rope(x, batch.positions, inv_freq)
+        return rotated if self.rope_factor == 1.0 else rotated * self.rope_factor
+
+    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each head's unrotated and (not yet rotated) rotary query parts."""
+        if self.mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        b, n, _ = x.shape
+        q = q.view(b, n, self.num_heads, self.mla.qk_head_dim)
+        return q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], -1)
+
+    def _latent(self, x: Tensor, batch: ForwardBatch, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        """The normed latent ``[batch, q, 1, kv_lora_rank]`` and the rotated rotary key
+        ``[batch, q, 1, qk_rope_head_dim]`` of ``x``: what the cache holds."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], -1
+        )
+        k_pe = self._rotate(k_pe[:, :, None], batch, inv_freq)
+        return self.kv_a_layernorm(latent)[:, :, None], k_pe
+
+    def _up_weights(self) -> tuple[Tensor, Tensor]:
+        """``kv_b_proj`` per head: key rows ``[head, nope, latent]``, value rows ``[head, v,
+        latent]``."""
+        up = self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
+        return up.split([self.mla.qk_nope_head_dim, self.mla.v_head_dim], 1)
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, write the latent and rotary key into the pool, attend absorbed, project
+        back. With ``pool=None`` (training) the latent is expanded to per-head keys and values
+        and the queries attend to each other under ``batch.new_mask`` (:func:`dense_attention`)."""
+        q_nope, q_pe = self._queries(x)
+        q_pe = self._rotate(q_pe, batch, inv_freq)
+        latent, k_pe = self._latent(x, batch, inv_freq)
+        up_k, up_v = self._up_weights()
+        if pool is None:
+            k_nope = torch.einsum("bsr,hnr->bshn", latent[:, :, 0], up_k)
+            keys = torch.cat([k_nope, k_pe.expand(-1, -1, self.num_heads, -1)], -1)
+            values = torch.einsum("bsr,hvr->bshv", latent[:, :, 0], up_v)
+            qs = torch.cat([q_nope, q_pe], -1)
+            out = dense_attention(qs, keys, values, batch.new_mask, self.scale)
+            return self.o_proj(out.flatten(2))
+        cache = pool.k[self.layer]
+        kernels.write_kv(cache, batch.slots, torch.cat([latent, k_pe], -1))
+        absorbed = torch.cat([torch.einsum("bqhn,hnr->bqhr", q_nope, up_k), q_pe], -1)
+        out = kernels.paged_attention(
+            absorbed,
+            cache,
+            cache[..., : self.mla.kv_lora_rank],
+            batch.page_table,
+            batch.prefix_lens,
+            batch.q_lens,
+            batch.new_mask,
+            self.scale,
+        )
+        return self.o_proj(torch.einsum("bqhr,hvr->bqhv", out, up_v).flatten(2))
+
+
+def attention_block(config: DecoderConfig, layer: int) -> Attention | LatentAttention:
+    """The attention kind of decoder layer ``layer``: latent attention where the config has
+    MLA shapes, else grouped-query attention."""
+    return LatentAttention(config, layer) if config.mla is not None else Attention(config, layer)
+
+
+def pool_for(
+    module: nn.Module,
+    config: DecoderConfig,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype | None = None,
+) -> KVPool:
+    """A zeroed pool of ``num_layers`` layers for the attention ``module`` holds, in its dtype
+    (unless given) and on its device, the one place a model's pool and its drafts' pools are
+    shaped (page 0 is the padding sink): the latent layout when its attention is
+    :class:`LatentAttention` (``config.mla``'s shapes), else K/V heads of ``config``'s
+    ``head_dim`` (this rank's heads when ``module`` is sharded)."""
+    weight = next(module.parameters())
+    dtype, device = dtype or weight.dtype, weight.device
+    common = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size)
+    if config.mla is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
+        return KVPool.allocate_latent(
+            **common,
+            latent_dim=config.mla.kv_lora_rank,
+            rope_dim=config.mla.qk_rope_head_dim,
+            dtype=dtype,
+            device=device,
+        )
+    return KVPool.allocate(
+        **common,
+        num_kv_heads=cache_kv_heads(module, config.num_kv_heads),
+        head_dim=config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def dense_batch(
@@ -407,7 +621,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
+        self.self_attn = attention_block(config, layer)
         self.mlp = mlp_block(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -499,30 +713,6 @@ def cache_kv_heads(module: nn.Module, default: int) -> int:
     return next((m.num_kv_heads for m in module.modules() if isinstance(m, Attention)), default)
 
 
-def pool_for(
-    module: nn.Module,
-    config: DecoderConfig,
-    num_layers: int,
-    num_pages: int,
-    page_size: int,
-    dtype: torch.dtype | None = None,
-) -> KVPool:
-    """A zeroed pool of ``num_layers`` layers shaped like the attention of ``config``'s layers
-    (with this rank's K/V heads when ``module`` is sharded), in ``module``'s dtype (unless
-    given) and on its device: the one place a model's pool and its drafts' pools are shaped
-    from a config (page 0 is the padding sink)."""
-    weight = next(module.parameters())
-    return KVPool.allocate(
-        num_layers=num_layers,
-        num_pages=num_pages,
-        page_size=page_size,
-        num_kv_heads=cache_kv_heads(module, config.num_kv_heads),
-        head_dim=config.head_dim,
-        dtype=dtype or weight.dtype,
-        device=weight.device,
-    )
-
-
 class DecoderModel(nn.Module):
     """A Llama-family causal LM over the paged KV cache.
 
@@ -549,7 +739,7 @@ class DecoderModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.model.embed_tokens.weight.device)
 
     def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
-        """A zeroed KV pool shaped for this model (for this rank's K/V heads, when sharded)."""
+        """A zeroed KV pool shaped for this model's attention (:func:`pool_for`)."""
         return pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
 
     def forward(

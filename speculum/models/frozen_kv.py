@@ -146,6 +146,12 @@ def check_target(config: FrozenKVConfig, target: DecoderConfig, where: str) -> N
             f"depth: built for a {config.target_num_layers}-layer target, this one has "
             f"{target.num_layers}"
         )
+    if target.mla is not None:
+        problems.append(
+            f"attention: the target ({target.architecture}) is multi-head latent attention, "
+            "whose cache holds latents, not the per-head keys and values a frozen-KV draft "
+            "attends to"
+        )
     bad = [s for s in config.source_layers if not 0 <= s < target.num_layers]
     if bad:
         problems.append(

@@ -5,7 +5,8 @@ gives it and a floating-point dtype (an integer or bool tensor would be cast sil
 every tensor in the checkpoint must be one the decoder declares; otherwise loading fails naming
 the keys. A q/k/v projection whose rows disagree with ``num_attention_heads`` (or
 ``num_key_value_heads``) times ``head_dim`` is reported as the ``head_dim`` (or
-``num_key_value_heads``) mismatch it is.
+``num_key_value_heads``) mismatch it is, and a latent attention's ``kv_b_proj`` whose columns
+disagree with ``kv_lora_rank`` as that mismatch.
 The only tolerated extras are a tied ``lm_head.weight`` (some exporters write it), rotary
 ``inv_freq`` buffers (older exporters wrote them), neither of which carries information the
 config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` after the ``L``
@@ -180,7 +181,9 @@ def check_keys(
             "where floating-point weights belong (loading would cast them silently): re-export "
             "the checkpoint with float weights"
         )
-    if layer is not None:
+    if layer is not None and layer.mla is not None:
+        _check_latent_rank(expected, found, where, layer)
+    elif layer is not None:
         _check_head_dim(expected, found, where, layer)
     wrong = [
         f"{k}: checkpoint {tuple(found[k].shape)} vs config {tuple(s)}"
@@ -235,6 +238,28 @@ def _check_head_dim(
             f"{where}: {culprit} {value} in config.json disagrees with the weights: {key!r} in "
             f"{_file_of(found[key], where)} has {rows} rows, but {json_key} {heads} × head_dim "
             f"{head_dim} = {heads * head_dim}; {fix}"
+        )
+
+
+def _check_latent_rank(
+    expected: dict[str, torch.Size],
+    found: Mapping[str, torch.Tensor | CheckpointTensor],
+    where: str,
+    layer: DecoderConfig,
+) -> None:
+    """Raise :class:`CheckpointError` for a latent attention's ``kv_b_proj`` whose columns
+    (the latent's width) disagree with ``kv_lora_rank``, naming the field and the rank the
+    weights imply."""
+    assert layer.mla is not None
+    rank = layer.mla.kv_lora_rank
+    for key in expected:
+        got = found[key].shape
+        if not key.endswith("self_attn.kv_b_proj.weight") or len(got) != 2 or got[1] == rank:
+            continue
+        raise CheckpointError(
+            f"{where}: kv_lora_rank {rank} in config.json disagrees with the weights: {key!r} "
+            f"in {_file_of(found[key], where)} expands a latent of {got[1]} values; set "
+            f"kv_lora_rank to {got[1]} in config.json, or re-export the weights"
         )
 
 

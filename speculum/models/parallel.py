@@ -33,7 +33,8 @@ lm_head, the sampling and acceptance stages) runs unchanged. The vocabulary is p
 multiple of ``tp`` with zero rows, whose logits are dropped after the gather, so any vocabulary
 size splits; query heads, K/V heads and the intermediate size must split evenly, and
 :class:`UnsupportedSplit` names the one that does not. Mixture-of-experts models
-(``decoder.SparseMoE``) are not split yet: sharding one raises :class:`UnsupportedSplit`.
+(``decoder.SparseMoE``) and latent attention (``decoder.LatentAttention``) are not split yet:
+sharding one raises :class:`UnsupportedSplit`.
 
 Page tables do not change: every rank's pool has the same pages, holding its own heads, so one
 allocator and one scheduler serve all ranks.
@@ -50,7 +51,14 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import MLP, Attention, LMHead, SparseMoE, float32_logits
+from speculum.models.decoder import (
+    MLP,
+    Attention,
+    LatentAttention,
+    LMHead,
+    SparseMoE,
+    float32_logits,
+)
 from speculum.state.parallel import TensorParallel
 
 __all__ = [
@@ -300,9 +308,9 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
     with :func:`splits_of` to read only this rank's part of a checkpoint, or shard a loaded
     module to copy its parts out. Fuse projections after sharding (the local q/k/v and
     gate/up fuse as usual). Raises :class:`UnsupportedSplit` for heads or an intermediate size
-    that do not split over ``tp`` and for mixture-of-experts layers (not split yet), and
-    ``ValueError`` for a module already sharded or fused; either way the module is left
-    unchanged.
+    that do not split over ``tp`` and for mixture-of-experts and latent attention layers (not
+    split yet), and ``ValueError`` for a module already sharded or fused; either way the
+    module is left unchanged.
     """
     if tp.size == 1:
         return module
@@ -310,6 +318,12 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
         raise UnsupportedSplit(
             f"tp={tp.size}: mixture-of-experts layers cannot be split over tensor-parallel "
             "ranks yet; run this model with tp=1"
+        )
+    if any(isinstance(m, LatentAttention) for m in module.modules()):
+        raise UnsupportedSplit(
+            f"tp={tp.size}: multi-head latent attention layers cannot be split over "
+            "tensor-parallel ranks yet (every rank would need the whole latent cache); run "
+            "this model with tp=1"
         )
     if any(isinstance(m, Sharded) for m in module.modules()):
         raise ValueError("the module is already sharded; shard a module once")

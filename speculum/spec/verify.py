@@ -122,7 +122,8 @@ def commit_kv(k: Tensor, v: Tensor, source: Tensor, destination: Tensor) -> None
     reference; ``speculum.kernels.triton_tree`` registers a CUDA twin.
     """
     for cache in (k, v):
-        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        # flatten, not view(..., -1, ...): a latent pool's v holds no values (head_dim 0).
+        flat = cache.flatten(1, 2)
         # The right side is a copy, so all reads come before the writes.
         flat[:, destination.reshape(-1)] = flat[:, source.reshape(-1)]
 

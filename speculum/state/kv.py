@@ -45,6 +45,10 @@ class KVPool:
     ``k`` and ``v`` have shape ``[layer, page, page_size, kv_head, head_dim]``; layer ``i``'s
     cache is ``k[i]`` (a contiguous view). Pools of a target and its draft model can share one
     allocator and one page table, since both index pages by the same ids.
+
+    A multi-head latent attention pool (:meth:`allocate_latent`) keeps one "head" per token in
+    ``k``: the compressed latent then the rotary key; its values are the latent, the first
+    columns of ``k``, so ``v`` holds nothing (``head_dim`` 0).
     """
 
     k: Tensor
@@ -64,14 +68,48 @@ class KVPool:
         device: torch.device | str = "cpu",
     ) -> KVPool:
         """Zero-filled pool of ``num_pages`` pages (page 0 is the padding sink)."""
+        return cls._zeros(
+            (num_layers, num_pages, page_size, num_kv_heads), head_dim, head_dim, dtype, device
+        )
+
+    @classmethod
+    def allocate_latent(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        latent_dim: int,
+        rope_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """Zero-filled multi-head latent attention pool: per token and layer, ``latent_dim``
+        latent values then ``rope_dim`` rotary key values in ``k`` (one head), nothing in
+        ``v`` (the latent is the values)."""
+        return cls._zeros(
+            (num_layers, num_pages, page_size, 1), latent_dim + rope_dim, 0, dtype, device
+        )
+
+    @classmethod
+    def _zeros(
+        cls,
+        rows: tuple[int, int, int, int],
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVPool:
+        """A pool of ``rows`` (layer, page, page_size, kv_head) with ``k_dim`` / ``v_dim``
+        values per K / V head, checked."""
+        num_pages, page_size = rows[1], rows[2]
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
         if page_size < 1:
             raise ValueError(f"page_size={page_size}: must be >= 1")
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
+            k=torch.zeros(*rows, k_dim, dtype=dtype, device=device),
+            v=torch.zeros(*rows, v_dim, dtype=dtype, device=device),
             page_size=page_size,
         )
 

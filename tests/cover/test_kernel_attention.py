@@ -34,6 +34,8 @@ class Case:
     new_mask: torch.Tensor  # [batch, q, tail] bool
     num_splits: int | None
     seed: int
+    #: Values as the keys' first columns (latent attention), or their own pool (``None``).
+    latent_dim: int | None = None
 
 
 @st.composite
@@ -67,6 +69,7 @@ def cases(draw: st.DrawFn) -> Case:
         new_mask=mask,
         num_splits=draw(st.sampled_from([None, 1, 2, 3])),
         seed=draw(st.integers(0, 2**16)),
+        latent_dim=draw(st.sampled_from([None, None, 6])),
     )
 
 
@@ -83,6 +86,7 @@ def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         kv_heads=case.kv_heads,
         head_dim=case.head_dim,
         page_size=case.page_size,
+        latent_dim=case.latent_dim,
     )
     return kc.run_attention(inputs, num_splits=case.num_splits)
 
@@ -119,6 +123,33 @@ def test_multi_block_tail_and_queries():
     )
     got, want = run_both(case)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_attention_shape():
+    """Latent attention's call: many query heads on one KV head whose values are the first
+    columns of its keys (a latent cache: latent then rotary key), values narrower than keys, a
+    causal chunk over a prefix, split and not."""
+    batch, q, page_size = 2, 5, 4
+    prefix_lens = [9, 3]
+    counts = kc.pages_needed(prefix_lens, q, page_size)
+    for num_splits in (None, 2):
+        case = Case(
+            page_size=page_size,
+            kv_heads=1,
+            group=8,
+            head_dim=24,
+            prefix_lens=prefix_lens,
+            q_lens=[5, 3],
+            page_table=kc.page_table(list(range(1, 1 + sum(counts))), counts, max(counts)),
+            num_pages=1 + sum(counts),
+            new_mask=causal_mask(batch, q).clone(),
+            num_splits=num_splits,
+            seed=11,
+            latent_dim=16,
+        )
+        got, want = run_both(case)
+        assert got.shape == (batch, q, 8, 16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_half_precision():

@@ -255,6 +255,20 @@ def test_commit_matches_spec(commit, block):
     assert torch.equal(got_k.cpu(), k) and torch.equal(got_v.cpu(), v)
 
 
+@settings(max_examples=30)
+@given(kc.commits(kc.CommitSizes()), st.sampled_from([1, 4]))
+def test_commit_of_a_latent_pool_matches_spec(commit, block):
+    """A latent attention pool (one K head per token, no V values) commits as the spec does."""
+    k, _, page_table, seq_lens, path = commit
+    k = k[:, :, :, :1].contiguous()
+    v = k.new_empty(*k.shape[:4], 0)
+    source, destination = kc.commit_slots(page_table, k.shape[2], seq_lens, path)
+    got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
+    commit_kv(k, v, source, destination)
+    commit_kv_triton(got_k, got_v, *on_device(source, destination), block=block)
+    assert torch.equal(got_k.cpu(), k) and got_v.shape == v.shape
+
+
 # ---------------------------------------------------------------- registration
 
 

@@ -402,9 +402,9 @@ def test_weights_must_match_config(checkpoint: Path, edit: Callable, message: st
         ({"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supp"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-            r"rope type 'yarn' is not supported",
+            r"rope type 'yarn' is supported for Deepseek.* only, not LlamaForCausalLM",
         ),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"rope type 'yarn' is not supp"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"'yarn' is supported for Deepseek"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ],
     ids=["architecture", "yarn (transformers 5)", "yarn (transformers 4)", "activation"],

@@ -133,6 +133,20 @@ def test_prefill_chunk(dtype):
     check(inputs, dtype)
 
 
+#: DeepSeek-V2-Lite's latent attention, absorbed: 16 query heads on one cache "head" of the
+#: 512-value latent and the 64-value rotary key, the latent as the values.
+MLA_LITE = {"heads": 16, "kv_heads": 1, "head_dim": 576, "latent_dim": 512, "page_size": 16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "q"), [(1, 1), (32, 1), (4, 8)])
+def test_latent_attention(batch, q, dtype):
+    """Decode (batch 1 splits KV) and a chain verify over a latent cache."""
+    prefix = [2048 - 37 * b for b in range(batch)]
+    mask = causal_mask(batch, q)
+    check(make_inputs(prefix_lens=prefix, q_lens=[q] * batch, new_mask=mask, **MLA_LITE), dtype)
+
+
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
 def test_forced_splits(num_splits):
     """Split-KV with more splits than key blocks, so some splits have nothing to do."""
