@@ -488,29 +488,39 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
 
 
+@pytest.mark.parametrize("family", sorted(TARGETS))
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"mtp-in-target"}))
-def test_drafts_for_an_moe_target_are_dense_and_round_trip(layout: str, tmp_path: Path) -> None:
-    """A head built for an MoE target has dense layers (the dense sibling architecture) and
-    saves and loads back in every layout of its own folder."""
-    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
+def test_drafts_for_an_moe_target_are_dense_and_round_trip(
+    family: str, layout: str, tmp_path: Path
+) -> None:
+    """A head built for an MoE target has dense layers (the dense sibling architecture; for
+    GLM-4.5 its own with every layer dense, partial rotary kept) and saves and loads back in
+    every layout of its own folder, config included."""
+    target = TARGETS[family][0]
+    head = random_draft(target, LAYOUTS[layout], seed=1, std=0.3)
     assert head.config.layer.moe is None
-    assert head.config.layer.architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM")
+    dense = {"qwen2-moe": "Qwen2ForCausalLM", "glm4-moe": "Glm4MoeForCausalLM"}[family]
+    assert head.config.layer.architecture in (dense, "LlamaForCausalLM")
     save_draft(head, tmp_path, layout)
-    assert same_weights(load_draft(tmp_path, TARGET, LAYOUTS[layout]), head)
+    loaded = load_draft(tmp_path, target, LAYOUTS[layout])
+    assert same_weights(loaded, head)
+    assert loaded.config.layer == head.config.layer
 
 
-def test_other_drafts_for_an_moe_target_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", sorted(TARGETS))
+def test_other_drafts_for_an_moe_target_round_trip(family: str, tmp_path: Path) -> None:
     """Block drafts, FROZEN_KV_MTP and multi-layer EAGLE heads of an MoE target save and load."""
+    target = TARGETS[family][0]
     for algorithm in ("dflash", "dspark"):
-        head = random_block_draft(TARGET, algorithm, seed=1, std=0.3, block_size=4)
+        head = random_block_draft(target, algorithm, seed=1, std=0.3, block_size=4)
         save_block_draft(head, tmp_path / algorithm)
-        assert same_weights(load_block_draft(tmp_path / algorithm, TARGET, algorithm), head)
-    frozen = random_frozen_kv(TARGET, seed=1, std=0.3)
+        assert same_weights(load_block_draft(tmp_path / algorithm, target, algorithm), head)
+    frozen = random_frozen_kv(target, seed=1, std=0.3)
     save_frozen_kv(frozen, tmp_path / "frozen")
-    assert same_weights(load_frozen_kv(tmp_path / "frozen", TARGET), frozen)
-    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
+    assert same_weights(load_frozen_kv(tmp_path / "frozen", target), frozen)
+    multi = random_multi_layer(target, 2, seed=1, std=0.3)
     save_multi_layer(multi, tmp_path / "multi")
-    assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
+    assert same_weights(load_multi_layer(tmp_path / "multi", target), multi)
 
 
 def test_mtp_layers_inside_an_moe_checkpoint_are_refused(tmp_path: Path) -> None:
