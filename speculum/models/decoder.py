@@ -13,6 +13,7 @@ are a separate call so that pipelines compute them only where they are needed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -352,14 +353,35 @@ class Router(nn.Module):
     """A mixture-of-experts router: ``weight [E, H]`` scores every expert, and for
     ``noaux_tc`` routing (DeepSeek-V3, GLM-4.5) ``e_score_correction_bias [E]`` is added to the
     scores to choose the experts (not to weight them). Named as the hub names them
-    (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``)."""
+    (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``).
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool) -> None:
+    With ``keep_float32`` (DeepSeek, GLM-4.5) the router stays float32 when the model is cast
+    to another dtype, as transformers keeps it (``_keep_in_fp32_modules_strict``): the
+    correction biases are float32 in the released checkpoints, and rounding them to bfloat16
+    would change which experts tokens go to."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, correction_bias: bool, keep_float32: bool
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias: nn.Parameter | None = None
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.keep_float32 = keep_float32
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
+        """``nn.Module._apply`` (which ``.to()``, ``.cuda()``, ``.half()`` go through), then,
+        with ``keep_float32``, each tensor cast away from float32 is replaced by its float32
+        value before the cast, on the device the cast moved it to (no rounding kept)."""
+        before = {name: p.data for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        if self.keep_float32:
+            for name, old in before.items():
+                param = self._parameters[name]
+                if old.dtype == torch.float32 and param.dtype != torch.float32:
+                    param.data = old.to(param.device)
+        return self
 
 
 class SparseMoE(nn.Module):
@@ -383,7 +405,7 @@ class SparseMoE(nn.Module):
         h, i, experts = config.hidden_size, moe.expert_intermediate_size, moe.num_experts
         self.num_experts = experts
         self.moe = moe
-        self.gate = Router(h, experts, moe.has_correction_bias)
+        self.gate = Router(h, experts, moe.has_correction_bias, moe.float32_router)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(experts, h, i))
         self.shared_expert: MLP | None = None

@@ -4,6 +4,8 @@ transformers' own MoE modules, and the routing fields a config.json is refused f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from speculum.kernels import model_ops
 from speculum.models.config import DecoderConfig, MoEConfig
 from speculum.models.decoder import SparseMoE
+from speculum.models.loading import load_model
 
 HIDDEN = 16
 EXPERT_WIDTH = 8
@@ -229,3 +232,21 @@ def test_glm_config_reads_transformers_defaults_and_dense_layers() -> None:
     dense = DecoderConfig.from_dict(glm_config(first_k_dense_replace=2))
     assert dense.moe is None and dense == config.dense()
     assert DecoderConfig.from_dict(dense.to_dict()) == dense
+
+
+def test_a_bfloat16_glm_model_keeps_its_routers_in_float32(tmp_path: Path) -> None:
+    """Loaded (or cast) to bfloat16, a GLM-4.5 model keeps each router's weight and correction
+    bias in float32 with the checkpoint's values, as transformers does: a bias rounded to
+    bfloat16 would send tokens to other experts."""
+    config = transformers.Glm4MoeConfig(**glm_config())
+    hf = transformers.Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    router = ours.model.layers[1].mlp.gate
+    assert ours.model.layers[1].mlp.experts_down.dtype == torch.bfloat16
+    assert (router.weight.dtype, router.e_score_correction_bias.dtype) == (torch.float32,) * 2
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(router.e_score_correction_bias, bias)
+    assert ours.float().half().model.layers[1].mlp.gate.weight.dtype == torch.float32
