@@ -193,11 +193,13 @@ def _routing_problem(
         return f"topk_method {topk_method!r} is not one of {', '.join(TOPK_METHODS)}"
     if topk_method == "greedy":
         return None  # the groups are not used
-    if num_experts % n_group:
+    if n_group < 1 or num_experts % n_group:
         return (
             f"n_group {n_group} does not divide the {num_experts} routed experts "
             "(n_routed_experts) into equal groups; fix n_group"
         )
+    if topk_group < 1:
+        return f"topk_group {topk_group} must be at least 1; fix topk_group"
     if topk_group > n_group:
         return (
             f"topk_group {topk_group} is more than n_group {n_group} (a token may use "

@@ -205,17 +205,26 @@ def test_inconsistent_deepseek_routing_is_refused(changes: dict, message: str) -
         DecoderConfig.from_dict(glm_config(**changes), "config.json")
 
 
-def test_moe_config_refuses_impossible_group_routing() -> None:
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"topk_group": 4}, r"topk_group 4 is more than n_group 3"),
+        ({"n_group": 0}, r"n_group 0 does not divide the 6 routed experts"),
+        ({"topk_group": 0}, r"topk_group 0 must be at least 1"),
+        ({"topk_group": 1, "top_k": 3}, r"num_experts_per_tok 3 is more than the 2 experts"),
+        ({"scoring_func": "tanh"}, r"scoring_func 'tanh' is not one of softmax, sigmoid"),
+    ],
+)
+def test_moe_config_refuses_impossible_group_routing(changes: dict, message: str) -> None:
     """Built directly (not from a file), group routing is checked too."""
-    with pytest.raises(ValueError, match=r"MoEConfig: topk_group 4 is more than n_group 3"):
+    fields = {"top_k": 2, "n_group": 3, "topk_group": 2, **changes}
+    with pytest.raises(ValueError, match=rf"MoEConfig: {message}"):
         MoEConfig(
             num_experts=6,
-            top_k=2,
             expert_intermediate_size=8,
             norm_topk_prob=True,
             topk_method="noaux_tc",
-            n_group=3,
-            topk_group=4,
+            **fields,
         )
 
 
