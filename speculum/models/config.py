@@ -389,7 +389,7 @@ class DecoderConfig:
             "bos_token_id": self.bos_token_id,
             "torch_dtype": self.dtype,
             **(nextn if self.num_nextn_predict_layers else {}),
-            **(_moe_dict(self) if self.moe is not None else {}),
+            **(_moe_dict(self) if self.moe is not None else _dense_moe_dict(self)),
             **(_glm4_moe_dict(self) if self.architecture == "Glm4MoeForCausalLM" else {}),
         }
 
@@ -436,11 +436,18 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
     return qwen
 
 
+def _dense_moe_dict(config: DecoderConfig) -> dict[str, Any]:
+    """For a DeepSeek-style architecture with no sparse layer (:meth:`DecoderConfig.dense`),
+    ``first_k_dense_replace`` covering every layer, which reads back as a dense decoder."""
+    if config.architecture not in _DEEPSEEK_STYLE_DEFAULTS:
+        return {}
+    return {"first_k_dense_replace": config.num_layers}
+
+
 def _glm4_moe_dict(config: DecoderConfig) -> dict[str, Any]:
-    """GLM-4.5's own attention keys (its ``attention_bias`` is the q/k/v biases', its o_proj
-    has none), and ``first_k_dense_replace`` covering every layer when none is sparse."""
-    dense = {"first_k_dense_replace": config.num_layers} if config.moe is None else {}
-    return {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm, **dense}
+    """GLM-4.5's own attention keys: its ``attention_bias`` is the q/k/v biases' (its o_proj
+    has none)."""
+    return {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm}
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
