@@ -13,6 +13,8 @@ row's ``top_k`` outputs are summed back in ascending expert order, as the refere
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
@@ -57,13 +59,15 @@ def grouped_experts(
     """``sum_j top_weights[r, j] * down_e(silu(gate_e(x_r)) * up_e(x_r))`` over each row's
     selected experts ``e = top_index[r, j]``, the terms added in ascending expert order.
 
-    The weights are rounded to ``rows.dtype`` before scaling, as the reference does. Needs
+    Each term is the expert's output times its weight (of the weight's dtype: float32 for the
+    float32 routers of DeepSeek and GLM-4.5) rounded to ``rows.dtype``, as the reference
+    computes it. Needs
     ``grouped_mm_supported(rows, experts_down)``.
     """
     num_rows, k = top_index.shape
     # Ascending expert order within each row: the order the terms are summed in.
     top_index, within = top_index.sort(dim=-1)
-    top_weights = top_weights.gather(-1, within).to(rows.dtype)
+    top_weights = top_weights.gather(-1, within)
     expert_of_pair = top_index.flatten()
     order = expert_of_pair.argsort(stable=True)
     offsets = _expert_offsets(expert_of_pair, experts_gate_up.shape[0])
@@ -79,7 +83,7 @@ def grouped_experts(
     weights = top_weights[..., None]
     # A selected expert of weight 0 adds nothing even where its output overflows (as in the
     # reference, which drops unselected experts by ``where``).
-    scaled = torch.where(weights != 0, unsorted.view(num_rows, k, -1) * weights, 0)
+    scaled = torch.where(weights != 0, (unsorted.view(num_rows, k, -1) * weights).to(rows.dtype), 0)
     out = scaled[:, 0]
     for j in range(1, k):
         out = out + scaled[:, j]
@@ -93,15 +97,17 @@ def moe_cuda(
     experts_down: Tensor,
     top_k: int,
     renormalize: bool,
+    *routing: Any,
 ) -> Tensor:
-    """The CUDA kernel of ``speculum::moe``: the reference's routing, then
+    """The CUDA kernel of ``speculum::moe``: the reference's routing
+    (``model_ops.moe_row_weights``, the op's further ``routing`` arguments included), then
     :func:`grouped_experts` where ``torch._grouped_mm`` runs (else the dense reference)."""
     if not grouped_mm_supported(x, experts_down):
         return model_ops.moe_reference(
-            x, router, experts_gate_up, experts_down, top_k, renormalize
+            x, router, experts_gate_up, experts_down, top_k, renormalize, *routing
         ).contiguous()
     rows = x.reshape(-1, x.shape[-1])
-    weights = model_ops.moe_routing_weights(F.linear(rows, router), top_k, renormalize)
+    weights = model_ops.moe_row_weights(rows, router, top_k, renormalize, *routing)
     routed = grouped_experts(rows, *weights.topk(top_k), experts_gate_up, experts_down)
     return routed.view(x.shape)
 

@@ -69,8 +69,14 @@ def rope_reference(
     """Rotate halves of ``x`` by ``positions * inv_freq`` (the non-interleaved convention).
 
     Angles, cosines and sines in float32; the cosines and sines rounded to ``x.dtype``; both
-    products and their sum rounded to ``x.dtype``.
+    products and their sum rounded to ``x.dtype``. Where ``inv_freq`` covers fewer than
+    ``head_dim / 2`` pairs (GLM-4.5's ``partial_rotary_factor``), only the first ``2 * half``
+    dimensions of each head turn and the rest pass through, as in transformers.
     """
+    rotary = 2 * inv_freq.shape[-1]
+    if rotary < x.shape[-1]:
+        turned = rope_reference(x[..., :rotary], positions, inv_freq)
+        return torch.cat([turned, x[..., rotary:]], dim=-1)
     freqs = positions.float()[..., None] * inv_freq.to(x.device)
     angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -104,17 +110,97 @@ def silu_mul_reference(
 
 
 def moe_routing_weights(
-    logits: Float[Tensor, "rows expert"], top_k: int, renormalize: bool
+    logits: Float[Tensor, "rows expert"],
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    correction_bias: Float[Tensor, " expert"] | None = None,
+    sorted_topk: bool = True,
 ) -> Float[Tensor, "rows expert"]:
-    """Each row's weight per expert, in float32: the softmax probabilities (computed in
-    float32) of the row's ``top_k`` most probable experts, divided by their sum when
-    ``renormalize``, and zero for every other expert. Ties go as ``torch.topk`` breaks them,
-    as in transformers."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, index = probs.topk(top_k, dim=-1)
+    """Each row's weight per expert, in float32, as transformers' routers compute them step by
+    step: the scores (softmax in float32, or the sigmoid of ``logits``); the ``top_k`` experts
+    chosen by ``topk_method`` (``models.config.TOPK_METHODS``) over the scores plus
+    ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, which only chooses); the
+    chosen experts' unbiased scores, divided by their sum plus 1e-20 when ``renormalize``
+    (DeepSeek-V3's epsilon: for softmax scores, whose top-k sum is at least 1/experts, it
+    changes no bit of Qwen's plain division), times ``routed_scaling_factor``; zero for every
+    other expert.
+
+    ``sorted_topk`` is the ``sorted`` argument of the top-k that chooses (Qwen and Mixtral sort,
+    DeepSeek and GLM do not): it orders the chosen scores, hence the rounding of their sum.
+    Ties go as ``torch.topk`` breaks them, as in transformers.
+    """
+    if scoring_func == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if topk_method != "greedy":
+        choice = _best_groups_only(choice, topk_method, n_group, topk_group)
+    index = choice.topk(top_k, dim=-1, sorted=sorted_topk)[1]
+    top = scores.gather(-1, index)
     if renormalize:
-        top = top / top.sum(-1, keepdim=True)
-    return torch.zeros_like(probs).scatter(-1, index, top)
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    top = top * routed_scaling_factor
+    return torch.zeros_like(scores).scatter(-1, index, top)
+
+
+def _best_groups_only(
+    choice: Float[Tensor, "rows expert"], topk_method: str, n_group: int, topk_group: int
+) -> Float[Tensor, "rows expert"]:
+    """``choice`` with the experts outside each row's ``topk_group`` best groups masked out
+    (0 for ``group_limited_greedy``, -inf for ``noaux_tc``, as transformers fills them).
+
+    The ``n_group`` groups are consecutive runs of experts; a group's score is its best
+    expert's (``group_limited_greedy``) or the sum of its best two (``noaux_tc``)."""
+    rows, experts = choice.shape
+    grouped = choice.view(rows, n_group, experts // n_group)
+    if topk_method == "group_limited_greedy":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_index = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores).scatter(1, group_index, 1).bool()
+    kept = kept[..., None].expand(rows, n_group, experts // n_group).reshape(rows, experts)
+    fill = 0.0 if topk_method == "group_limited_greedy" else float("-inf")
+    return choice.masked_fill(~kept, fill)
+
+
+def moe_row_weights(
+    rows: Float[Tensor, "row hidden"],
+    router: Float[Tensor, "expert hidden"],
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    correction_bias: Float[Tensor, " expert"] | None = None,
+    float32_router: bool = False,
+) -> Float[Tensor, "row expert"]:
+    """Each row's weight per expert as :func:`moe_reference` scales the experts' outputs by
+    them: the router logits (from float32 activations and weights with ``float32_router``, else
+    in ``rows.dtype``) routed by :func:`moe_routing_weights`; float32 with ``float32_router``,
+    else rounded to ``rows.dtype``. Every kernel of ``speculum::moe`` routes through here."""
+    logits = F.linear(rows.float(), router.float()) if float32_router else F.linear(rows, router)
+    weights = moe_routing_weights(
+        logits,
+        top_k,
+        renormalize,
+        scoring_func,
+        topk_method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        correction_bias,
+        sorted_topk=not float32_router,
+    )
+    return weights if float32_router else weights.to(rows.dtype)
 
 
 def moe_reference(
@@ -124,11 +210,24 @@ def moe_reference(
     experts_down: Float[Tensor, "expert hidden inter"],
     top_k: int,
     renormalize: bool,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    correction_bias: Float[Tensor, " expert"] | None = None,
+    float32_router: bool = False,
 ) -> Float[Tensor, "*rows hidden"]:
     """The routed experts of a mixture-of-experts MLP: ``sum_e w[row, e] * down_e(silu(gate_e
-    (x)) * up_e(x))`` with the weights of :func:`moe_routing_weights` (rounded to ``x.dtype``
-    before they scale the experts' outputs, as transformers' Qwen-MoE does; Mixtral's scales
-    in float32, which differs in the last bit of bfloat16 outputs only).
+    (x)) * up_e(x))`` with the weights of :func:`moe_routing_weights`.
+
+    Two conventions, as transformers has them: by default (Qwen, Mixtral) the router logits are
+    computed in ``x.dtype``, the top-k is sorted, and the weights are rounded to ``x.dtype``
+    before they scale the experts' outputs (Mixtral's scale in float32, which differs in the
+    last bit of bfloat16 outputs only). With ``float32_router`` (DeepSeek, GLM-4.5, whose
+    routers transformers keeps in float32) the logits come from float32 activations and router
+    weights, the top-k is unsorted, and each expert's output is scaled by the float32 weight
+    and then rounded to ``x.dtype``.
 
     Dense: every row runs through every expert and the outputs of experts the row did not
     select are dropped (by ``where``, not by a zero weight, so that an expert overflowing on a
@@ -140,13 +239,25 @@ def moe_reference(
     CUDA in its place.
     """
     rows = x.reshape(-1, x.shape[-1])
-    weights = moe_routing_weights(F.linear(rows, router), top_k, renormalize).to(x.dtype)
+    weights = moe_row_weights(
+        rows,
+        router,
+        top_k,
+        renormalize,
+        scoring_func,
+        topk_method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        correction_bias,
+        float32_router,
+    )
     out = torch.zeros_like(rows)
     for expert in range(experts_gate_up.shape[0]):
         gate, up = F.linear(rows, experts_gate_up[expert]).chunk(2, dim=-1)
         expert_out = F.linear(silu_mul_reference(gate, up), experts_down[expert])
         weight = weights[:, expert, None]
-        out = out + torch.where(weight != 0, expert_out * weight, 0)
+        out = out + torch.where(weight != 0, (expert_out * weight).to(x.dtype), 0)
     return out.view(x.shape)
 
 
@@ -202,10 +313,31 @@ def moe(
     experts_down: Tensor,
     top_k: int,
     renormalize: bool,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    correction_bias: Tensor | None = None,
+    float32_router: bool = False,
 ) -> Tensor:
     """The routed experts of a mixture-of-experts MLP (see :func:`moe_reference`, also the
     kernel CUDA tensors run until a grouped-GEMM kernel is registered)."""
-    return moe_reference(x, router, experts_gate_up, experts_down, top_k, renormalize).contiguous()
+    return moe_reference(
+        x,
+        router,
+        experts_gate_up,
+        experts_down,
+        top_k,
+        renormalize,
+        scoring_func,
+        topk_method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        correction_bias,
+        float32_router,
+    ).contiguous()
 
 
 @rms_norm.register_fake
@@ -235,7 +367,7 @@ def _(gate, up):
 
 
 @moe.register_fake
-def _(x, router, experts_gate_up, experts_down, top_k, renormalize):
+def _(x, router, experts_gate_up, experts_down, top_k, renormalize, *routing):
     return x.new_empty(x.shape)
 
 

@@ -365,6 +365,8 @@ def rope_triton(
 
     ``head_dim`` must be a power of two (every Llama-family model's is).
     """
+    if 2 * inv_freq.shape[-1] < x.shape[-1]:  # partial rotary (GLM-4.5): no fused kernel yet
+        return model_ops.rope_reference(x, positions, inv_freq).contiguous()
     _check_floats(x=x, inv_freq=inv_freq)
     batch, q_len, heads, head_dim = x.shape
     if head_dim < 2 or head_dim & (head_dim - 1):
@@ -406,6 +408,10 @@ def rope_write_kv_triton(
 ) -> Float[Tensor, "batch q head head_dim"]:
     """Fused :func:`~speculum.kernels.model_ops.rope_write_kv`: one program per token, all of
     its query, key and value heads (rotary twice and two K/V writes in one launch)."""
+    if 2 * inv_freq.shape[-1] < q.shape[-1]:  # partial rotary (GLM-4.5): no fused kernel yet
+        return model_ops.rope_write_kv_reference(
+            q, k, v, positions, inv_freq, k_cache, v_cache, slots
+        ).contiguous()
     _check_floats(q=q, k=k, v=v, inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache)
     batch, q_len, heads, head_dim = q.shape
     kv_heads = k.shape[2]

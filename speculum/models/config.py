@@ -3,21 +3,23 @@
 One config covers the Llama family as transformers writes it: ``LlamaForCausalLM`` (with Llama
 3.1 ``rope_scaling``), ``Qwen2ForCausalLM`` (q/k/v bias), ``Qwen3ForCausalLM`` (q/k RMSNorm) and
 ``MistralForCausalLM``, and the mixture-of-experts kinds of them: ``MixtralForCausalLM``,
-``Qwen2MoeForCausalLM`` (with its sigmoid-gated shared expert) and ``Qwen3MoeForCausalLM``,
-whose routing settings are a :class:`MoEConfig`, and DeepSeek's multi-head latent attention
-(``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose shapes
-are an :class:`MLAConfig`; DeepSeek checkpoints load with dense layers only for now
-(``first_k_dense_replace`` at least ``num_hidden_layers``). Both spellings of the rotary
-settings are read: ``rope_theta`` plus ``rope_scaling`` (transformers 4) and
-``rope_parameters`` (transformers 5).
+``Qwen2MoeForCausalLM`` (with its sigmoid-gated shared expert), ``Qwen3MoeForCausalLM`` and
+``Glm4MoeForCausalLM`` (GLM-4.5: partial rotary, DeepSeek-V3's group-limited sigmoid routing,
+shared experts, dense first layers), whose routing settings are a :class:`MoEConfig`, and
+DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCausalLM``,
+``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose attention shapes are an
+:class:`MLAConfig`. Both spellings of the rotary settings are read: ``rope_theta`` plus
+``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
 ``head_dim`` the rotary embedding cannot rotate, ``rope_theta`` or ``rms_norm_eps`` not above
 zero, EOS ids outside the vocabulary, routing settings that contradict each other
-(``num_experts_per_tok`` above the number of experts, two different expert counts), latent
-attention widths missing or not positive (``kv_lora_rank`` ...) or an odd
-``qk_rope_head_dim``, and an unreadable ``generation_config.json``.
+(``num_experts_per_tok`` above the number of experts or above what the allowed expert groups
+hold, two different expert counts, ``topk_group`` above ``n_group``, experts that do not split
+into ``n_group`` groups, an unknown ``scoring_func`` or ``topk_method``), latent attention
+widths missing or not positive (``kv_lora_rank`` ...) or an odd ``qk_rope_head_dim``, and an
+unreadable ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "UnsupportedModel",
     "SUPPORTED_ARCHITECTURES",
     "ROPE_TYPES",
+    "SCORING_FUNCS",
+    "TOPK_METHODS",
     "read_json_object",
 ]
 
@@ -48,6 +52,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
@@ -60,6 +65,7 @@ MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
@@ -85,26 +91,79 @@ class CheckpointError(ValueError):
 
 
 #: Each mixture-of-experts architecture (whose configs carry a :class:`MoEConfig`) -> the
-#: dense architecture with the same attention.
+#: dense architecture with the same attention. GLM-4.5 has none in transformers; its own
+#: config with every layer dense (``first_k_dense_replace`` = the layer count) is one.
 _DENSE_ARCHITECTURES = {
     "MixtralForCausalLM": "MistralForCausalLM",
     "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
+    "Glm4MoeForCausalLM": "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM",
 }
+#: Architectures with DeepSeek-style MoE settings (``n_routed_experts``, ``n_shared_experts``,
+#: ``first_k_dense_replace``, ``n_group`` ...) -> transformers' defaults for the routing keys
+#: a ``config.json`` leaves out (see :func:`_deepseek_moe_settings`).
+_DEEPSEEK_STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Glm4MoeForCausalLM": {
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+    },
+    "DeepseekV2ForCausalLM": {
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+    },
+    "DeepseekV3ForCausalLM": {
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+    },
+}
+#: How router logits become expert scores.
+SCORING_FUNCS = ("softmax", "sigmoid")
+#: How the ``top_k`` experts are chosen: plain top-k (``greedy``: Qwen, Mixtral, DeepSeek-V2),
+#: or top-k inside the ``topk_group`` best of ``n_group`` groups of consecutive experts, a group
+#: ranked by its best score (``group_limited_greedy``: DeepSeek-V2) or by the sum of its two best
+#: bias-corrected scores (``noaux_tc``: DeepSeek-V3, GLM-4.5).
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class MoEConfig:
     """Routing and expert shapes of a mixture-of-experts decoder (all static).
 
-    A sparse layer's MLP sends every token to the ``top_k`` of ``num_experts`` experts with the
-    highest softmax router probabilities and sums their outputs weighted by those probabilities
-    (renormalised to sum to one when ``norm_topk_prob``). Where the shared expert's width
+    A sparse layer's MLP scores every one of ``num_experts`` experts (``scoring_func``: softmax
+    or sigmoid of the router logits), sends every token to ``top_k`` of them (chosen as
+    ``topk_method`` says, from ``n_group`` groups of which the ``topk_group`` best are allowed,
+    by the scores plus the router's ``e_score_correction_bias`` for ``noaux_tc``) and sums their
+    outputs weighted by their scores (renormalised to sum to one when ``norm_topk_prob``, then
+    times ``routed_scaling_factor``). Where the shared expert's width
     ``shared_expert_intermediate_size`` is above zero (Qwen2-MoE), every token also goes
-    through a shared expert, scaled by a sigmoid gate. Layer ``n`` is sparse unless ``n`` is in
-    ``dense_layers`` or ``n + 1`` is not a multiple of ``sparse_step`` (transformers'
-    ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers run the usual MLP of
-    ``DecoderConfig.intermediate_size``.
+    through a shared expert, scaled by a sigmoid gate; where ``n_shared_experts`` is above zero
+    (DeepSeek, GLM-4.5), through an ungated shared MLP ``n_shared_experts`` experts wide. Layer
+    ``n`` is sparse unless ``n`` is in ``dense_layers`` or ``n + 1`` is not a multiple of
+    ``sparse_step`` (transformers' ``mlp_only_layers`` or ``first_k_dense_replace``, and
+    ``decoder_sparse_step``); dense layers run the usual MLP of
+    ``DecoderConfig.intermediate_size``. ``float32_router`` routes as transformers' DeepSeek
+    and GLM routers do (see ``kernels.model_ops.moe_reference``). The new fields' names are
+    the hub configs' own; their defaults are Qwen's and Mixtral's routing.
     """
 
     num_experts: int
@@ -114,6 +173,13 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    float32_router: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -121,10 +187,69 @@ class MoEConfig:
                 f"MoEConfig: top_k {self.top_k} must be between 1 and num_experts "
                 f"{self.num_experts} (each token goes to top_k distinct experts): fix top_k"
             )
+        problem = _routing_problem(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            scoring_func=self.scoring_func,
+            topk_method=self.topk_method,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+        )
+        if problem:
+            raise ValueError(f"MoEConfig: {problem}")
+
+    @property
+    def has_correction_bias(self) -> bool:
+        """Whether the router holds an ``e_score_correction_bias`` (``noaux_tc`` routing)."""
+        return self.topk_method == "noaux_tc"
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a mixture-of-experts MLP (else a dense one)."""
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+def _routing_problem(
+    *,
+    num_experts: int,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+) -> str | None:
+    """Why an expert choice is unknown or cannot pick ``top_k`` experts (``None`` when it
+    can), naming the hub config's keys."""
+    if scoring_func not in SCORING_FUNCS:
+        return f"scoring_func {scoring_func!r} is not one of {', '.join(SCORING_FUNCS)}"
+    if topk_method not in TOPK_METHODS:
+        return f"topk_method {topk_method!r} is not one of {', '.join(TOPK_METHODS)}"
+    if topk_method == "greedy":
+        return None  # the groups are not used
+    if n_group < 1 or num_experts % n_group:
+        return (
+            f"n_group {n_group} does not divide the {num_experts} routed experts "
+            "(n_routed_experts) into equal groups; fix n_group"
+        )
+    if topk_group < 1:
+        return f"topk_group {topk_group} must be at least 1; fix topk_group"
+    if topk_group > n_group:
+        return (
+            f"topk_group {topk_group} is more than n_group {n_group} (a token may use "
+            "topk_group of the n_group groups); fix topk_group"
+        )
+    per_group = num_experts // n_group
+    if topk_method == "noaux_tc" and per_group < 2:
+        return (
+            f"noaux_tc ranks a group by its two best experts, but n_group {n_group} leaves "
+            f"{per_group} expert per group; fix n_group"
+        )
+    if top_k > topk_group * per_group:
+        return (
+            f"num_experts_per_tok {top_k} is more than the {topk_group * per_group} experts a "
+            f"token may use (topk_group {topk_group} × {per_group} experts per group), so "
+            "routing is impossible; fix num_experts_per_tok, topk_group or n_group"
+        )
+    return None
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -193,6 +318,14 @@ class DecoderConfig:
     #: attention. With MLA, ``head_dim`` is the rotary width ``mla.qk_rope_head_dim`` and
     #: ``num_kv_heads`` equals ``num_heads``.
     mla: MLAConfig | None = None
+    #: The share of each head's dimensions the rotary embedding turns (the first
+    #: ``head_dim * partial_rotary_factor``; GLM-4.5's 0.5); the rest pass through.
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> DecoderConfig:
@@ -221,7 +354,7 @@ class DecoderConfig:
         rope = _rope_settings(raw, where, arch)
         size = {key: _integer(raw, key, where, minimum=1) for key in _REQUIRED}
         heads, hidden = size["num_attention_heads"], size["hidden_size"]
-        mla = _mla_settings(raw, arch, where, size["num_hidden_layers"])
+        mla = _mla_settings(raw, arch, where)
         kv_heads = _integer(raw, "num_key_value_heads", where, minimum=1, default=heads)
         if mla is not None:
             # MLA's keys and values come per head out of one latent: transformers' DeepSeek
@@ -230,7 +363,9 @@ class DecoderConfig:
         _check_head_groups(heads, kv_heads, where)
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        glm = arch == "Glm4MoeForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
+        head_dim = mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where)
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
         nextn = _integer(raw, "num_nextn_predict_layers", where, minimum=0, default=0)
         uses_window = not (qwen2 or qwen3) or raw.get("use_sliding_window", False)
@@ -243,7 +378,7 @@ class DecoderConfig:
             num_layers=size["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where),
+            head_dim=head_dim,
             rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, "1e-6"),
             rope_theta=rope[0],
             rope_scaling=rope[1],
@@ -252,9 +387,9 @@ class DecoderConfig:
             ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=(qwen2 and _qwen2_qkv_bias(raw, arch)) or attention_bias,
-            o_bias=attention_bias and not qwen2,
+            o_bias=attention_bias and not (qwen2 or glm),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=qwen3,
+            qk_norm=qwen3 or (glm and bool(raw.get("use_qk_norm", False))),
             sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -262,6 +397,7 @@ class DecoderConfig:
             num_nextn_predict_layers=nextn,
             moe=_moe_settings(raw, arch, where, size["num_hidden_layers"], nextn),
             mla=mla,
+            partial_rotary_factor=_partial_rotary_factor(raw, where, head_dim, 0.5 if glm else 1.0),
         )
 
     @classmethod
@@ -283,9 +419,10 @@ class DecoderConfig:
 
     def dense(self) -> DecoderConfig:
         """This config with a dense MLP in every layer, under the dense architecture with the
-        same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3): the shape
-        of draft layers built like the target's for training (EAGLE, EAGLE-3, block and
-        frozen-KV drafts; MTP layers keep the target's own kind)."""
+        same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3, GLM-4.5
+        and DeepSeek -> themselves with every layer dense): the shape of draft layers built
+        like the target's for training (EAGLE, EAGLE-3, block and frozen-KV drafts; MTP layers
+        keep the target's own kind)."""
         return attrs.evolve(
             self,
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
@@ -297,6 +434,8 @@ class DecoderConfig:
         model_type = MODEL_TYPES[self.architecture]
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {})}
         rope_parameters["rope_theta"] = self.rope_theta
+        if self.partial_rotary_factor != 1.0:
+            rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
         eos = list(self.eos_token_ids)
         nextn = {"num_nextn_predict_layers": self.num_nextn_predict_layers}
         return {
@@ -323,7 +462,8 @@ class DecoderConfig:
             "bos_token_id": self.bos_token_id,
             "torch_dtype": self.dtype,
             **(nextn if self.num_nextn_predict_layers else {}),
-            **(_moe_dict(self) if self.moe is not None else {}),
+            **(_moe_dict(self) if self.moe is not None else _dense_moe_dict(self)),
+            **(_glm4_moe_dict(self) if self.architecture == "Glm4MoeForCausalLM" else {}),
             **(_mla_dict(self) if self.mla is not None else {}),
         }
 
@@ -342,6 +482,20 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
     if config.architecture == "MixtralForCausalLM":
         # Mixtral's intermediate_size is the experts' (and always renormalises the top k).
         return {**routing, "num_local_experts": moe.num_experts}
+    if config.architecture in _DEEPSEEK_STYLE_DEFAULTS:
+        return {
+            **routing,
+            "n_routed_experts": moe.num_experts,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "n_shared_experts": moe.n_shared_experts,
+            "first_k_dense_replace": len(moe.dense_layers),
+            "scoring_func": moe.scoring_func,
+            "topk_method": moe.topk_method,
+            "n_group": moe.n_group,
+            "topk_group": moe.topk_group,
+            "routed_scaling_factor": moe.routed_scaling_factor,
+            "norm_topk_prob": moe.norm_topk_prob,
+        }
     qwen = {
         **routing,
         "num_experts": moe.num_experts,
@@ -357,8 +511,7 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
 
 
 def _mla_dict(config: DecoderConfig) -> dict[str, Any]:
-    """The latent-attention keys of a DeepSeek ``config.json``; every layer dense
-    (``first_k_dense_replace``), the only kind speculum loads them with yet."""
+    """The latent-attention keys of a DeepSeek ``config.json``."""
     mla = config.mla
     assert mla is not None
     keys = {
@@ -367,34 +520,16 @@ def _mla_dict(config: DecoderConfig) -> dict[str, Any]:
         "qk_nope_head_dim": mla.qk_nope_head_dim,
         "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
-        "first_k_dense_replace": config.num_layers,
     }
     if config.architecture == "DeepseekV3ForCausalLM":
         keys["rope_interleave"] = mla.rope_interleave
     return keys
 
 
-def _mla_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -> MLAConfig | None:
-    """The latent-attention shapes of a DeepSeek architecture (``None`` for any other).
-
-    Mixture-of-experts layers of DeepSeek checkpoints are refused here, in one place, until
-    their routing (sigmoid, group-limited, shared experts) is implemented."""
+def _mla_settings(raw: dict[str, Any], arch: str, where: str) -> MLAConfig | None:
+    """The latent-attention shapes of a DeepSeek architecture (``None`` for any other)."""
     if arch not in MLA_ARCHITECTURES:
         return None
-    first_dense = _integer(
-        raw,
-        "first_k_dense_replace",
-        where,
-        minimum=0,
-        default=3 if arch == "DeepseekV3ForCausalLM" else 0,
-    )
-    if first_dense < num_layers:
-        raise UnsupportedModel(
-            f"{where}: first_k_dense_replace {first_dense} makes layers {first_dense} .. "
-            f"{num_layers - 1} mixture-of-experts layers, whose DeepSeek routing speculum does "
-            "not run yet; only DeepSeek checkpoints whose layers are all dense "
-            f"(first_k_dense_replace >= num_hidden_layers {num_layers}) load"
-        )
     why = {
         "kv_lora_rank": "the width of the compressed key/value latent",
         "qk_nope_head_dim": "each head's unrotated query/key width",
@@ -425,6 +560,20 @@ def _mla_settings(raw: dict[str, Any], arch: str, where: str, num_layers: int) -
         rope_interleave=interleave,
         **size,
     )
+
+
+def _dense_moe_dict(config: DecoderConfig) -> dict[str, Any]:
+    """For a DeepSeek-style architecture with no sparse layer (:meth:`DecoderConfig.dense`),
+    ``first_k_dense_replace`` covering every layer, which reads back as a dense decoder."""
+    if config.architecture not in _DEEPSEEK_STYLE_DEFAULTS:
+        return {}
+    return {"first_k_dense_replace": config.num_layers}
+
+
+def _glm4_moe_dict(config: DecoderConfig) -> dict[str, Any]:
+    """GLM-4.5's own attention keys: its ``attention_bias`` is the q/k/v biases' (its o_proj
+    has none)."""
+    return {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm}
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
@@ -485,6 +634,28 @@ def _layer_list(
     return tuple(sorted(set(value)))
 
 
+def _top_k(raw: dict[str, Any], experts: int, count_key: str, where: str) -> int:
+    """``num_experts_per_tok``: required, and at most the ``experts`` (``raw[count_key]``)."""
+    top_k = _required_integer(raw, "num_experts_per_tok", where, "experts per token")
+    if top_k > experts:
+        raise CheckpointError(
+            f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts "
+            f"({count_key}): each token is routed to num_experts_per_tok distinct experts; fix "
+            "num_experts_per_tok (or the expert count) in the file"
+        )
+    return top_k
+
+
+def _boolean(raw: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    """``raw[key]``, true or false (``default`` when absent)."""
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(
+            f"{where}: {key} is {value!r}; it must be true or false: fix it in the file"
+        )
+    return value
+
+
 def _moe_settings(
     raw: dict[str, Any], arch: str, where: str, num_layers: int, nextn: int
 ) -> MoEConfig | None:
@@ -494,14 +665,10 @@ def _moe_settings(
     the decoder would build a layer of its index (``decoder.decoder_layer``)."""
     if arch not in _DENSE_ARCHITECTURES:
         return None
+    if arch in _DEEPSEEK_STYLE_DEFAULTS:
+        return _deepseek_moe_settings(raw, where, num_layers, _DEEPSEEK_STYLE_DEFAULTS[arch])
     experts = _expert_count(raw, where)
-    top_k = _required_integer(raw, "num_experts_per_tok", where, "experts per token")
-    if top_k > experts:
-        raise CheckpointError(
-            f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts "
-            "(num_experts): each token is routed to num_experts_per_tok distinct experts; fix "
-            "num_experts_per_tok (or the expert count) in the file"
-        )
+    top_k = _top_k(raw, experts, "num_experts", where)
     if arch == "MixtralForCausalLM":
         size = _required_integer(raw, "intermediate_size", where, "each expert's width")
         return MoEConfig(
@@ -512,22 +679,78 @@ def _moe_settings(
         shared = _required_integer(
             raw, "shared_expert_intermediate_size", where, "the shared expert's width"
         )
-    norm = raw.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise CheckpointError(
-            f"{where}: norm_topk_prob is {norm!r}; it must be true or false: fix it in the file"
-        )
     return MoEConfig(
         num_experts=experts,
         top_k=top_k,
         expert_intermediate_size=_required_integer(
             raw, "moe_intermediate_size", where, "each expert's width"
         ),
-        norm_topk_prob=norm,
+        norm_topk_prob=_boolean(raw, "norm_topk_prob", where, False),
         shared_expert_intermediate_size=shared,
         sparse_step=_integer(raw, "decoder_sparse_step", where, minimum=1, default=1),
         dense_layers=_layer_list(raw, "mlp_only_layers", where, num_layers, nextn),
     )
+
+
+def _deepseek_moe_settings(
+    raw: dict[str, Any], where: str, num_layers: int, defaults: dict[str, Any]
+) -> MoEConfig | None:
+    """The routing of a DeepSeek-style MoE config (DeepSeek-V2/V3, GLM-4.5 share the key
+    names), ``defaults`` standing in for the keys the file leaves out (transformers' defaults
+    for the architecture). ``None`` when ``first_k_dense_replace`` covers every layer (a dense
+    decoder, which needs no routing keys). Routing that is unknown or cannot work is refused,
+    naming the key (see :func:`_routing_problem`)."""
+    first_dense = _integer(
+        raw, "first_k_dense_replace", where, minimum=0, default=defaults["first_k_dense_replace"]
+    )
+    if first_dense >= num_layers:
+        return None
+    experts = _required_integer(raw, "n_routed_experts", where, "the number of routed experts")
+    routing = {
+        "num_experts": experts,
+        "top_k": _top_k(raw, experts, "n_routed_experts", where),
+        "scoring_func": raw.get("scoring_func") or defaults["scoring_func"],
+        "topk_method": raw.get("topk_method") or defaults["topk_method"],
+        **{
+            key: _integer(raw, key, where, minimum=1, default=defaults[key])
+            for key in ("n_group", "topk_group")
+        },
+    }
+    problem = _routing_problem(**routing)
+    if problem:
+        raise CheckpointError(f"{where}: {problem} in the file")
+    scale = raw.get("routed_scaling_factor", defaults["routed_scaling_factor"])
+    return MoEConfig(
+        **routing,
+        expert_intermediate_size=_required_integer(
+            raw, "moe_intermediate_size", where, "each expert's width"
+        ),
+        norm_topk_prob=_boolean(raw, "norm_topk_prob", where, defaults["norm_topk_prob"]),
+        dense_layers=tuple(range(first_dense)),
+        routed_scaling_factor=_positive(scale, "routed_scaling_factor", where, "1.0 or 2.5"),
+        n_shared_experts=_integer(
+            raw, "n_shared_experts", where, minimum=0, default=defaults["n_shared_experts"]
+        ),
+        float32_router=True,
+    )
+
+
+def _partial_rotary_factor(raw: dict[str, Any], where: str, head_dim: int, default: float) -> float:
+    """The share of each head the rotary embedding turns: ``rope_parameters`` (transformers 5)
+    or the top level (transformers 4), else the architecture's ``default`` (GLM-4.5's 0.5);
+    it must turn an even number of dimensions, at least two."""
+    params = raw.get("rope_parameters") or {}
+    given = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    factor = default if given is None else given
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    rotary = int(head_dim * factor) if number and math.isfinite(factor) else 0
+    if not (number and 0 < factor <= 1 and rotary >= 2 and rotary % 2 == 0):
+        raise CheckpointError(
+            f"{where}: partial_rotary_factor is {factor!r}; with head_dim {head_dim} it must "
+            "be a number in (0, 1] turning an even number of dimensions (at least 2): fix "
+            "partial_rotary_factor in the file"
+        )
+    return float(factor)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -642,6 +865,7 @@ def _rope_settings(
     theta = _rope_theta(raw, params, where)
     source = dict(scaling or params)
     source.pop("rope_theta", None)
+    source.pop("partial_rotary_factor", None)  # DecoderConfig.partial_rotary_factor
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(

@@ -3,8 +3,8 @@
 Each layer composes an attention block and an MLP block chosen from the config: grouped-query
 :class:`Attention`, or DeepSeek's multi-head latent attention (:class:`LatentAttention`, over a
 cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`)
-in the sparse layers of Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints; the one forward runs
-them all.
+in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek checkpoints; the one
+forward runs them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
@@ -15,6 +15,7 @@ are a separate call so that pipelines compute them only where they are needed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "LMHead",
     "MLP",
     "RMSNorm",
+    "Router",
     "SparseMoE",
     "apply_rope",
     "cache_kv_heads",
@@ -70,8 +72,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
-    """Rotary inverse frequencies, with linear, Llama 3.1 or YaRN frequency scaling applied."""
-    dim = config.head_dim
+    """Rotary inverse frequencies, with linear, Llama 3.1 or YaRN frequency scaling applied: one
+    per pair of the ``config.rotary_dim`` dimensions that turn (all of a head's but GLM-4.5's)."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
@@ -562,12 +565,48 @@ class MLP(nn.Module):
         return self.down_proj(kernels.model_ops.silu_mul(gate, up))
 
 
+class Router(nn.Module):
+    """A mixture-of-experts router: ``weight [E, H]`` scores every expert, and for
+    ``noaux_tc`` routing (DeepSeek-V3, GLM-4.5) ``e_score_correction_bias [E]`` is added to the
+    scores to choose the experts (not to weight them). Named as the hub names them
+    (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``).
+
+    With ``keep_float32`` (DeepSeek, GLM-4.5) the router stays float32 when the model is cast
+    to another dtype, as transformers keeps it (``_keep_in_fp32_modules_strict``): the
+    correction biases are float32 in the released checkpoints, and rounding them to bfloat16
+    would change which experts tokens go to."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, correction_bias: bool, keep_float32: bool
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.keep_float32 = keep_float32
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
+        """``nn.Module._apply`` (which ``.to()``, ``.cuda()``, ``.half()`` go through), then,
+        with ``keep_float32``, each tensor cast away from float32 is replaced by its float32
+        value before the cast, on the device the cast moved it to (no rounding kept)."""
+        before = {name: p.data for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        if self.keep_float32:
+            for name, old in before.items():
+                param = self._parameters[name]
+                if old.dtype == torch.float32 and param.dtype != torch.float32:
+                    param.data = old.to(param.device)
+        return self
+
+
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (``config.moe``): a router ``gate`` scoring every expert, the
-    experts' SwiGLU weights stacked for batched kernels (``experts_gate_up [E, 2I, H]``, each
-    expert's gate rows then its up rows, and ``experts_down [E, H, I]``), and, where the
-    config has one (Qwen2-MoE), a shared expert every token goes through, scaled by
-    ``sigmoid(shared_expert_gate(x))``.
+    """A mixture-of-experts MLP (``config.moe``): a :class:`Router` ``gate`` scoring every
+    expert, the experts' SwiGLU weights stacked for batched kernels (``experts_gate_up [E, 2I,
+    H]``, each expert's gate rows then its up rows, and ``experts_down [E, H, I]``), and, where
+    the config has one, a shared expert every token goes through: Qwen2-MoE's
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``, or DeepSeek's and
+    GLM-4.5's ungated ``shared_experts`` (``n_shared_experts`` experts wide).
 
     The routed part is the custom op ``speculum::moe`` (``kernels.model_ops.moe``), free of
     host syncs and data-dependent shapes. Checkpoints store the experts one by one;
@@ -581,27 +620,39 @@ class SparseMoE(nn.Module):
             raise ValueError("SparseMoE needs a config with moe settings (config.moe is None)")
         h, i, experts = config.hidden_size, moe.expert_intermediate_size, moe.num_experts
         self.num_experts = experts
-        self.top_k = moe.top_k
-        self.norm_topk_prob = moe.norm_topk_prob
-        self.gate = nn.Linear(h, experts, bias=False)
+        self.moe = moe
+        self.gate = Router(h, experts, moe.has_correction_bias, moe.float32_router)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(experts, h, i))
         self.shared_expert: MLP | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.shared_experts: MLP | None = None
+        if moe.n_shared_experts:
+            self.shared_experts = MLP(config, i * moe.n_shared_experts)
 
     def forward(self, x: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows hidden"]:
-        """The routed experts' weighted sum, plus the gated shared expert where there is one
+        """The routed experts' weighted sum, plus the shared expert(s) where there are any
         (added last, as transformers does)."""
+        moe = self.moe
         out = kernels.model_ops.moe(
             x,
             self.gate.weight,
             self.experts_gate_up,
             self.experts_down,
-            self.top_k,
-            self.norm_topk_prob,
+            moe.top_k,
+            moe.norm_topk_prob,
+            moe.scoring_func,
+            moe.topk_method,
+            moe.n_group,
+            moe.topk_group,
+            moe.routed_scaling_factor,
+            self.gate.e_score_correction_bias,
+            moe.float32_router,
         )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         if self.shared_expert is None:
             return out
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -17,7 +17,9 @@ Mixture-of-experts layers keep their experts stacked (``SparseMoE.experts_gate_u
 and ``experts_down [E, H, I]``) where checkpoints hold one tensor per expert, in the hub's
 layout: ``model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` (Qwen2-MoE,
 Qwen3-MoE) or ``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral:
-gate, up, down), the router at ``...mlp.gate.weight`` (``block_sparse_moe.gate.weight``).
+gate, up, down), the router at ``...mlp.gate.weight`` (``block_sparse_moe.gate.weight``). The
+DeepSeek-style routers' ``...mlp.gate.e_score_correction_bias`` and shared experts
+``...mlp.shared_experts.{gate,up,down}_proj.weight`` (GLM-4.5) keep the hub's names.
 :func:`checkpoint_names` maps each parameter to its checkpoint keys; loading stacks, saving
 unstacks, and every per-expert key is checked as strictly as any other.
 

@@ -6,12 +6,11 @@ bfloat16 CUDA path inside captured rounds."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.kernels.grouped_moe import grouped_experts, grouped_mm_supported
-from speculum.kernels.model_ops import moe_reference, moe_routing_weights
+from speculum.kernels.model_ops import moe_reference, moe_row_weights
 
 
 @settings(max_examples=25, deadline=None)
@@ -20,14 +19,17 @@ from speculum.kernels.model_ops import moe_reference, moe_routing_weights
     experts=st.integers(1, 8),
     k=st.integers(1, 8),
     renormalize=st.booleans(),
+    deepseek=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_grouped_experts_equal_the_dense_reference_on_any_routing(
-    rows: int, experts: int, k: int, renormalize: bool, seed: int
+    rows: int, experts: int, k: int, renormalize: bool, deepseek: bool, seed: int
 ) -> None:
     """Every row's output is its selected experts' weighted sum, as the reference computes it
     (float32 rounding apart: the GEMMs differ), whatever the routing: experts chosen by many
-    rows, by one, or by none."""
+    rows, by one, or by none; Qwen's softmax routing or DeepSeek-V3's (sigmoid scores, a
+    correction bias choosing, a scaling factor, float32 weights)."""
+    experts = max(experts, 2) if deepseek else experts  # noaux_tc ranks a group by its best 2
     k = min(k, experts)
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = 8, 4
@@ -35,9 +37,14 @@ def test_grouped_experts_equal_the_dense_reference_on_any_routing(
     router = torch.randn(experts, hidden, generator=gen)
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
     down = torch.randn(experts, hidden, inter, generator=gen)
-    weights = moe_routing_weights(F.linear(x, router), k, renormalize)
+    routing = (
+        ("sigmoid", "noaux_tc", 1, 1, 2.5, torch.randn(experts, generator=gen), True)
+        if deepseek
+        else ()
+    )
+    weights = moe_row_weights(x, router, k, renormalize, *routing)
     ours = grouped_experts(x, *weights.topk(k), gate_up, down)
-    expected = moe_reference(x, router, gate_up, down, k, renormalize)
+    expected = moe_reference(x, router, gate_up, down, k, renormalize, *routing)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 

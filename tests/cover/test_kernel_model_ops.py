@@ -242,7 +242,25 @@ def test_launchers_reject_what_they_cannot_compute_as_torch_does():
     with pytest.raises(ValueError, match="power of two"):
         tk.rope_triton(torch.randn(1, 1, 2, 12), torch.zeros(1, 1).long(), torch.ones(6))
     with pytest.raises(ValueError, match="inv_freq"):
-        tk.rope_triton(torch.randn(1, 1, 2, 8), torch.zeros(1, 1).long(), torch.ones(3))
+        tk.rope_triton(torch.randn(1, 1, 2, 8), torch.zeros(1, 1).long(), torch.ones(5))
+
+
+def test_partial_rotary_runs_the_reference_and_turns_only_the_leading_dimensions():
+    """An ``inv_freq`` of fewer than ``head_dim / 2`` pairs (GLM-4.5's partial rotary) turns the
+    first ``2 * len(inv_freq)`` dimensions of each head and passes the rest through, in the
+    launchers (which fall back to the reference) as in the reference; the cache write too."""
+    x, positions = torch.randn(2, 3, 4, 8), torch.randint(1, 99, (2, 3))
+    inv_freq = torch.rand(2)
+    turned = model_ops.rope_reference(x, positions, inv_freq)
+    assert torch.equal(turned[..., 4:], x[..., 4:])
+    assert torch.equal(turned[..., :4], model_ops.rope_reference(x[..., :4], positions, inv_freq))
+    assert torch.equal(tk.rope_triton(x, positions, inv_freq), turned)
+    inputs = kc.rope_write_kv_inputs(2, 3, 4, 2, 8, torch.float32)
+    inputs["inv_freq"] = inv_freq
+    twin = {k: v.clone() for k, v in inputs.items()}
+    out = tk.rope_write_kv_triton(**inputs)
+    assert torch.equal(out, model_ops.rope_write_kv_reference(**twin))
+    assert torch.equal(inputs["k_cache"], twin["k_cache"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -91,6 +91,25 @@ CASES: dict[str, tuple[str, dict]] = {
             "head_dim": 16,
         },
     ),
+    # GLM-4.5: half the head turns (partial rotary), q/k/v bias, q/k norm; sigmoid scores with
+    # a correction bias pick 3 experts inside the best 2 of 3 groups, renormalised and scaled;
+    # an ungated shared expert; layer 0 dense.
+    "glm4-moe": (
+        "Glm4Moe",
+        {
+            "n_routed_experts": 6,
+            "num_experts_per_tok": 3,
+            "n_group": 3,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "moe_intermediate_size": 24,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "head_dim": 16,
+        },
+    ),
 }
 
 
@@ -122,13 +141,20 @@ def hf_model(spec: Spec) -> transformers.PreTrainedModel:
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in random_tensors(model):
             # Matrices at 1/sqrt(fan_in) keep activations O(1); vectors (norms, biases) far
             # enough from transformers' 1 and 0 that leaving one out changes the logits.
             std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3  # experts: 3-D
             mean = 1.0 if "norm" in name else 0.0
             param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
     return model.eval()
+
+
+def random_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a random test model draws: every parameter, and the routers'
+    ``e_score_correction_bias`` (a buffer in transformers, zero unless drawn)."""
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    return [*model.named_parameters(), *biases]
 
 
 def specs(case: str | None = None) -> st.SearchStrategy[Spec]:

@@ -1,6 +1,6 @@
-"""Mixture-of-experts targets (Mixtral, Qwen2-MoE, Qwen3-MoE): equal to transformers, strict
-per-expert checkpoints that round-trip, routing settings checked, and every pipeline equal to
-plain decoding on an MoE target."""
+"""Mixture-of-experts targets (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): equal to transformers,
+strict per-expert checkpoints that round-trip, routing settings checked, and every pipeline
+equal to plain decoding on an MoE target."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from test_models import (
     edit_config,
     edit_weights,
     page_table,
+    random_tensors,
     relative_error,
     run_in_steps,
 )
@@ -50,8 +51,9 @@ transformers.logging.disable_progress_bar()
 VOCAB = 96  # test_models.run_in_steps pads with id VOCAB - 1 of its own VOCAB, also 96
 #: architecture family -> transformers config fields: 4 experts, top 2, and what the family
 #: adds (test_models' cases: Qwen3-MoE a dense layer and renormalised top-k; Qwen2-MoE its gated
-#: shared expert).
-FAMILIES = dict(CASES[case] for case in ("mixtral", "qwen2-moe", "qwen3-moe"))
+#: shared expert; GLM-4.5 6 experts in 3 groups, sigmoid routing, a shared expert, a dense
+#: layer 0).
+FAMILIES = dict(CASES[case] for case in ("mixtral", "qwen2-moe", "qwen3-moe", "glm4-moe"))
 
 
 def hf_moe(family: str, **changes: object) -> transformers.PreTrainedModel:
@@ -70,7 +72,7 @@ def hf_moe(family: str, **changes: object) -> transformers.PreTrainedModel:
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in random_tensors(model):
             std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3
             mean = 1.0 if "norm" in name else 0.0
             param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
@@ -88,15 +90,20 @@ def hf_checkpoint(request, tmp_path_factory) -> tuple[transformers.PreTrainedMod
 
 
 def test_layers_are_the_kinds_the_config_names(hf_checkpoint) -> None:
-    """Every layer is sparse except Qwen3-MoE's ``mlp_only_layers``; only Qwen2-MoE's experts
-    have a shared one."""
+    """Every layer is sparse except Qwen3-MoE's ``mlp_only_layers`` and GLM-4.5's first
+    ``first_k_dense_replace``; Qwen2-MoE's experts have a gated shared one, GLM-4.5's an
+    ungated one."""
     hf, folder = hf_checkpoint
     ours = load_model(folder)
     sparse = [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers]
     family = type(hf).__name__.removesuffix("ForCausalLM")
-    assert sparse == ([True, False] if family == "Qwen3Moe" else [True, True])
-    shared = [layer.mlp.shared_expert is not None for layer in ours.model.layers[:1]]
-    assert shared == [family == "Qwen2Moe"]
+    kinds = {"Qwen3Moe": [True, False], "Glm4Moe": [False, True]}
+    assert sparse == kinds.get(family, [True, True])
+    moe = next(layer.mlp for layer in ours.model.layers if isinstance(layer.mlp, SparseMoE))
+    assert (moe.shared_expert is not None, moe.shared_experts is not None) == (
+        family == "Qwen2Moe",
+        family == "Glm4Moe",
+    )
 
 
 def test_logits_match_transformers_through_the_paged_cache(hf_checkpoint) -> None:
@@ -161,7 +168,7 @@ def test_a_missing_or_extra_expert_is_named(hf_checkpoint, tmp_path: Path) -> No
     edit_weights(folder, lambda t: t.pop(gone))
     with pytest.raises(CheckpointError, match=rf"missing weights \['{gone}'\]"):
         load_model(folder)
-    extra = gone.replace(".experts.3.", ".experts.4.")
+    extra = gone.replace(".experts.3.", ".experts.9.")
     edit_weights(folder, lambda t: t.update({gone: tensors[gone], extra: tensors[gone].clone()}))
     with pytest.raises(CheckpointError, match=rf"unexpected weights \['{extra}'\]"):
         load_model(folder)
@@ -290,38 +297,96 @@ SMALL = random_model(
     seed=8,
     std=0.3,
 )
-#: An MTP layer of the target's kind (the target's layer 4, sparse: an MoE layer with the
-#: target's routing and shared expert), built to agree with the target; chains reuse it.
-MTP_HEAD = agreeing_head(TARGET, "mtp")
-#: name -> (algorithm, draft, spec options); tree shapes are drawn per example.
-PIPELINES = {
-    "plain": ("plain", None, {}),
-    "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
-    "eagle3 tree": ("eagle3", random_draft(TARGET, "eagle3", seed=11, std=0.3), "tree"),
-    "mtp": ("mtp", MTP_HEAD, "tree"),
-    "mtp chain 1": ("mtp", MTP_HEAD, {"num_steps": 1}),
-    "mtp chain 3": ("mtp", MTP_HEAD, {"num_steps": 3}),
-    "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
-    "ngram": ("ngram", None, {"num_draft_tokens": 6}),
-    "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=4), {}),
-    "dspark": ("dspark", random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4), {}),
-    "frozen_kv_mtp": ("frozen_kv_mtp", random_frozen_kv(TARGET, seed=4, std=0.3), "tree"),
-    "multi_layer_eagle": (
-        "multi_layer_eagle",
-        random_multi_layer(TARGET, 3, seed=5, std=0.3),
-        {"num_steps": 3},
+#: A GLM-4.5-shaped tiny target: partial rotary, q/k/v bias, q/k norm, 3 of 6 experts chosen
+#: by sigmoid scores plus a (random) correction bias inside the best 2 of 3 groups, scaled, an
+#: ungated shared expert, layer 0 dense.
+GLM_TARGET = markov_target(
+    PIPE_VOCAB,
+    architecture="Glm4MoeForCausalLM",
+    qkv_bias=True,
+    qk_norm=True,
+    partial_rotary_factor=0.5,
+    moe=MoEConfig(
+        num_experts=6,
+        top_k=3,
+        expert_intermediate_size=24,
+        norm_topk_prob=True,
+        dense_layers=(0,),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=3,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        float32_router=True,
     ),
+)
+
+
+def draw_correction_biases_(model, seed: int) -> None:
+    """Give the routers non-zero ``e_score_correction_bias`` (``random_model`` zeroes biases),
+    so that they change which experts are chosen."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3, generator=generator)
+
+
+draw_correction_biases_(GLM_TARGET, seed=7)
+
+
+def pipelines(target) -> dict:
+    """name -> (algorithm, draft, spec options) over ``target``; tree shapes are drawn per
+    example. The MTP layer is of the target's kind (the target's layer ``L``: an MoE layer
+    with the target's routing and shared expert), built to agree with the target; chains reuse
+    it."""
+    mtp_head = agreeing_head(target, "mtp")
+    return {
+        "plain": ("plain", None, {}),
+        "eagle chain": ("eagle", agreeing_head(target, "eagle"), {"num_steps": 4}),
+        "eagle3 tree": ("eagle3", random_draft(target, "eagle3", seed=11, std=0.3), "tree"),
+        "mtp": ("mtp", mtp_head, "tree"),
+        "mtp chain 1": ("mtp", mtp_head, {"num_steps": 1}),
+        "mtp chain 3": ("mtp", mtp_head, {"num_steps": 3}),
+        "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
+        "ngram": ("ngram", None, {"num_draft_tokens": 6}),
+        "dflash": (
+            "dflash",
+            random_block_draft(target, "dflash", seed=1, std=0.3, block_size=4),
+            {},
+        ),
+        "dspark": (
+            "dspark",
+            random_block_draft(target, "dspark", seed=2, std=0.3, block_size=4),
+            {},
+        ),
+        "frozen_kv_mtp": ("frozen_kv_mtp", random_frozen_kv(target, seed=4, std=0.3), "tree"),
+        "multi_layer_eagle": (
+            "multi_layer_eagle",
+            random_multi_layer(target, 3, seed=5, std=0.3),
+            {"num_steps": 3},
+        ),
+    }
+
+
+#: target family -> (target, its pipelines by name)
+TARGETS = {
+    "qwen2-moe": (TARGET, pipelines(TARGET)),
+    "glm4-moe": (GLM_TARGET, pipelines(GLM_TARGET)),
 }
+PIPELINES = TARGETS["qwen2-moe"][1]
 #: (num_steps, topk, num_draft_tokens) of the pipelines that take a drawn tree.
 TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
 
 
-def moe_engine(name: str, tree: tuple[int, int, int], **limits):
-    algorithm, draft, spec = PIPELINES[name]
+def moe_engine(name: str, tree: tuple[int, int, int], family: str = "qwen2-moe", **limits):
+    target, pipes = TARGETS[family]
+    algorithm, draft, spec = pipes[name]
     if spec == "tree":
         spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
     return engine_from_model(
-        TARGET,
+        target,
         algorithm=algorithm,
         draft=draft,
         spec=SpecOptions(**spec),
@@ -330,6 +395,7 @@ def moe_engine(name: str, tree: tuple[int, int, int], **limits):
     )
 
 
+@pytest.mark.parametrize("family", sorted(TARGETS))
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 @settings(max_examples=3)
 @given(
@@ -339,14 +405,17 @@ def moe_engine(name: str, tree: tuple[int, int, int], **limits):
     prefill_budget=prefill_budgets,
 )
 def test_every_pipeline_equals_plain_greedy_on_an_moe_target(
-    name, prompts, tree, page_size, prefill_budget
+    family, name, prompts, tree, page_size, prefill_budget
 ) -> None:
     """Token for token, for a batch of prompts, any page size, chunked prefill or not, and
-    tree shape; EAGLE-family, block and frozen-KV draft layers built from the MoE target are
-    dense, MTP and multi-layer EAGLE layers are MoE layers of the target's kind."""
+    tree shape, on a Qwen2-MoE-shaped and a GLM-4.5-shaped target; EAGLE-family, block and
+    frozen-KV draft layers built from the MoE target are dense, MTP and multi-layer EAGLE layers
+    are MoE layers of the target's kind."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
-    ours = generate(prompts, engine=moe_engine(name, tree, **limits), max_new_tokens=10)
-    plain = generate(prompts, engine=moe_engine("plain", tree, **limits), max_new_tokens=10)
+    engine = moe_engine(name, tree, family, **limits)
+    ours = generate(prompts, engine=engine, max_new_tokens=10)
+    plain_engine = moe_engine("plain", tree, family, **limits)
+    plain = generate(prompts, engine=plain_engine, max_new_tokens=10)
     assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
 
 
@@ -426,33 +495,43 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
 
 
+@pytest.mark.parametrize("family", sorted(TARGETS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_drafts_for_an_moe_target_round_trip_in_every_layout(layout: str, tmp_path: Path) -> None:
+def test_drafts_for_an_moe_target_round_trip_in_every_layout(
+    family: str, layout: str, tmp_path: Path
+) -> None:
     """A head built for an MoE target saves and loads back in every layout, the target's own
-    folder included: EAGLE-family layers are dense (the dense sibling architecture), an MTP
+    folder included, config included: EAGLE-family layers are dense (the dense sibling
+    architecture; for GLM-4.5 its own with every layer dense, partial rotary kept), an MTP
     layer is the target's layer after its own, here an MoE layer of the target's routing."""
+    target = TARGETS[family][0]
     algorithm = LAYOUTS[layout]
-    head = random_draft(TARGET, algorithm, seed=1, std=0.3)
+    head = random_draft(target, algorithm, seed=1, std=0.3)
     if algorithm == "mtp":
-        assert head.config.layer.moe == TARGET.config.moe
+        assert head.config.layer.moe == target.config.moe
         assert isinstance(head.decoder.mlp, SparseMoE)
     else:
         assert head.config.layer.moe is None
-        assert head.config.layer.architecture in ("Qwen2ForCausalLM", "LlamaForCausalLM")
-    save_draft(head, tmp_path, layout, target=TARGET)
-    assert same_weights(load_draft(tmp_path, TARGET, algorithm), head)
+        dense = {"qwen2-moe": "Qwen2ForCausalLM", "glm4-moe": "Glm4MoeForCausalLM"}[family]
+        assert head.config.layer.architecture in (dense, "LlamaForCausalLM")
+    save_draft(head, tmp_path, layout, target=target)
+    loaded = load_draft(tmp_path, target, algorithm)
+    assert same_weights(loaded, head)
+    assert loaded.config.layer == head.config.layer
 
 
-def test_other_drafts_for_an_moe_target_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", sorted(TARGETS))
+def test_other_drafts_for_an_moe_target_round_trip(family: str, tmp_path: Path) -> None:
     """Block drafts, FROZEN_KV_MTP and multi-layer EAGLE heads (MoE layers) of an MoE target
     save and load in folders of their own."""
+    target = TARGETS[family][0]
     for algorithm in ("dflash", "dspark"):
-        head = random_block_draft(TARGET, algorithm, seed=1, std=0.3, block_size=4)
+        head = random_block_draft(target, algorithm, seed=1, std=0.3, block_size=4)
         save_block_draft(head, tmp_path / algorithm)
-        assert same_weights(load_block_draft(tmp_path / algorithm, TARGET, algorithm), head)
-    frozen = random_frozen_kv(TARGET, seed=1, std=0.3)
+        assert same_weights(load_block_draft(tmp_path / algorithm, target, algorithm), head)
+    frozen = random_frozen_kv(target, seed=1, std=0.3)
     save_frozen_kv(frozen, tmp_path / "frozen")
-    assert same_weights(load_frozen_kv(tmp_path / "frozen", TARGET), frozen)
-    multi = random_multi_layer(TARGET, 2, seed=1, std=0.3)
+    assert same_weights(load_frozen_kv(tmp_path / "frozen", target), frozen)
+    multi = random_multi_layer(target, 2, seed=1, std=0.3)
     save_multi_layer(multi, tmp_path / "multi")
-    assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
+    assert same_weights(load_multi_layer(tmp_path / "multi", target), multi)

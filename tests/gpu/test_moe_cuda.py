@@ -1,9 +1,10 @@
 """Mixture-of-experts targets on the GPU: the ``speculum::moe`` op inside captured rounds.
 
 - fp32: over an MoE target (Qwen2-MoE-shaped: 8 experts, top 2, a gated shared expert and one
-  dense layer), every pipeline's captured rounds emit exactly plain greedy decoding's tokens,
-  and exactly what its eager rounds emit.
-- bf16: captured MoE rounds run and emit every token asked for.
+  dense layer; GLM-4.5-shaped: partial rotary, grouped sigmoid routing with a correction bias,
+  an ungated shared expert, layer 0 dense), every pipeline's captured rounds emit exactly
+  plain greedy decoding's tokens, and exactly what its eager rounds emit.
+- bf16: captured MoE rounds run and emit every token asked for (GLM's routers in float32).
 """
 
 from __future__ import annotations
@@ -26,34 +27,70 @@ from speculum.models.loading import random_model
 pytestmark = pytest.mark.gpu
 
 
-def _moe_target(dtype: torch.dtype = torch.float32):
-    moe = MoEConfig(
-        num_experts=8,
-        top_k=2,
-        expert_intermediate_size=32,
-        norm_topk_prob=False,
-        shared_expert_intermediate_size=48,
-        dense_layers=(1,),
-    )
+#: family -> (architecture, config fields): Qwen2-MoE's gated shared expert; GLM-4.5's routing.
+FAMILIES = {
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        {"qkv_bias": True},
+        MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=48,
+            dense_layers=(1,),
+        ),
+    ),
+    "glm4-moe": (
+        "Glm4MoeForCausalLM",
+        {"qkv_bias": True, "qk_norm": True, "partial_rotary_factor": 0.5},
+        MoEConfig(
+            num_experts=8,
+            top_k=3,
+            expert_intermediate_size=32,
+            norm_topk_prob=True,
+            dense_layers=(0,),
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            float32_router=True,
+        ),
+    ),
+}
+
+
+def _moe_target(family: str = "qwen2-moe", dtype: torch.dtype = torch.float32):
+    architecture, fields, moe = FAMILIES[family]
     config = tiny_config(
         vocab_size=VOCAB,
         num_layers=4,
         hidden_size=64,
         head_dim=16,
-        architecture="Qwen2MoeForCausalLM",
-        qkv_bias=True,
+        architecture=architecture,
         moe=moe,
+        **fields,
     )
-    return random_model(config, seed=5, std=0.3).to("cuda", dtype)
+    model = random_model(config, seed=5, std=0.3)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # random_model zeroes biases
+                param.normal_(0.0, 0.3, generator=generator)
+    return model.to("cuda", dtype)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("label", LABELS)
-def test_fp32_captured_rounds_on_an_moe_target_equal_plain_and_eager(label):
-    check_captured_rounds_equal_plain_and_eager(_moe_target(), label)
+def test_fp32_captured_rounds_on_an_moe_target_equal_plain_and_eager(label, family):
+    check_captured_rounds_equal_plain_and_eager(_moe_target(family), label)
 
 
-def test_bf16_captured_moe_rounds_run():
-    target = _moe_target(torch.bfloat16)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_captured_moe_rounds_run(family):
+    target = _moe_target(family, torch.bfloat16)
     algorithm, draft, spec = _drafts(target)["eagle3 tree"]
     tokens = _tokens(target, algorithm=algorithm, draft=draft, spec=spec)
     assert [len(t) for t in tokens] == [24] * len(PROMPTS)
