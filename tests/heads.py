@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_config
 
-from speculum.models.decoder import DecoderModel
+from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
@@ -78,3 +78,13 @@ def silence_mlp(mlp: torch.nn.Module) -> None:
         for name, param in mlp.named_parameters():
             if name.endswith(("down_proj.weight", "experts_down")):
                 param.zero_()
+
+
+def draw_correction_biases_(model, seed: int) -> None:
+    """Give the routers non-zero ``e_score_correction_bias`` (``random_model`` zeroes biases),
+    so that they change which experts are chosen."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3, generator=generator)

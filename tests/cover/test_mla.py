@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, markov_target
+from heads import agreeing_head, draw_correction_biases_, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -22,7 +22,7 @@ from test_training_draft import assert_decodes_like_plain, train, write_target
 
 from speculum import kernels
 from speculum.models.block_draft import load_block_draft, random_block_draft, save_block_draft
-from speculum.models.config import CheckpointError, DecoderConfig, MLAConfig, UnsupportedModel
+from speculum.models.config import CheckpointError, DecoderConfig, MLAConfig, MoEConfig
 from speculum.models.decoder import LatentAttention, dense_batch
 from speculum.models.draft import random_draft
 from speculum.models.draft_loading import LAYOUTS, DraftTargetMismatch, load_draft, save_draft
@@ -56,19 +56,43 @@ YARN = {
     "beta_fast": 32,
     "beta_slow": 1,
 }
+#: DeepSeek's mixture of experts from layer 1 on: 8 routed experts of which 2 per token, one
+#: shared expert (the routing of each family by its own defaults or as given).
+EXPERTS = {
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "n_shared_experts": 1,
+}
 #: case -> (family, config changes): V3's interleaved rope and plain q_proj, V3 with halves
-#: rope and a low-rank query, V2's complex (interleaved) rope with YaRN, V3 with YaRN.
+#: rope and a low-rank query, V2's complex (interleaved) rope with YaRN, V3 with YaRN (all
+#: layers dense); and with MoE layers: V3's sigmoid scores chosen with a (random) correction
+#: bias in the best 2 of 4 groups, scaled by 2.5, and V2's softmax with group-limited greedy
+#: top-k (and YaRN) or plain greedy top-k.
 CASES = {
     "v3": ("DeepseekV3", {}),
     "v3-halves-q-lora": ("DeepseekV3", {"rope_interleave": False, "q_lora_rank": 12}),
     "v2-yarn-q-lora": ("DeepseekV2", {"q_lora_rank": 12, "rope_parameters": YARN}),
     "v3-yarn": ("DeepseekV3", {"rope_parameters": YARN}),
+    "v3-moe": ("DeepseekV3", {**EXPERTS, "n_group": 4, "topk_group": 2}),
+    "v2-moe-group-limited": (
+        "DeepseekV2",
+        {
+            **EXPERTS,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "rope_parameters": YARN,
+        },
+    ),
+    "v2-moe-greedy": ("DeepseekV2", {**EXPERTS, "n_shared_experts": 2}),
 }
 
 
 def hf_mla(family: str, **changes: object) -> transformers.PreTrainedModel:
-    """A float32 transformers DeepSeek model with dense layers only, every parameter random
-    (norms around one)."""
+    """A float32 transformers DeepSeek model, dense layers only unless ``changes`` say, every
+    parameter random (norms around one; routers' correction biases too)."""
     config = getattr(transformers, f"{family}Config")(
         **{
             "vocab_size": VOCAB,
@@ -202,9 +226,14 @@ def test_a_kv_lora_rank_the_weights_contradict_is_named(checkpoint: Path) -> Non
         ({"q_lora_rank": -1}, CheckpointError, r"q_lora_rank is -1; it must be an integer"),
         ({"rope_interleave": "yes"}, CheckpointError, r"rope_interleave is 'yes'; it must be"),
         (
-            {"first_k_dense_replace": 1},
-            UnsupportedModel,
-            r"first_k_dense_replace 1 makes layers 1 .. 1 mixture-of-experts layers",
+            {**EXPERTS, "n_group": 2, "topk_group": 3},
+            CheckpointError,
+            r"topk_group 3 is more than n_group 2",
+        ),
+        (
+            {**EXPERTS, "num_experts_per_tok": 9},
+            CheckpointError,
+            r"num_experts_per_tok 9 is more than the 8 experts \(n_routed_experts\)",
         ),
         (
             {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
@@ -212,13 +241,23 @@ def test_a_kv_lora_rank_the_weights_contradict_is_named(checkpoint: Path) -> Non
             r"rope_parameters.original_max_position_embeddings is None; it must be a number",
         ),
     ],
-    ids=["no rank", "rank 0", "odd rope", "no v", "q rank", "interleave", "sparse", "yarn"],
+    ids=[
+        "no rank",
+        "rank 0",
+        "odd rope",
+        "no v",
+        "q rank",
+        "interleave",
+        "topk_group",
+        "top k",
+        "yarn",
+    ],
 )
 def test_bad_latent_settings_are_refused_naming_the_field(
     changes: dict, error: type, message: str
 ) -> None:
-    """A DeepSeek config.json whose latent-attention fields no model can run with, or whose
-    layers are mixture-of-experts (not implemented for DeepSeek yet), fails at parse."""
+    """A DeepSeek config.json whose latent-attention or routing fields no model can run with
+    fails at parse, naming the field."""
     raw = hf_mla("DeepseekV3").config.to_dict()
     with pytest.raises(error, match=message):
         DecoderConfig.from_dict({**raw, **changes})
@@ -236,7 +275,9 @@ def test_tensor_parallelism_refuses_latent_attention(checkpoint: Path) -> None:
 
 
 #: A tiny DeepSeek-V3-shaped target (interleaved rope, low-rank query, values narrower than
-#: keys) whose next token is usually a function of the last one (``heads.markov_target``).
+#: keys; layers 1-3 mixture-of-experts with V3's routing: sigmoid scores, a random correction
+#: bias choosing inside the best 2 of 3 groups, scaled, one shared expert) whose next token is
+#: usually a function of the last one (``heads.markov_target``).
 MLA_SHAPES = {
     "architecture": "DeepseekV3ForCausalLM",
     "num_kv_heads": 4,
@@ -245,10 +286,27 @@ MLA_SHAPES = {
         q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6
     ),
 }
+DEEPSEEK_V3_MOE = MoEConfig(
+    num_experts=6,
+    top_k=2,
+    expert_intermediate_size=16,
+    norm_topk_prob=True,
+    dense_layers=(0,),
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    n_group=3,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    n_shared_experts=1,
+    float32_router=True,
+)
 PIPE_VOCAB = 16
-TARGET = markov_target(PIPE_VOCAB, **MLA_SHAPES)
+TARGET = markov_target(PIPE_VOCAB, **MLA_SHAPES, moe=DEEPSEEK_V3_MOE)
+draw_correction_biases_(TARGET, seed=7)
 #: An MLA standalone draft: a latent cache in the draft's seat too.
 SMALL = random_model(tiny_config(vocab_size=PIPE_VOCAB, num_layers=1, **MLA_SHAPES), seed=8)
+#: DeepSeek's NextN layer for the target: its layer 4, a latent-attention MoE layer.
+NEXTN_HEAD = agreeing_head(TARGET, "mtp")
 #: name -> (algorithm, draft, spec options); tree shapes are drawn per example. Frozen-KV MTP
 #: reads the target's per-head keys, which an MLA cache does not hold: it is refused (below).
 PIPELINES = {
@@ -256,7 +314,8 @@ PIPELINES = {
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
     "adaptive": ("eagle", agreeing_head(TARGET, "eagle"), {"adaptive_steps": (0, 1, 3)}),
     "eagle3 tree": ("eagle3", random_draft(TARGET, "eagle3", seed=11, std=0.3), "tree"),
-    "mtp": ("mtp", agreeing_head(TARGET, "mtp"), "tree"),
+    "mtp": ("mtp", NEXTN_HEAD, "tree"),
+    "mtp chain 3": ("mtp", NEXTN_HEAD, {"num_steps": 3}),
     "standalone": ("standalone", StandaloneHead(SMALL, PIPE_VOCAB), {"num_steps": 3}),
     "ngram": ("ngram", None, {"num_draft_tokens": 6}),
     "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=4), {}),
@@ -400,3 +459,40 @@ def test_train_draft_on_an_mla_target_decodes_like_plain(algorithm, tmp_path: Pa
     (tmp_path / "corpus.txt").write_text(" ".join(words))
     train(target, [tmp_path / "corpus.txt"], tmp_path / "draft", algorithm, steps=4)
     assert_decodes_like_plain(tmp_path / "draft", target, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["nextn", "multi_layer_eagle"])
+def test_deepseek_nextn_layers_in_the_target_folder_decode_like_plain(
+    algorithm: str, tmp_path: Path
+) -> None:
+    """DeepSeek-V3's NextN layout: MTP layers stored in a DeepSeek-V3 folder (written by
+    transformers, MoE from layer 1) after the decoder's own layers are latent-attention MoE
+    layers with the target's routing; ``--algorithm nextn`` (one layer: chains reuse it, and
+    trees) and multi-layer EAGLE (two layers) from that folder emit plain greedy decoding's
+    tokens, and the folder reads back the same weights."""
+    family, changes = CASES["v3-moe"]
+    folder = tmp_path / "deepseek-v3"
+    hf_mla(family, **changes).save_pretrained(folder)
+    target = load_model(folder)
+    if algorithm == "nextn":
+        head = agreeing_head(target, "mtp")
+        save_draft(head, folder, "mtp-in-target", target=target)
+        loaded = load_draft(folder, target, "nextn")
+        shapes = [SpecOptions(num_steps=3), SpecOptions(num_steps=3, topk=2, num_draft_tokens=6)]
+    else:
+        head = random_multi_layer(target, 2, seed=1, std=0.3)
+        save_multi_layer(head, folder, target=target)
+        loaded = load_multi_layer(folder, target)
+        shapes = [SpecOptions(num_steps=2)]
+    assert same_weights(loaded, head)
+    layer = loaded.decoder if algorithm == "nextn" else loaded.layers[0].decoder
+    assert isinstance(layer.self_attn, LatentAttention)
+    assert type(layer.mlp).__name__ == "SparseMoE"
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
+    plain = generate(prompts, engine=engine_from_model(target, max_context=64), max_new_tokens=12)
+    for spec in shapes:
+        engine = engine_from_model(
+            target, algorithm=algorithm, draft=loaded, spec=spec, max_context=64
+        )
+        ours = generate(prompts, engine=engine, max_new_tokens=12)
+        assert [r.token_ids for r in ours] == [r.token_ids for r in plain]

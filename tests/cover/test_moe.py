@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, markov_target
+from heads import agreeing_head, draw_correction_biases_, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -321,16 +321,6 @@ GLM_TARGET = markov_target(
         float32_router=True,
     ),
 )
-
-
-def draw_correction_biases_(model, seed: int) -> None:
-    """Give the routers non-zero ``e_score_correction_bias`` (``random_model`` zeroes biases),
-    so that they change which experts are chosen."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3, generator=generator)
 
 
 draw_correction_biases_(GLM_TARGET, seed=7)

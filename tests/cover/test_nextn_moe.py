@@ -81,7 +81,7 @@ def test_mtp_layers_are_the_targets_layers_after_its_own(written: Written) -> No
     for layer in layers:
         assert isinstance(layer.mlp, SparseMoE)
         assert layer.mlp.num_experts == reference.num_experts == 4
-        assert layer.mlp.top_k == reference.top_k
+        assert layer.mlp.moe == reference.moe
         assert (layer.mlp.shared_expert is None) == (written.family == "qwen3-moe")
     assert [layer.self_attn.layer for layer in layers] == [0, 0, 1]
     assert head.new_pool(3, 4).k.shape[0] == 1 and multi.new_pool(3, 4).k.shape[0] == 2
