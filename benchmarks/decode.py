@@ -79,8 +79,8 @@ from torch.utils import _pytree as pytree
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from speculum.models.config import DecoderConfig  # noqa: E402
-from speculum.models.decoder import DecoderModel, cache_kv_heads  # noqa: E402
+from speculum.models.config import DecoderConfig, MLAConfig, MoEConfig  # noqa: E402
+from speculum.models.decoder import DecoderModel, SparseMoE, cache_kv_heads  # noqa: E402
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
 from speculum.models.loading import randomize_  # noqa: E402
 from speculum.models.parallel import shard_  # noqa: E402
@@ -124,6 +124,68 @@ TINY = attrs.evolve(
     num_kv_heads=2,
     head_dim=16,
 )
+#: DeepSeek-V2-Lite's shape (``--shape deepseek-v2-lite``): 27 layers of multi-head latent
+#: attention (16 heads, kv_lora_rank 512, rope 64, YaRN 40x), layer 0 dense (10944 wide), the
+#: others 64 routed experts (1408 wide, top 6, softmax, not renormalised) plus 2 shared. Its
+#: draft is a NextN layer of the same kind (an MLA + MoE layer: ``random_draft(target, "mtp")``).
+DEEPSEEK_V2_LITE = attrs.evolve(
+    LLAMA_8B,
+    architecture="DeepseekV2ForCausalLM",
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_layers=27,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=64,
+    rope_theta=10000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    max_position_embeddings=163840,
+    mla=MLAConfig(
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+    moe=MoEConfig(
+        num_experts=64,
+        top_k=6,
+        expert_intermediate_size=1408,
+        norm_topk_prob=False,
+        dense_layers=(0,),
+        n_shared_experts=2,
+        float32_router=True,
+    ),
+)
+#: ``--shape`` -> the target's config.
+SHAPES = {"llama-3.1-8b": LLAMA_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+#: ``--shape`` -> its CPU smoke-run stand-in (``--tiny``).
+TINY_SHAPES = {
+    "llama-3.1-8b": TINY,
+    "deepseek-v2-lite": attrs.evolve(
+        DEEPSEEK_V2_LITE,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        mla=MLAConfig(
+            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
+        ),
+        moe=attrs.evolve(DEEPSEEK_V2_LITE.moe, num_experts=8, top_k=2, expert_intermediate_size=16),
+    ),
+}
 DRAFT_VOCAB = 32000
 #: (label, num_steps, topk, num_draft_tokens) of the speculative rounds measured.
 ROUNDS = (("chain 3", 3, 1, 4), ("chain 5", 5, 1, 6), ("tree 8", 4, 4, 8))
@@ -146,22 +208,24 @@ def build_models(
 ) -> tuple[Any, Any]:
     """The random target and an EAGLE-3 head for it (draft ids a random subset of the
     target's), both this rank's shard of ``tp``: every rank draws the same full weights and
-    keeps its slices, so any ``tp`` runs the same model."""
+    keeps its slices, so any ``tp`` runs the same model. A mixture-of-experts target gets an
+    MTP (NextN) head instead: a layer of the target's own kind, as DeepSeek ships it."""
     with building_on(device, dtype):
         target = DecoderModel(config)
     randomize_(target, seed=0, std=0.02)
     target.reset_rope()
     shard_(target, tp)  # before the head is built: it borrows the sharded embedding and lm_head
+    algorithm = "mtp" if config.moe is not None else "eagle3"
+    vocab = {"draft_vocab_size": min(DRAFT_VOCAB, config.vocab_size // 2)}
     with building_on(device, dtype):
-        head_config = draft_config(
-            config, "eagle3", draft_vocab_size=min(DRAFT_VOCAB, config.vocab_size // 2)
-        )
+        head_config = draft_config(config, algorithm, **(vocab if algorithm == "eagle3" else {}))
         head = build_draft(head_config, target)
     randomize_(head, seed=1, std=0.02)
     head.reset_buffers()
     shard_(head, tp)
-    ids = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(2))
-    head.set_target_ids(ids[: head.config.head_vocab_size].sort().values.to(device))
+    if algorithm == "eagle3":
+        ids = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(2))
+        head.set_target_ids(ids[: head.config.head_vocab_size].sort().values.to(device))
     return target.eval().requires_grad_(False), head.eval().requires_grad_(False)
 
 
@@ -215,15 +279,23 @@ def copy_bandwidth(device: str) -> float:
 
 def step_bytes(target: DecoderModel, batch: int, context: float) -> float:
     """Bytes one plain decode step must read: every weight but the embedding table (a step reads
-    only ``batch`` of its rows), plus the K and V of ``context`` tokens per request."""
+    only ``batch`` of its rows) and but the routed experts no token can select (a sparse layer
+    reads at most ``min(experts, batch * top_k)`` of them), plus the cache of ``context`` tokens
+    per request (K and V per head; for latent attention the latent and rotary key)."""
     weights = sum(p.numel() * p.element_size() for p in target.parameters())
     embedding = target.model.embed_tokens.weight
     if embedding is not target.lm_head.weight:
         weights -= embedding.numel() * embedding.element_size()
+    for moe in (m for m in target.modules() if isinstance(m, SparseMoE)):
+        experts = moe.experts_gate_up, moe.experts_down
+        unread = max(0, moe.num_experts - batch * moe.moe.top_k) / moe.num_experts
+        weights -= unread * sum(t.numel() * t.element_size() for t in experts)
     c = target.config
-    heads = cache_kv_heads(target, c.num_kv_heads)  # this rank's, under tensor parallelism
-    kv = 2 * c.num_layers * heads * c.head_dim * embedding.element_size()
-    return weights + batch * context * kv
+    if c.mla is not None:
+        per_layer = c.mla.cache_dim
+    else:
+        per_layer = 2 * cache_kv_heads(target, c.num_kv_heads) * c.head_dim  # this rank's heads
+    return weights + batch * context * c.num_layers * per_layer * embedding.element_size()
 
 
 def make_engine(
@@ -234,7 +306,8 @@ def make_engine(
     rounds: tuple[int, int, int] | None,
     fuse: bool = True,
 ) -> Engine:
-    """A plain engine (``rounds`` None) or an EAGLE-3 engine with that (steps, topk, tokens);
+    """A plain engine (``rounds`` None) or a speculative engine of ``head``'s algorithm
+    (EAGLE-3, or MTP for an MoE target) with that (steps, topk, tokens);
     ``fuse`` fuses the models' projections (in place, for every later engine too)."""
     spec = (
         None
@@ -243,7 +316,7 @@ def make_engine(
     )
     return engine_from_model(
         target,
-        algorithm="plain" if rounds is None else "eagle3",
+        algorithm="plain" if rounds is None else head.algorithm,
         draft=None if rounds is None else head,
         spec=spec,
         max_batch=batch,
@@ -495,6 +568,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama-3.1-8b",
+        help="the target's shape (DeepSeek-V2-Lite's drafts with its NextN layer kind)",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles last")
     parser.add_argument(
@@ -546,7 +625,7 @@ def measure(args: argparse.Namespace) -> None:
     device = "cpu" if args.tiny else "cuda"
     tp = distributed.tensor_parallel(args.tp, device)
     report = print if tp.is_leader else lambda *_, **__: None
-    config = TINY if args.tiny else LLAMA_8B
+    config = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.adaptive or args.overlap:
         scheduling_tables(config, device, dtype, args)
@@ -574,7 +653,7 @@ def measure(args: argparse.Namespace) -> None:
             rounds.append(r)
             report(table([r]), flush=True)
         report(f"batch {batch} done at {time.perf_counter() - begin:.0f} s", flush=True)
-    if not args.no_peer and tp.size == 1:
+    if not args.no_peer and tp.size == 1 and config.architecture == "LlamaForCausalLM":
         hf = hf_copy(target)
         for row in (r for r in plain if r["projections"] == "fused"):
             peer = peer_row(hf, row["batch"], args, device)
@@ -583,7 +662,7 @@ def measure(args: argparse.Namespace) -> None:
             report(table([peer]), flush=True)
         del hf
     report("\n## plain decoding\n\n" + table(plain))
-    report("\n## speculative round (EAGLE-3 head), ms\n\n" + table(rounds))
+    report(f"\n## speculative round ({head.algorithm} head), ms\n\n" + table(rounds))
     if peers:
         report(
             "\n## transformers generate (static cache, eager), decode tokens/s\n\n" + table(peers)
