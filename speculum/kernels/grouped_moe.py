@@ -13,6 +13,7 @@ row's ``top_k`` outputs are summed back in ascending expert order, as the refere
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -49,6 +50,29 @@ def _expert_offsets(
     return counts.scatter_add_(0, expert_of_pair, ones).cumsum(0, dtype=torch.int32)
 
 
+def ascending_pairs(
+    top_weights: Float[Tensor, "row k"], top_index: Int[Tensor, "row k"]
+) -> tuple[Float[Tensor, "row k 1"], Int[Tensor, " pair"]]:
+    """Each row's selected experts in ascending order (the order their terms are summed in,
+    as the reference sums them): their weights, and the expert of each (row, j) pair, flat."""
+    top_index, within = top_index.sort(dim=-1)
+    return top_weights.gather(-1, within)[..., None], top_index.flatten().contiguous()
+
+
+def weighted_sum(
+    pair_out: Float[Tensor, "row k hidden"], weights: Float[Tensor, "row k 1"], dtype: torch.dtype
+) -> Float[Tensor, "row hidden"]:
+    """``sum_j round(pair_out[:, j] * weights[:, j])`` in ``dtype``, ``j`` ascending: each term
+    is rounded as the reference rounds it (the product in the weight's dtype: float32 for the
+    float32 routers of DeepSeek and GLM-4.5). A selected expert of weight 0 adds nothing even
+    where its output overflows (the reference drops unselected experts by ``where``)."""
+    scaled = torch.where(weights != 0, (pair_out * weights).to(dtype), 0)
+    out = scaled[:, 0]
+    for j in range(1, scaled.shape[1]):
+        out = out + scaled[:, j]
+    return out
+
+
 def grouped_experts(
     rows: Float[Tensor, "row hidden"],
     top_weights: Float[Tensor, "row k"],
@@ -57,37 +81,28 @@ def grouped_experts(
     experts_down: Float[Tensor, "expert hidden inter"],
 ) -> Float[Tensor, "row hidden"]:
     """``sum_j top_weights[r, j] * down_e(silu(gate_e(x_r)) * up_e(x_r))`` over each row's
-    selected experts ``e = top_index[r, j]``, the terms added in ascending expert order.
-
-    Each term is the expert's output times its weight (of the weight's dtype: float32 for the
-    float32 routers of DeepSeek and GLM-4.5) rounded to ``rows.dtype``, as the reference
-    computes it. Needs
-    ``grouped_mm_supported(rows, experts_down)``.
-    """
+    selected experts ``e = top_index[r, j]``, summed as :func:`weighted_sum` sums them. Needs
+    ``grouped_mm_supported(rows, experts_down)``."""
     num_rows, k = top_index.shape
-    # Ascending expert order within each row: the order the terms are summed in.
-    top_index, within = top_index.sort(dim=-1)
-    top_weights = top_weights.gather(-1, within)
-    expert_of_pair = top_index.flatten()
+    weights, expert_of_pair = ascending_pairs(top_weights, top_index)
     order = expert_of_pair.argsort(stable=True)
     offsets = _expert_offsets(expert_of_pair, experts_gate_up.shape[0])
-    pair_rows = rows[order // k]
-    gate, up = torch._grouped_mm(pair_rows, experts_gate_up.transpose(1, 2), offs=offsets).chunk(
-        2, dim=-1
-    )
+    gate, up = torch._grouped_mm(
+        rows[order // k], experts_gate_up.transpose(1, 2), offs=offsets
+    ).chunk(2, dim=-1)
     pair_out = torch._grouped_mm(
         (F.silu(gate) * up).contiguous(), experts_down.transpose(1, 2), offs=offsets
     )
-    # Back to (row, j) order, then scaled and summed over j.
+    # Back to (row, j) order.
     unsorted = torch.empty_like(pair_out).index_copy_(0, order, pair_out)
-    weights = top_weights[..., None]
-    # A selected expert of weight 0 adds nothing even where its output overflows (as in the
-    # reference, which drops unselected experts by ``where``).
-    scaled = torch.where(weights != 0, (unsorted.view(num_rows, k, -1) * weights).to(rows.dtype), 0)
-    out = scaled[:, 0]
-    for j in range(1, k):
-        out = out + scaled[:, j]
-    return out
+    return weighted_sum(unsorted.view(num_rows, k, -1), weights, rows.dtype)
+
+
+def few_pairs(num_pairs: int, num_experts: int) -> bool:
+    """Whether a step of ``num_pairs`` (row, expert) pairs takes the pairwise Triton kernel
+    (``kernels.triton_moe``): at most half as many pairs as experts, so that pairs re-reading
+    an expert another pair chose cost less than the grouped GEMM's dispatch."""
+    return 2 * num_pairs <= num_experts
 
 
 def moe_cuda(
@@ -100,16 +115,26 @@ def moe_cuda(
     *routing: Any,
 ) -> Tensor:
     """The CUDA kernel of ``speculum::moe``: the reference's routing
-    (``model_ops.moe_row_weights``, the op's further ``routing`` arguments included), then
-    :func:`grouped_experts` where ``torch._grouped_mm`` runs (else the dense reference)."""
+    (``model_ops.moe_row_weights``, the op's further ``routing`` arguments included), then the
+    pairwise Triton kernel for :func:`few_pairs` (where Triton is installed), else
+    :func:`grouped_experts`, where ``torch._grouped_mm`` runs (else the dense reference). The
+    choice depends on shapes alone, so a captured graph keeps it."""
     if not grouped_mm_supported(x, experts_down):
         return model_ops.moe_reference(
             x, router, experts_gate_up, experts_down, top_k, renormalize, *routing
         ).contiguous()
     rows = x.reshape(-1, x.shape[-1])
     weights = model_ops.moe_row_weights(rows, router, top_k, renormalize, *routing)
-    routed = grouped_experts(rows, *weights.topk(top_k), experts_gate_up, experts_down)
+    routed_by = grouped_experts
+    if few_pairs(rows.shape[0] * top_k, experts_down.shape[0]) and _triton_installed():
+        from speculum.kernels.triton_moe import pairwise_experts as routed_by
+    routed = routed_by(rows, *weights.topk(top_k), experts_gate_up, experts_down)
     return routed.view(x.shape)
+
+
+def _triton_installed() -> bool:
+    """Whether Triton can be imported (the pairwise kernel is Triton's)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def register() -> None:
