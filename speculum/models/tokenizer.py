@@ -42,13 +42,14 @@ class Tokenizer:
 
     inner: tokenizers.Tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the post-processor adds (e.g. BOS).
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the post-processor adds (e.g. BOS)
+        unless ``add_special_tokens`` is False (a rendered chat template writes its own).
 
         As under transformers, the text of a special token inside ``text`` (``"<s>"``) is read
         as that special token.
         """
-        return self.inner.encode(text, add_special_tokens=True).ids
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` (ints or 0-d tensors), special tokens left out."""
