@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import json
 import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -218,6 +220,10 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
+def _drained(signum: int, frame: object) -> None:
+    raise SystemExit(0 if signum == signal.SIGTERM else 130)
+
+
 def serve(
     engine: Engine,
     *,
@@ -233,6 +239,11 @@ def serve(
     connections, let the running requests finish, then return (uvicorn's graceful shutdown)."""
     import uvicorn
 
+    if threading.current_thread() is threading.main_thread():
+        # Uvicorn re-raises the signal that stopped it once it has drained: exit then, with
+        # status 0 for SIGTERM (a requested stop) and 130 for Ctrl-C, without a traceback.
+        signal.signal(signal.SIGTERM, _drained)
+        signal.signal(signal.SIGINT, _drained)
     app = create_app(
         engine,
         served_model_names=served_model_names,

@@ -74,7 +74,8 @@ class Job:
     with ``settings``, ``scheduler.add_request``'s keyword arguments (the sampling settings, the
     token budget, the stop conditions). ``top_logprobs`` is how many alternatives each token's
     log-probability shows (None: no log-probabilities); ``include_usage`` asks a stream for a
-    last chunk with the usage."""
+    last chunk with the usage; ``return_token_ids`` (vLLM's extension) adds each choice's
+    generated ``token_ids``."""
 
     chat: bool
     model: str
@@ -83,6 +84,7 @@ class Job:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    return_token_ids: bool = False
 
 
 #: Fields every request may carry, besides its prompt and the endpoint's own fields.
@@ -101,6 +103,7 @@ _COMMON = (
     "logit_bias",
     "stream",
     "stream_options",
+    "return_token_ids",
     "user",
 )
 #: Fields accepted at their no-op value only, each with that value: the scheduler does not do
@@ -313,6 +316,7 @@ def _common(
         "stops": _stops(body, vocab),
         "stream": stream,
         "include_usage": stream and include_usage,
+        "return_token_ids": bool(_typed(body, "return_token_ids", (bool,), "true or false")),
     }
 
 
@@ -344,6 +348,7 @@ def _job(
         stream=common["stream"],
         include_usage=common["include_usage"],
         top_logprobs=top_logprobs,
+        return_token_ids=common["return_token_ids"],
     )
 
 
@@ -519,9 +524,13 @@ class ResponseBuilder:
         new = output.request.logprobs[len(output.request.logprobs) - len(output.new_token_ids) :]
         logprobs = self._logprobs(choice, new) if self.job.top_logprobs is not None else None
         reason = output.request.finish_reason
-        if not piece and not logprobs and reason is None:
+        ids = self.job.return_token_ids and output.new_token_ids
+        if not (piece or logprobs or ids or reason):
             return None
-        return self.chunk([self._chunk_choice(index, piece, logprobs, reason)])
+        entry = self._chunk_choice(index, piece, logprobs, reason)
+        if self.job.return_token_ids:
+            entry["token_ids"] = list(output.new_token_ids)
+        return self.chunk([entry])
 
     def _logprobs(self, choice: _Choice, entries) -> Any:
         """``entries`` (``scheduler.TokenLogprob``) in the endpoint's log-probability format,
@@ -626,8 +635,9 @@ class ResponseBuilder:
                 content = {"message": {"role": "assistant", "content": choice.text}}
             else:
                 content = {"text": choice.text}
+            ids = {"token_ids": list(choice.request.output)} if self.job.return_token_ids else {}
             choices.append(
-                {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
+                {"index": index, **content, "logprobs": logprobs, "finish_reason": reason, **ids}
             )
         return {
             "id": self.id,
