@@ -1108,9 +1108,9 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         dest: getattr(args, dest)
         for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
         if algorithm in readers
-        and getattr(args, dest) is not None
-        and not dest.startswith("ngram_")
         and dest not in ("compare_plain", "passes")
+        and not dest.startswith("ngram_")
+        and getattr(args, dest) is not None
     }
     ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
     return dict(
