@@ -863,8 +863,8 @@ def _generate_command(args: argparse.Namespace) -> int:
     echo = args.stream and not (args.json or args.compare_plain or launching or batch)
     progress = _BatchProgress(leader) if batch else _Progress(echo and leader)
     try:
-        _check_generate_options(args)
         algorithm = _chosen_algorithm(args)
+        _check_generate_options(args)
         prompts, options = _generate_call(args, algorithm)
         if args.compare_plain:
             passes = {} if args.passes is None else {"passes": args.passes}

@@ -146,19 +146,23 @@ class EngineLoop:
         state = scheduler.new_state(self.engine)
         live: dict[int, _Live] = {}
         while not (self._stopping and scheduler.is_idle(state)):
-            for command, ticket in self._commands(block=scheduler.is_idle(state)):
-                state = self._apply(state, live, command, ticket)
-            if scheduler.is_idle(state):
-                self.metrics.observe_state(state)
-                continue
             try:
-                state, outputs = scheduler.step(self.engine, state)
+                state = self._iterate(state, live)
             except Exception as err:  # the engine itself failed: every live job fails
-                _log.exception("scheduler.step raised; failing every live request")
+                _log.exception("the engine loop failed; failing every live request")
                 state = self._fail_all(live, f"the engine failed: {err}")
-                continue
+
+    def _iterate(
+        self, state: scheduler.SchedulerState, live: dict[int, _Live]
+    ) -> scheduler.SchedulerState:
+        """Apply the queued commands (waiting for one when idle), then step once."""
+        for command, ticket in self._commands(block=scheduler.is_idle(state)):
+            state = self._apply(state, live, command, ticket)
+        if not scheduler.is_idle(state):
+            state, outputs = scheduler.step(self.engine, state)
             self._dispatch(live, outputs)
-            self.metrics.observe_state(state)
+        self.metrics.observe_state(state)
+        return state
 
     def _commands(self, block: bool) -> list[tuple[str, Ticket | None]]:
         """The queued commands; waits for one when ``block``."""

@@ -146,8 +146,13 @@ _CHAT_FIELDS = {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
 COMPLETION_MAX_TOKENS = 16
 
 
-def _sampling_fields() -> frozenset[str]:
-    return frozenset(attrs.fields_dict(scheduler.Sampling))
+#: OpenAI's (and vLLM's) penalties, passed to ``scheduler.Sampling`` once it has those fields.
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _penalties_supported() -> frozenset[str]:
+    """The penalties ``scheduler.Sampling`` has fields for."""
+    return frozenset(_PENALTIES) & frozenset(attrs.fields_dict(scheduler.Sampling))
 
 
 def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
@@ -161,7 +166,7 @@ def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
             )
     for name, noop in _NOT_YET.items():
         value = body.get(name, noop)
-        if name in body and value != noop and name not in _sampling_fields():
+        if name in body and value != noop and name not in _penalties_supported():
             if name == "response_format" and value == {"type": "text"}:
                 continue
             raise APIError(
@@ -203,7 +208,7 @@ def _sampling(body: Mapping[str, Any]) -> scheduler.Sampling:
     bias = _typed(body, "logit_bias", (dict,), "an object mapping token ids to biases")
     if bias:
         given["logit_bias"] = bias
-    for name in _sampling_fields() & set(_NOT_YET):  # penalties, once the scheduler has them
+    for name in _penalties_supported():
         if body.get(name) is not None:
             given[name] = body[name]
     given.setdefault("temperature", 1.0)

@@ -457,12 +457,12 @@ def test_templates_render_as_transformers_renders_them(folders) -> None:
 
 
 def test_serve_command_drains_running_requests_on_sigterm(folders) -> None:
-    """``speculum serve`` in its own process: a request streaming when SIGTERM comes finishes
-    (every token, then ``[DONE]``), and the process exits with status 0."""
+    """``speculum serve`` in its own process, overlapped: a request streaming when SIGTERM comes
+    finishes (``generate``'s tokens, then ``[DONE]``), and the process exits with status 0."""
     env = {k: v for k, v in os.environ.items() if k != "SPECULUM_TYPECHECK"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "speculum", "serve", "--model", str(folders["target"])]
-    command += ["--port", "0", "--served-model-name", "t", "--max-context", "128"]
+    command += ["--port", "0", "--served-model-name", "t", "--max-context", "128", "--overlap"]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -473,16 +473,20 @@ def test_serve_command_drains_running_requests_on_sigterm(folders) -> None:
                 break
         assert url is not None
         body = {"prompt": "a", "max_tokens": 60, "temperature": 0, "stream": True}
-        body["ignore_eos"] = True
+        body.update(ignore_eos=True, return_token_ids=True)
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=DEADLINE_S) as r:
             events = r.iter_lines()
             first = next(e for e in events if e)
             process.send_signal(signal.SIGTERM)
             rest = [e for e in events if e]
         assert rest[-1] == "data: [DONE]"
-        last = json.loads(rest[-2][6:])
-        assert last["choices"][0]["finish_reason"] == "length"
-        assert first.startswith("data: ")
+        chunks = [json.loads(event[6:]) for event in [first, *rest[:-1]]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        ids = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
+        (alone,) = generate(
+            ["a"], model=folders["target"], max_new_tokens=60, max_context=128, ignore_eos=True
+        )
+        assert ids == list(alone.token_ids)
         assert process.wait(DEADLINE_S) == 0
     finally:
         if process.poll() is None:
