@@ -428,6 +428,23 @@ def test_a_request_the_engine_cannot_decode_fails_alone(small_url) -> None:
     assert rest[-1].choices[0].finish_reason == "length"
 
 
+def test_a_step_that_raises_fails_the_live_requests_and_the_loop_serves_on(
+    small_url, monkeypatch
+) -> None:
+    """An exception out of ``scheduler.step`` (a bug, a device error) fails the requests then
+    live with a 500 naming it; the loop starts over from an empty state and serves on."""
+
+    def broken(engine, state):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(scheduler, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="device on fire"):
+        small(small_url).completions.create(model="small", prompt="x", max_tokens=2)
+    monkeypatch.undo()
+    assert small(small_url).completions.create(model="small", prompt="x", max_tokens=2).choices
+    wait_for(lambda: idle(small_url))
+
+
 def test_chat_without_a_template_is_a_clear_400(small_url) -> None:
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         small(small_url).chat.completions.create(
