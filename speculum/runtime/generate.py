@@ -240,9 +240,13 @@ def engine_for(*, max_logprobs: int = 0, logit_bias: bool = False, **options: An
     ``max_batch``, ``device``; the bundled default pair without ``model``). It computes up to
     ``max_logprobs`` alternatives per token, and applies logit biases when ``logit_bias``."""
     defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
-    unknown = sorted(set(options) - set(defaults) | ({"engine", "prompts"} & set(options)))
+    not_engine = {"prompts", "engine", "on_tokens", "speculative_config", *REQUEST_SETTINGS}
+    unknown = sorted(set(options) - (set(defaults) - not_engine))
     if unknown:
-        raise TypeError(f"engine_for got arguments {unknown} that do not shape an engine")
+        raise TypeError(
+            f"engine_for got arguments {unknown} that do not shape an engine; it takes "
+            f"{', '.join(sorted(set(defaults) - not_engine))}"
+        )
     arguments = {**defaults, **options}
     return _engine(arguments, max_logprobs=max_logprobs, logit_bias=logit_bias)
 
