@@ -388,22 +388,35 @@ LONG = dict(
 )
 
 
-def test_a_full_server_answers_429_and_a_disconnect_frees_the_request(small_url) -> None:
+def test_a_full_server_answers_429_and_a_disconnect_frees_the_request(
+    small_url, monkeypatch
+) -> None:
     """With two requests live (--max-batch 2, --max-queue 0) a third gets 429; a client that
     disconnects mid-stream cancels its request (its pages are freed), after which requests are
-    admitted again."""
+    admitted again. The engine's steps are held while the two must stay live, so that neither
+    can finish whatever the machine's speed."""
     api = small(small_url)
     wait_for(lambda: idle(small_url))
     aborted = metrics(small_url).get(
         ("speculum:request_success_total", (("finished_reason", "abort"),)), 0.0
     )
+    steps_may_run, step = threading.Event(), scheduler.step
+    steps_may_run.set()
+
+    def held(engine, state):
+        steps_may_run.wait()
+        return step(engine, state)
+
+    monkeypatch.setattr(scheduler, "step", held)
     first, second = (api.completions.create(**LONG, stream=True) for _ in range(2))
     next(iter(first)), next(iter(second))  # both are live
+    steps_may_run.clear()  # the step under way may end; neither request is near 900 tokens
     with pytest.raises(openai.RateLimitError) as refused:
         api.completions.create(model="small", prompt="x", max_tokens=2)
     assert refused.value.body["code"] == "queue_full"
     first.close()
     second.close()
+    steps_may_run.set()
     wait_for(lambda: idle(small_url))
     after = metrics(small_url)
     key = ("speculum:request_success_total", (("finished_reason", "abort"),))
