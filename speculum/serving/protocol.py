@@ -545,16 +545,15 @@ class ResponseBuilder:
         def token(token_id: int) -> str:
             return tokenizer.decode([token_id]) if tokenizer else str(token_id)
 
+        def chat_entry(token_id: int, logprob: float) -> dict[str, Any]:
+            data = tokenizer.token_bytes(token_id) if tokenizer else b""
+            return {"token": token(token_id), "logprob": logprob, "bytes": list(data)}
+
         if self.job.chat:
             content = [
                 {
-                    "token": token(e.token_id),
-                    "logprob": e.logprob,
-                    "bytes": list(token(e.token_id).encode()),
-                    "top_logprobs": [
-                        {"token": token(t), "logprob": lp, "bytes": list(token(t).encode())}
-                        for t, lp in e.top_logprobs[:top]
-                    ],
+                    **chat_entry(e.token_id, e.logprob),
+                    "top_logprobs": [chat_entry(t, lp) for t, lp in e.top_logprobs[:top]],
                 }
                 for e in entries
             ]

@@ -269,9 +269,21 @@ def test_logprobs_in_openai_formats_equal_generate(main_url, folders) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
+        assert len(entry.bytes) == 1  # a byte-level token is one byte, whatever its text
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
+
+
+@pytest.mark.parametrize("text", ["héllo € 😀", "plain ascii", "\u0000\x7f"])
+def test_token_bytes_add_up_to_the_text_even_inside_a_character(folders, text) -> None:
+    """Chat log-probabilities' ``bytes``: each token's own bytes, so that the pieces of a
+    character cut between tokens add up to its UTF-8 (their texts are U+FFFD); special tokens
+    have none."""
+    tokenizer = load_tokenizer(folders["target"])
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+    assert tokenizer.token_bytes(256) == b""  # <s>
 
 
 def test_a_stop_string_ends_the_text_before_it(main_url, folders) -> None:
