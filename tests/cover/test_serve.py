@@ -378,6 +378,58 @@ def test_models_and_health(main_url) -> None:
     assert httpx.get(f"{main_url}/health").json() == {"status": "ok"}
 
 
+def test_overlapped_serving_equals_generate_and_cancels_cleanly(folders, monkeypatch) -> None:
+    """Overlap scheduling (the default on CUDA): concurrent greedy requests get ``generate``'s
+    tokens, and a stream dropped after its first token is cancelled while a round of it is in
+    flight, its pages freed. The engine takes exactly two steps while the stream starts (the
+    prefill launched, then collected with a round launched), so it cannot finish first."""
+    target = folders["target"]
+    engine = engine_for(model=target, draft=target, overlap=True, **SPEC)
+    expected = reference(folders, PROMPTS[:6], 10)
+    with running(create_app(engine, served_model_names=["tiny"])) as url:
+        api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+        async def one(prompt: str) -> list[int]:
+            done = await api.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            return done.choices[0].model_extra["token_ids"]
+
+        async def all_of_them() -> list[list[int]]:
+            return await asyncio.gather(*(one(p) for p in PROMPTS[:6]))
+
+        assert asyncio.run(all_of_them()) == [list(r.token_ids) for r in expected]
+        wait_for(lambda: idle(url))
+        steps, limited, step = threading.Semaphore(2), threading.Event(), scheduler.step
+
+        def counted(engine, state):
+            if limited.is_set():
+                steps.acquire()
+            return step(engine, state)
+
+        monkeypatch.setattr(scheduler, "step", counted)
+        limited.set()
+        dropped = client(url).completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},  # a chunk per step, text or not
+        )
+        next(iter(dropped))
+        dropped.close()
+        limited.clear()
+        steps.release()  # the loop may wait for a third step
+        wait_for(lambda: idle(url))
+        key = ("speculum:request_success_total", (("finished_reason", "abort"),))
+        assert metrics(url)[key] == 1
+
+
 def test_the_api_key_is_required_on_v1(small_url) -> None:
     with pytest.raises(openai.AuthenticationError):
         client(small_url).models.list()
