@@ -456,7 +456,10 @@ def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParse
     own = serve.add_argument_group("server")
     own.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     own.add_argument(
-        "--port", type=_number("--port", int, 0, 65535), default=8000, help="(%(default)s)"
+        "--port",
+        type=_number("--port", int, 0, 65535),
+        default=8000,
+        help="port to listen on, 0 for any free one, named in the log (%(default)s)",
     )
     own.add_argument(
         "--max-queue",
@@ -474,8 +477,8 @@ def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParse
         "--served-model-name",
         nargs="+",
         metavar="NAME",
-        help="names requests may give as 'model', the first one answered (default: the model "
-        "folder's name)",
+        help="names requests may give as 'model', the first one the default (default: the "
+        "--model argument as given, or speculum-default for the bundled model)",
     )
     own.add_argument(
         "--max-logprobs",
