@@ -11,6 +11,8 @@ transformers. Decoding drops special tokens, as a chat front end shows text.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,17 +44,34 @@ class Tokenizer:
 
     inner: tokenizers.Tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the post-processor adds (e.g. BOS).
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the post-processor adds (e.g. BOS)
+        unless ``add_special_tokens`` is False (a rendered chat template writes its own).
 
         As under transformers, the text of a special token inside ``text`` (``"<s>"``) is read
         as that special token.
         """
-        return self.inner.encode(text, add_special_tokens=True).ids
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` (ints or 0-d tensors), special tokens left out."""
         return self.inner.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's log-probability ``bytes``): exact for
+        byte-level BPE tokenizers (GPT-2, Llama 3, Qwen: a token that is part of a multi-byte
+        character gives those bytes, where its decoded text is U+FFFD) and for byte-fallback
+        tokens such as ``<0x0A>``; otherwise the UTF-8 of its text. Special tokens, whose text
+        decoding drops, give none."""
+        text = self.decode([token_id])
+        piece = self.inner.id_to_token(int(token_id))
+        if not text or piece is None:
+            return b""
+        names = _byte_values()
+        if isinstance(self.inner.decoder, decoders.ByteLevel) and all(c in names for c in piece):
+            return bytes(names[c] for c in piece)
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(fallback.group(1), 16)]) if fallback else text.encode()
 
     @property
     def vocab_size(self) -> int:
@@ -108,6 +127,12 @@ def _byte_names() -> list[str]:
     printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
     shifted = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """The byte each character of a byte-level token stands for (:func:`_byte_names` inverted)."""
+    return {name: byte for byte, name in enumerate(_byte_names())}
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, folder: str | Path) -> Path:

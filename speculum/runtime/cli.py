@@ -1,5 +1,5 @@
-"""Command line: ``speculum generate ...``, ``speculum train-target ...`` and
-``speculum train-draft ...`` (also ``python -m speculum``)."""
+"""Command line: ``speculum generate ...``, ``speculum serve ...``, ``speculum train-target ...``
+and ``speculum train-draft ...`` (also ``python -m speculum``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,15 @@ from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
-from speculum.runtime.default_model import DEFAULT_ALGORITHM
+from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
 from speculum.runtime.engine import NgramOptions
-from speculum.runtime.generate import REQUEST_SETTINGS, Comparison, compare_plain, generate
+from speculum.runtime.generate import (
+    REQUEST_SETTINGS,
+    Comparison,
+    compare_plain,
+    engine_for,
+    generate,
+)
 
 __all__ = ["main", "parser"]
 
@@ -412,9 +418,93 @@ def parser() -> argparse.ArgumentParser:
         type=_number("--draft-tp", int, 1),
         help="1 keeps the draft whole on every rank; default: sharded like the target",
     )
+    _add_serve(commands, gen)
     _add_train_target(commands)
     _add_train_draft(commands)
     return top
+
+
+#: ``generate``'s options that build the engine (not a request's settings, prompts or output),
+#: which ``speculum serve`` takes too.
+_ENGINE_DESTS = (
+    "model",
+    "algorithm",
+    "max_context",
+    "max_batch",
+    "page_size",
+    "device",
+    "dtype",
+    "cuda_graphs",
+    "overlap",
+    "tp",
+)
+
+
+def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParser) -> None:
+    """``speculum serve``: ``generate``'s engine options (the very same argparse actions, so
+    the two commands build engines alike) and the server's own."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve a model (default: the bundled pair) over HTTP: /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health and /metrics (see docs/serving.md).",
+    )
+    engine_dests = {*_ENGINE_DESTS, *_ALGORITHM_OPTIONS} - {"compare_plain", "passes"}
+    for action in gen._actions:
+        if action.dest in engine_dests:
+            serve._add_action(action)
+    own = serve.add_argument_group("server")
+    own.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    own.add_argument(
+        "--port",
+        type=_number("--port", int, 0, 65535),
+        default=8000,
+        help="port to listen on, 0 for any free one, named in the log (%(default)s)",
+    )
+    own.add_argument(
+        "--max-queue",
+        type=_number("--max-queue", int, 0),
+        default=256,
+        metavar="N",
+        help="requests that may wait beyond --max-batch; more get HTTP 429 (%(default)s)",
+    )
+    own.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: none)",
+    )
+    own.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="names requests may give as 'model', the first one the default (default: the "
+        "--model argument as given, or speculum-default for the bundled model)",
+    )
+    own.add_argument(
+        "--max-logprobs",
+        type=_number("--max-logprobs", int, 0),
+        default=20,
+        metavar="N",
+        help="most top_logprobs a request may ask for; every round computes N alternatives "
+        "per token, 0 computes none (%(default)s)",
+    )
+    own.add_argument(
+        "--no-logit-bias",
+        dest="logit_bias",
+        action="store_false",
+        help="refuse logit_bias and keep no [batch, vocab] bias rows on the device",
+    )
+    own.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="on CUDA, step synchronously (there the server overlaps scheduling by default)",
+    )
+    own.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (%(default)s)",
+    )
 
 
 def _add_training_options(
@@ -563,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train_target(args)
     if args.command == "train-draft":
         return _train_draft(args)
+    if args.command == "serve":
+        return _serve_command(args)
     return _generate_command(args)
 
 
@@ -775,6 +867,7 @@ def _generate_command(args: argparse.Namespace) -> int:
     progress = _BatchProgress(leader) if batch else _Progress(echo and leader)
     try:
         algorithm = _chosen_algorithm(args)
+        _check_generate_options(args)
         prompts, options = _generate_call(args, algorithm)
         if args.compare_plain:
             passes = {} if args.passes is None else {"passes": args.passes}
@@ -834,6 +927,52 @@ def _generate_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return _errors_status(results)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    """``speculum serve``: build the engine as ``generate`` would from the same flags, serve
+    it until SIGINT or SIGTERM (the running requests finish first); the exit status."""
+    try:
+        from speculum.serving.app import serve
+        from speculum.serving.chat import load_chat_template
+    except ImportError as err:
+        print(
+            f"speculum: error: speculum serve needs the serve extra ({err.name} is missing): "
+            "pip install 'speculum[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if (args.tp or int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+            raise ValueError("--tp: speculum serve runs in one process; serve with --tp 1")
+        if args.overlap and args.no_overlap:
+            raise ValueError("--overlap and --no-overlap contradict each other; give one")
+        algorithm = _chosen_algorithm(args)
+        options = _engine_options(args, algorithm)
+        options["overlap"] = args.overlap or (args.device == "cuda" and not args.no_overlap)
+        engine = engine_for(**options, max_logprobs=args.max_logprobs, logit_bias=args.logit_bias)
+        folder = default_model_dir() if args.model is None else Path(args.model)
+        template = load_chat_template(folder)
+    except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:
+        print(f"speculum: error: {err}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [args.model or "speculum-default"]
+    print(
+        f"speculum: serving {names[0]!r} ({engine.pipeline.name}) on http://{args.host}:"
+        f"{args.port}/v1; chat template: {'yes' if template else 'none'}",
+        file=sys.stderr,
+    )
+    serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_names=names,
+        chat_template=template,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        log_level=args.log_level,
+    )
+    return 0
 
 
 def _stats_line(stats: dict[str, object]) -> str:
@@ -903,6 +1042,16 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 
+def _check_generate_options(args: argparse.Namespace) -> None:
+    """Refuse ``generate``'s output options without what they apply to."""
+    if args.output is not None and args.prompts_file is None:
+        raise ValueError("--output writes --prompts-file's results: add --prompts-file FILE")
+    if args.compare_plain and args.prompts_file is not None:
+        raise ValueError("--compare-plain times one prompt: use --prompt or --prompt-ids")
+    if args.passes is not None and not args.compare_plain:
+        raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
+
+
 def _chosen_algorithm(args: argparse.Namespace) -> str:
     """The algorithm the command decodes with: ``--algorithm``, else the kind of the
     ``--draft`` folder (said on stderr), else eagle3 on the bundled model and plain on
@@ -918,14 +1067,8 @@ def _chosen_algorithm(args: argparse.Namespace) -> str:
             )
     if algorithm is None:
         algorithm = DEFAULT_ALGORITHM if args.model is None else "plain"
-    if args.output is not None and args.prompts_file is None:
-        raise ValueError("--output writes --prompts-file's results: add --prompts-file FILE")
-    if args.compare_plain and args.prompts_file is not None:
-        raise ValueError("--compare-plain times one prompt: use --prompt or --prompt-ids")
-    if args.passes is not None and not args.compare_plain:
-        raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
     for dest, (flag, readers) in _ALGORITHM_OPTIONS.items():
-        if getattr(args, dest) is None or algorithm in readers:  # None: not given
+        if getattr(args, dest, None) is None or algorithm in readers:  # None: not given
             continue
         why = (
             "plain decoding drafts nothing (with --model, speculation needs --draft DIR or "
@@ -941,37 +1084,45 @@ def _chosen_algorithm(args: argparse.Namespace) -> str:
 def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict]:
     """The prompts and the keyword arguments of the command's ``generate`` call with
     ``algorithm`` (options that ``algorithm`` does not read left out)."""
-    options = {
-        dest: getattr(args, dest)
-        for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
-        if algorithm in readers
-        and getattr(args, dest) is not None
-        and not dest.startswith("ngram_")
-        and dest not in ("compare_plain", "passes")
-    }
-    ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
     if args.prompts_file is not None:
         prompts = _read_prompts(args.prompts_file)
     else:
         prompts = [args.prompt] if args.prompt is not None else [args.prompt_ids]
     return prompts, dict(
-        model=args.model,
-        algorithm=algorithm,
-        ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
+        **_engine_options(args, algorithm),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
-        max_context=args.max_context,
-        max_batch=args.max_batch,
-        page_size=args.page_size,
         logprobs=args.logprobs,
         logit_bias=args.logit_bias,
         stop_strings=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
         ignore_eos=args.ignore_eos,
+    )
+
+
+def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, object]:
+    """The keyword arguments of ``generate`` that build the engine, from the command's flags
+    (:data:`_ENGINE_DESTS` and the drafting options ``algorithm`` reads)."""
+    options = {
+        dest: getattr(args, dest)
+        for dest, (_, readers) in _ALGORITHM_OPTIONS.items()
+        if algorithm in readers
+        and dest not in ("compare_plain", "passes")
+        and not dest.startswith("ngram_")
+        and getattr(args, dest) is not None
+    }
+    ngram = {f: getattr(args, f"ngram_{f}") for f in (*_NGRAM_FIELDS, "store_tokens")}
+    return dict(
+        model=args.model,
+        algorithm=algorithm,
+        ngram=NgramOptions(**{k: v for k, v in ngram.items() if v is not None}),
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        page_size=args.page_size,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,

@@ -26,6 +26,7 @@ __all__ = [
     "Generation",
     "acceptance_stats",
     "compare_plain",
+    "engine_for",
     "generate",
     "run_to_completion",
 ]
@@ -232,8 +233,29 @@ def generate(
     return [_result(engine, finished[rid], shared) for rid in rids]
 
 
-def _engine(arguments: dict[str, Any]) -> Engine:
-    """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults)."""
+def engine_for(*, max_logprobs: int = 0, logit_bias: bool = False, **options: Any) -> Engine:
+    """The engine ``generate(prompts, **options)`` would build, for callers that keep one
+    engine for many requests (``speculum serve``): ``options`` are ``generate``'s arguments
+    that shape the engine (``model``, ``algorithm``, ``draft``, ``num_steps``, ...,
+    ``max_batch``, ``device``; the bundled default pair without ``model``). It computes up to
+    ``max_logprobs`` alternatives per token, and applies logit biases when ``logit_bias``."""
+    defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
+    not_engine = {"prompts", "engine", "on_tokens", "speculative_config", *REQUEST_SETTINGS}
+    unknown = sorted(set(options) - (set(defaults) - not_engine))
+    if unknown:
+        raise TypeError(
+            f"engine_for got arguments {unknown} that do not shape an engine; it takes "
+            f"{', '.join(sorted(set(defaults) - not_engine))}"
+        )
+    arguments = {**defaults, **options}
+    return _engine(arguments, max_logprobs=max_logprobs, logit_bias=logit_bias)
+
+
+def _engine(
+    arguments: dict[str, Any], max_logprobs: int | None = None, logit_bias: bool | None = None
+) -> Engine:
+    """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults);
+    ``max_logprobs`` and ``logit_bias`` default to what the arguments ask for."""
     a = arguments
     algorithm, draft, model = a["algorithm"], a["draft"], a["model"]
     algorithm = algorithm and algorithm.lower()  # EAGLE3 as SGLang spells it is eagle3
@@ -270,8 +292,8 @@ def _engine(arguments: dict[str, Any]) -> Engine:
         max_context=a["max_context"],
         max_batch=a["max_batch"],
         page_size=a["page_size"],
-        max_logprobs=a["logprobs"],
-        logit_bias=_asks_for_logit_bias(a),
+        max_logprobs=a["logprobs"] if max_logprobs is None else max_logprobs,
+        logit_bias=_asks_for_logit_bias(a) if logit_bias is None else logit_bias,
     )
 
 
