@@ -1,9 +1,11 @@
-"""The routed experts of one MoE layer on the GPU: the dense reference kernel against the grouped
-GEMM (``speculum.kernels.grouped_moe``), at a real model's shape, under CUDA graphs.
+"""The routed experts of one MoE layer on the GPU: the dense reference kernel, the grouped GEMM
+(``speculum.kernels.grouped_moe``) and the pairwise Triton kernel (``kernels.triton_moe``), at
+a real model's shape, under CUDA graphs, routing included in each.
 
-Prints, per batch size (tokens per step), each kernel's time per layer, the bytes a step must
-read (the selected experts' weights: ``min(E, rows * k)`` experts at most) over the measured
-HBM copy bandwidth as the floor, and the relative error of each against a float64 reference::
+Prints, per batch size (tokens per step), each kernel's time per layer and its relative error
+against a float64 reference, the kernel ``speculum::moe`` chooses at that size, and the floor:
+the bytes a step must read (the selected experts' weights: ``min(E, rows * k)`` experts at
+most) over the measured HBM copy bandwidth::
 
     python benchmarks/moe_kernel.py [--experts 64 --top-k 6 --hidden 2048 --inter 1408]
 
@@ -17,8 +19,9 @@ import argparse
 
 import torch
 
-from speculum.kernels.grouped_moe import moe_cuda
-from speculum.kernels.model_ops import moe_reference
+from speculum.kernels.grouped_moe import few_pairs, grouped_experts
+from speculum.kernels.model_ops import moe_reference, moe_row_weights
+from speculum.kernels.triton_moe import pairwise_experts
 
 
 def _bench(fn, iters: int = 50) -> float:
@@ -40,32 +43,40 @@ def _bench(fn, iters: int = 50) -> float:
 
 
 def _copy_bandwidth() -> float:
-    """Measured device-to-device copy bandwidth, bytes per second (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    """Measured device-to-device copy bandwidth, bytes per second (read + write), over random
+    bytes (never zeros: they can run faster than real data)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     ms = _bench(lambda: dst.copy_(src), iters=20)
     return 2 * src.numel() / (ms / 1e3)
 
 
 def _row(rows: int, router, gate_up, down, k: int, bandwidth: float) -> str:
-    """One table row: both kernels over ``rows`` random tokens."""
+    """One table row: each kernel over ``rows`` random tokens, routing included."""
     x = torch.randn(rows, router.shape[1], device=router.device, dtype=router.dtype)
 
-    def reference():
-        return moe_reference(x, router, gate_up, down, k, True)
+    def routed_by(experts):
+        def run():
+            weights = moe_row_weights(x, router, k, True)
+            return experts(x, *weights.topk(k), gate_up, down)
 
-    def routed():
-        # The op's CUDA kernel: the same routing, then the grouped GEMMs.
-        return moe_cuda(x, router, gate_up, down, k, True)
+        return run
 
+    kernels = {
+        "reference": lambda: moe_reference(x, router, gate_up, down, k, True),
+        "grouped": routed_by(grouped_experts),
+        "pairwise": routed_by(pairwise_experts),
+    }
     exact = moe_reference(x.double(), router.double(), gate_up.double(), down.double(), k, True)
-    errors = [float((out().double() - exact).norm() / exact.norm()) for out in (reference, routed)]
-    ref_ms, grouped_ms = _bench(reference), _bench(routed)
+    errors = {n: float((f().double() - exact).norm() / exact.norm()) for n, f in kernels.items()}
+    us = {name: _bench(run) * 1e3 for name, run in kernels.items()}
+    chosen = "pairwise" if few_pairs(rows * k, router.shape[0]) else "grouped"
     read = min(router.shape[0], rows * k)
     floor_us = read * gate_up[0].numel() * 3 // 2 * gate_up.dtype.itemsize / bandwidth * 1e6
+    cells = [f"{us[n]:.1f} ({errors[n]:.0e})" for n in kernels]
     return (
-        f"| {rows} | {read} | {floor_us:.1f} | {ref_ms * 1e3:.1f} | {grouped_ms * 1e3:.1f} | "
-        f"{ref_ms / grouped_ms:.1f}x | {errors[0]:.1e} | {errors[1]:.1e} |"
+        f"| {rows} | {read} | {floor_us:.1f} | {' | '.join(cells)} | {chosen} | "
+        f"{us['reference'] / us[chosen]:.1f}x | {floor_us / us[chosen]:.2f} |"
     )
 
 
@@ -76,7 +87,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=1408)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128])
     args = parser.parse_args()
     e, k, h, i = args.experts, args.top_k, args.hidden, args.inter
     torch.manual_seed(0)
@@ -87,10 +98,10 @@ def main() -> None:
     bandwidth = _copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape E={e} k={k} H={h} I={i} bf16")
     print(
-        "| rows | experts read (max) | floor us | reference us | grouped us | ref/grouped "
-        "| rel err ref | rel err grouped |"
+        "| rows | experts read (max) | floor us | reference us (err) | grouped us (err) | "
+        "pairwise us (err) | chosen | ref/chosen | of floor |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for rows in args.batches:
         print(_row(rows, router, gate_up, down, k, bandwidth))
 

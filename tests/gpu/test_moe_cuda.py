@@ -94,3 +94,33 @@ def test_bf16_captured_moe_rounds_run(family):
     algorithm, draft, spec = _drafts(target)["eagle3 tree"]
     tokens = _tokens(target, algorithm=algorithm, draft=draft, spec=spec)
     assert [len(t) for t in tokens] == [24] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+@pytest.mark.parametrize("deepseek", [False, True])
+def test_bf16_moe_kernels_match_the_reference(rows: int, deepseek: bool) -> None:
+    """The op's CUDA kernel (pairwise Triton at 1 and 4 rows of top 4 of 32 experts, the
+    grouped GEMM at 64 rows) equals the dense reference to bfloat16 rounding (the GEMMs
+    accumulate in other orders), for Qwen's and DeepSeek-V3's routing."""
+    from speculum.kernels import model_ops
+    from speculum.kernels.grouped_moe import few_pairs
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    experts, k, hidden, inter = 32, 4, 256, 128
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x = randn(rows, hidden)
+    router = randn(experts, hidden, scale=hidden**-0.5)
+    gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    down = randn(experts, hidden, inter, scale=inter**-0.5)
+    routing = ()
+    if deepseek:
+        bias = torch.randn(experts, generator=gen, device="cuda")
+        routing = ("sigmoid", "noaux_tc", 4, 2, 2.5, bias, True)
+    assert few_pairs(rows * k, experts) == (rows < 8)
+    ours = model_ops.moe(x, router, gate_up, down, k, True, *routing)
+    expected = model_ops.moe_reference(x, router, gate_up, down, k, True, *routing)
+    error = (ours.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2
