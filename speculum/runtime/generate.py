@@ -136,6 +136,10 @@ def generate(
     seed: int = 0,
     logprobs: int = 0,
     logit_bias: Mapping[int, float] | None = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
@@ -179,7 +183,13 @@ def generate(
     Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``;
     ``logit_bias`` ``{token_id: bias}`` adds each bias (in [-100, 100]) to the target's logit of
     that token before all of them (an engine built here allows it when asked; one given must
-    have been built with ``logit_bias=True``).
+    have been built with ``logit_bias=True``). ``repetition_penalty`` (> 0, 1 is off: over the
+    prompt and the output), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is
+    off: over the output) penalize repeated tokens, and ``min_tokens`` (at most
+    ``max_new_tokens``) keeps EOS, ``stop_token_ids`` and ``stop_strings`` from ending a
+    request before it has generated that many tokens (vLLM's ``SamplingParams``; an engine
+    built here applies them when asked; one given must have been built with
+    ``penalties=True``).
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
     string, or a sequence of them). A stop string ends the request at the token that completes
@@ -272,14 +282,29 @@ def _engine(arguments: dict[str, Any]) -> Engine:
         page_size=a["page_size"],
         max_logprobs=a["logprobs"],
         logit_bias=_asks_for_logit_bias(a),
+        penalties=_asks_for_penalties(a),
     )
+
+
+def _own_settings(arguments: dict[str, Any]) -> list[Mapping[str, Any]]:
+    """The prompts of ``generate``'s call given as mappings: those with settings of their own."""
+    prompts = arguments["prompts"]
+    return [] if isinstance(prompts, str) else [p for p in prompts if isinstance(p, Mapping)]
 
 
 def _asks_for_logit_bias(arguments: dict[str, Any]) -> bool:
     """Whether ``generate``'s call gives a logit bias, shared or a mapping prompt's own."""
-    prompts = arguments["prompts"]
-    own = [] if isinstance(prompts, str) else [p for p in prompts if isinstance(p, Mapping)]
+    own = _own_settings(arguments)
     return bool(arguments["logit_bias"]) or any(p.get("logit_bias") for p in own)
+
+
+def _asks_for_penalties(arguments: dict[str, Any]) -> bool:
+    """Whether ``generate``'s call sets a penalty or ``min_tokens``, shared or a mapping
+    prompt's own."""
+    settings = [arguments, *_own_settings(arguments)]
+    return any(
+        scheduler.Sampling(**{k: s[k] for k in _PENALTIES if k in s}).penalized for s in settings
+    )
 
 
 #: ``generate``'s arguments that shape drafting, which plain decoding does without.
@@ -418,7 +443,17 @@ def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
 
 
 #: ``generate``'s arguments that make a request's ``scheduler.Sampling``.
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "logit_bias")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "logprobs",
+    "logit_bias",
+    *_PENALTIES,
+)
 
 #: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
 REQUEST_SETTINGS = (
@@ -430,6 +465,7 @@ REQUEST_SETTINGS = (
     "seed",
     "logprobs",
     "logit_bias",
+    *_PENALTIES,
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",
