@@ -26,6 +26,7 @@ from speculum.spec.sampling import (
     Stream,
     draft_logits_guarded,
     filtered_probs,
+    penalizing,
     sample_from_probs,
     uniforms,
 )
@@ -201,10 +202,16 @@ def _sampled_probs(
     resources: DraftResources,
     hidden: Float[Tensor, "batch width hidden"],
     sampling: SamplingParams,
+    path_tokens: Int[Tensor, "batch width length"] | None = None,
 ) -> Float[Tensor, "batch width vocab"]:
-    """The draft's filtered distribution at ``hidden``, each request's own settings applied."""
+    """The draft's filtered distribution at ``hidden``, each request's own settings applied,
+    its penalties counting each chain's ``path_tokens`` (drawn so far this round) too."""
     logits = draft_logits_guarded(
-        resources.draft.logits(hidden), sampling.temperature, sampling.logit_bias
+        resources.draft.logits(hidden),
+        sampling.temperature,
+        sampling.logit_bias,
+        sampling.penalties,
+        path_tokens,
     )
     return filtered_probs(logits, sampling)
 
@@ -220,6 +227,7 @@ def draft_sampled(
     and every candidate is verified, so each token really is a draw from the distribution
     returned beside it: the condition under which recursive rejection is lossless with those
     distributions. Candidate ``(s - 1) * topk + j`` is chain ``j``'s token at depth ``s``.
+    Penalties count each chain's own earlier tokens, as the target's at its nodes do.
     """
     k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
     kv = draft_kv(resources, state)
@@ -235,7 +243,8 @@ def draft_sampled(
         if step == config.num_steps:
             break
         hidden, ancestors = draft_forward(resources, kv, step, drawn, hidden, ancestors)
-        q = _sampled_probs(resources, hidden, state.sampling)
+        path = torch.stack(tokens, dim=2) if penalizing(state.sampling.penalties) else None
+        q = _sampled_probs(resources, hidden, state.sampling, path)
     chain = torch.arange(k, device=seq_lens.device)
     parents = [torch.full_like(tokens[0], -1)] + [
         ((step - 1) * k + chain).expand_as(tokens[0]) for step in range(1, config.num_steps)

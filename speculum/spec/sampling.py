@@ -220,9 +220,7 @@ def count_emitted(
     counts = penalties.counts.scatter_add(
         1, tokens.clamp(min=0), emitted.to(penalties.counts.dtype)
     )
-    return replace(
-        penalties, counts=counts, num_output=penalties.num_output + emitted.sum(1)
-    )
+    return replace(penalties, counts=counts, num_output=penalties.num_output + emitted.sum(1))
 
 
 def guard_logits(
