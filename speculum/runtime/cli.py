@@ -154,6 +154,10 @@ _SETTINGS = {
     "min_p": _number("--min-p", float, 0.0, 1.0),
     "seed": _number("--seed", int, 0),
     "logprobs": _number("--logprobs", int, 0),
+    "repetition_penalty": _number("--repetition-penalty", float, 0.0, above=True),
+    "presence_penalty": _number("--presence-penalty", float, -2.0, 2.0),
+    "frequency_penalty": _number("--frequency-penalty", float, -2.0, 2.0),
+    "min_tokens": _number("--min-tokens", int, 0),
 }
 
 
@@ -339,6 +343,34 @@ def parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="add each bias (in [-100, 100]) to its token's logit, e.g. '{\"5\": -100}' bans "
         "token 5 (OpenAI's and vLLM's logit_bias)",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=_SETTINGS["repetition_penalty"],
+        default=1.0,
+        help="divide the positive logits and multiply the negative ones of every token of the "
+        "prompt and the output so far by this (> 0; 1 = off)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=_SETTINGS["presence_penalty"],
+        default=0.0,
+        help="subtract this from the logit of every token already generated ([-2, 2]; 0 = off)",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=_SETTINGS["frequency_penalty"],
+        default=0.0,
+        help="subtract this times its count from the logit of every token already generated "
+        "([-2, 2]; 0 = off)",
+    )
+    gen.add_argument(
+        "--min-tokens",
+        type=_SETTINGS["min_tokens"],
+        default=0,
+        metavar="N",
+        help="no EOS, stop token or stop string ends a completion before N tokens (<= "
+        "--max-new-tokens)",
     )
     gen.add_argument(
         "--stop",
@@ -969,6 +1001,10 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         page_size=args.page_size,
         logprobs=args.logprobs,
         logit_bias=args.logit_bias,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
         stop_strings=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
         ignore_eos=args.ignore_eos,
