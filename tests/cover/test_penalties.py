@@ -302,10 +302,11 @@ def exact_penalized_joint(stats, prompt, setting, num_tokens):
     ids=["eagle tree", "sampled chains"],
 )
 def test_sampled_tokens_follow_plain_decodings_penalized_law(spec):
-    """Seeded sampling under penalties: the empirical joint law of the first two tokens of
-    a speculative pipeline (the second decided at depth 2 of a round, after a penalized draft
-    token) is the exact penalized law (chi-square and total variation, as
-    ``test_eagle_stats``)."""
+    """Seeded sampling under penalties: the empirical joint law of the first three tokens of
+    a speculative pipeline is the exact penalized law (chi-square and total variation, as
+    ``test_eagle_stats``). The first is the prefill's, the second the first round's root's;
+    the third is decided at depth 1 of that round when its draft token was accepted, where
+    the penalties must count that draft token (left out, this test fails)."""
     import test_eagle_stats as stats
 
     from speculum.runtime.engine import SpecOptions
@@ -329,8 +330,8 @@ def test_sampled_tokens_follow_plain_decodings_penalized_law(spec):
         num_pages=stats.CHUNK * 4 + 1,
         penalties=True,
     )
-    (tokens,), (histogram,) = stats.sample_tokens(built, [(prompt, setting)], 4500, 2)
-    result = stats.joint_stats(tokens, exact_penalized_joint(stats, prompt, setting, 2))
+    (tokens,), (histogram,) = stats.sample_tokens(built, [(prompt, setting)], 6000, 3)
+    result = stats.joint_stats(tokens, exact_penalized_joint(stats, prompt, setting, 3))
     assert stats.lossless(result), result
     assert sum(histogram[2:]) > 0.2 * sum(histogram), histogram  # draft tokens get accepted
 
