@@ -23,7 +23,7 @@ from test_overlap import PIPELINES, engine
 from speculum.models.loading import load_model
 from speculum.runtime import scheduler
 from speculum.runtime.engine import engine_from_model
-from speculum.runtime.generate import generate
+from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.sampling import count_emitted, penalized_logits
 from speculum.spec.tree import tree_mask, tree_path_tokens
 from speculum.state.sampling import Penalties
@@ -237,14 +237,20 @@ request_settings = st.fixed_dictionaries(
         st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=4
     ),
     data=st.data(),
+    overlap=st.booleans(),
+    prefill_budget=st.integers(2, 8),
 )
-def test_any_mix_of_penalized_requests_decodes_as_plain_decoding(name, prompts, data):
+def test_any_mix_of_penalized_requests_decodes_as_plain_decoding(
+    name, prompts, data, overlap, prefill_budget
+):
     """Greedy, requests with and without penalties and min_tokens (stop tokens that would
-    fire early among them) in one batch: every pipeline emits plain decoding's tokens and
-    finishes each request for plain decoding's reason."""
+    fire early among them) in one batch, prompts prefilled in chunks, overlapped or not: every
+    pipeline emits plain decoding's tokens and finishes each request for plain decoding's
+    reason."""
     mix = with_settings(prompts, [data.draw(request_settings) for _ in prompts])
     plain = generate(mix, engine=engine("plain", False, penalties=True), max_new_tokens=12)
-    results = generate(mix, engine=engine(name, False, penalties=True), max_new_tokens=12)
+    built = engine(name, overlap, penalties=True, prefill_budget=prefill_budget)
+    results = generate(mix, engine=built, max_new_tokens=12)
     assert [(r.token_ids, r.finish_reason) for r in results] == [
         (r.token_ids, r.finish_reason) for r in plain
     ]
@@ -265,6 +271,28 @@ def test_min_tokens_holds_back_the_stop_tokens(name):
     )
     assert len(held.token_ids) >= 6 and stop not in held.token_ids[:5]
     assert held.finish_reason == "length" or held.token_ids[-1] == stop
+
+
+def test_a_restored_snapshot_decodes_on_with_the_counts_it_had():
+    """The counts are batch-state tensors: a snapshot taken mid-decoding keeps them by value,
+    so decoding on after a restore gives the tokens decoding on gave the first time, which
+    are plain decoding's."""
+    built = engine("eagle tree", False, penalties=True)
+    sampling = scheduler.Sampling(**STRONG[3])
+    state = scheduler.new_state(built)
+    for prompt in PROMPTS:
+        state, _ = scheduler.add_request(built, state, prompt, sampling=sampling, max_new_tokens=16)
+    for _ in range(3):
+        state, _ = scheduler.step(built, state)
+    snap = scheduler.take_snapshot(built, state)
+    _, first = run_to_completion(built, state)
+    _, again = run_to_completion(built, scheduler.restore(built, snap))
+    outputs = [list(first[rid].output) for rid in sorted(first)]
+    assert [list(again[rid].output) for rid in sorted(again)] == outputs
+    plain = engine("plain", False, penalties=True)
+    assert outputs == token_ids(
+        generate(with_settings(PROMPTS, [STRONG[3]] * 4), engine=plain, max_new_tokens=16)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
