@@ -111,6 +111,8 @@ def prefill(
         out.hidden,
         out.captured,
         config.topk,
+        chunk.sampling,
+        first[:, None],  # the prefill's token, not yet counted in the penalties
     )
     state = make(
         EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling

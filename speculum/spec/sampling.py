@@ -160,6 +160,7 @@ def penalized_logits(
     logits: Float[Tensor, "batch *rows vocab"],
     penalties: Penalties | None,
     path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+    columns: Int[Tensor, " vocab"] | None = None,
 ) -> Float[Tensor, "batch *rows vocab"]:
     """``logits`` with each request's ``min_tokens`` ban and its repetition, frequency and
     presence penalties applied, in float32, in vLLM's order (``docs/request_controls.md``):
@@ -177,7 +178,9 @@ def penalized_logits(
     tokens a round already drew before it. Every row is thus penalized exactly as plain
     decoding would penalize the same sequence prefix. A request without penalties (repetition
     1, presence and frequency 0, min_tokens 0) gets its logits bit for bit. ``penalties``
-    None, or with no columns, returns ``logits`` as they are.
+    None, or with no columns, returns ``logits`` as they are. ``columns`` (a draft's reduced
+    vocabulary, EAGLE-3's ``target_ids``) are the target token ids of the logits' columns,
+    when they are not the whole vocabulary in order.
     """
     if not penalizing(penalties):
         return logits
@@ -187,13 +190,15 @@ def penalized_logits(
     def per_request(v: Tensor) -> Tensor:  # [batch] -> broadcast against [batch, *rows, vocab]
         return v.view(v.shape[0], *([1] * (rows + 1)))
 
-    def per_token(v: Tensor) -> Tensor:  # [batch, vocab] -> the same, per token
-        return v.view(v.shape[0], *([1] * rows), v.shape[-1])
+    def per_token(v: Tensor) -> Tensor:  # [batch, (*rows,) vocab] -> the logits' columns
+        v = v if v.dim() == x.dim() else v.view(v.shape[0], *([1] * rows), v.shape[-1])
+        return v if columns is None else v[..., columns]
 
     counts = per_token(penalties.counts)
     generated = per_request(penalties.num_output)
     if path_tokens is not None:
-        counts = counts + path_token_counts(path_tokens, x.shape[-1])
+        vocab = penalties.counts.shape[-1]
+        counts = counts + per_token(path_token_counts(path_tokens, vocab))
         generated = generated + (path_tokens >= 0).sum(-1, keepdim=True)
     banned = per_token(penalties.stops) & (generated < per_request(penalties.min_tokens))
     x = x.masked_fill(banned, float("-inf"))

@@ -9,6 +9,7 @@ takes ``--repetition-penalty``, ``--presence-penalty``, ``--frequency-penalty`` 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,9 +25,10 @@ from speculum.models.loading import load_model
 from speculum.runtime import scheduler
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.spec.draft import top_children
 from speculum.spec.sampling import count_emitted, penalized_logits
 from speculum.spec.tree import tree_mask, tree_path_tokens
-from speculum.state.sampling import Penalties
+from speculum.state.sampling import Penalties, SamplingParams
 from speculum.state.tree import DraftTree
 
 PROMPTS = [[1, 2, 3], [5], [9, 4, 12, 0, 7], [3, 3, 3]]
@@ -173,6 +175,34 @@ def test_only_emitted_tokens_are_counted():
     counted = count_emitted(penalties, tokens, torch.tensor([2]))  # the 3 was cut off
     assert counted.counts.tolist() == [[0, 1, 2, 0]] and counted.num_output.tolist() == [3]
     assert penalties.counts.tolist() == [[0, 1, 0, 0]]  # the record handed in is unchanged
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full vocabulary", "reduced vocabulary"])
+def test_top_k_drafting_ranks_the_controlled_draft_logits(reduced):
+    """EAGLE-style top-k drafting ranks the draft's logits after the requests' bias and
+    penalties, counting each row's path: over a reduced vocabulary (EAGLE-3's ``target_ids``)
+    each column is penalized as its target token is."""
+    vocab, columns = 8, torch.tensor([5, 2, 7, 0, 3])
+    logits = torch.tensor([[[3.0, 2.9, 2.8, 2.7, 2.6]] * 2])  # [batch 1, rows 2, columns]
+    if reduced:
+        draft = SimpleNamespace(draft_logits=lambda h: h, target_ids=columns)
+    else:
+        draft = SimpleNamespace(logits=lambda h: torch.zeros(1, 2, vocab).index_copy(2, columns, h))
+    setting = {"repetition": 4.0, "presence": 0.0, "frequency": 0.0, "min_tokens": 0}
+    penalties = penalty_rows([[2]], [[5]], [setting], [set()], vocab)
+    sampling = SamplingParams(
+        temperature=torch.zeros(1),
+        top_k=torch.zeros(1, dtype=torch.int64),
+        top_p=torch.ones(1),
+        min_p=torch.zeros(1),
+        seed=torch.zeros(1, dtype=torch.int64),
+        logit_bias=torch.zeros(1, vocab).index_fill(1, torch.tensor([0]), 5.0),
+        penalties=penalties,
+    )
+    path = torch.tensor([[[-1], [7]]])  # row 1's path holds token 7
+    _, ranked = top_children(draft, logits, 3, sampling, path)
+    # 5 (output) and 2 (prompt) are penalized everywhere, 7 on row 1's path; 0 is boosted.
+    assert ranked.tolist() == [[[0, 7, 3], [0, 3, 5]]]
 
 
 # ---------------------------------------------------------------------------------------------
