@@ -13,7 +13,7 @@ import attrs
 
 from speculum.models.draft_kind import draft_algorithm
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.runtime import distributed, scheduler
+from speculum.runtime import checks, distributed, scheduler
 from speculum.runtime.default_model import (
     DEFAULT_ALGORITHM,
     default_draft_dir,
@@ -26,6 +26,7 @@ __all__ = [
     "Generation",
     "acceptance_stats",
     "compare_plain",
+    "completion_seed",
     "generate",
     "run_to_completion",
 ]
@@ -140,6 +141,7 @@ def generate(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     min_tokens: int = 0,
+    n: int = 1,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
@@ -189,7 +191,12 @@ def generate(
     ``max_new_tokens``) keeps EOS, ``stop_token_ids`` and ``stop_strings`` from ending a
     request before it has generated that many tokens (vLLM's ``SamplingParams``; an engine
     built here applies them when asked; one given must have been built with
-    ``penalties=True``).
+    ``penalties=True``). ``n`` (an int >= 1) asks for ``n`` completions of every prompt: the
+    results then hold ``n`` per prompt, prompt after prompt (completion ``j`` of prompt ``i``
+    at ``i * n + j``), each decoded with its own random streams, seeded by
+    :func:`completion_seed` from the prompt's seed (the first completion keeps it), so a call
+    always returns the same completions; greedy completions are all alike. Each completion is
+    a request of its own and prefills its own copy of the prompt (no sharing yet).
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
     string, or a sequence of them). A stop string ends the request at the token that completes
@@ -205,9 +212,9 @@ def generate(
     device runs the previous one (same tokens; see ``docs/overlap.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
-    that emitted some for prompt ``i``, with the new ids and the text they complete (``""``
-    while a multi-byte character is cut between tokens, or without a tokenizer); the pieces
-    add up to each result's ``token_ids`` and ``text``.
+    that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
+    the text they complete (``""`` while a multi-byte character is cut between tokens, or
+    without a tokenizer); the pieces add up to each result's ``token_ids`` and ``text``.
 
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
@@ -220,6 +227,7 @@ def generate(
         return generate(**_with_speculative_config(arguments))
     # Checked here, before any model loads or worker starts (scheduler.Sampling).
     scheduler.Sampling(**{name: arguments[name] for name in _SAMPLING})
+    checks.integer("n", n, minimum=1, fix="n is how many completions each prompt gets")
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
@@ -231,8 +239,13 @@ def generate(
     requests = engine.tp.from_leader([_request(engine, p, shared_settings) for p in batch])
     state, rids = scheduler.new_state(engine), []
     for prompt, settings in requests:
-        state, rid = scheduler.add_request(engine, state, prompt, **settings)
-        rids.append(rid)
+        seed = settings["sampling"].seed
+        for index in range(n):
+            sampling = attrs.evolve(settings["sampling"], seed=completion_seed(seed, index))
+            state, rid = scheduler.add_request(
+                engine, state, prompt, **{**settings, "sampling": sampling}
+            )
+            rids.append(rid)
     stream = None if on_tokens is None else _TextStream(engine, on_tokens, rids)
     start = time.perf_counter()
     final, finished = run_to_completion(engine, state, stream)
@@ -240,6 +253,24 @@ def generate(
     total = sum(len(r.output) for r in finished.values())
     shared = {"tokens_per_second": total / max(elapsed, 1e-9), **scheduler.host_stats(final)}
     return [_result(engine, finished[rid], shared) for rid in rids]
+
+
+_MASK64 = 2**64 - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a prompt seeded ``seed`` (``generate``'s ``n``):
+    ``seed`` itself for completion 0, so ``n=1`` changes nothing; for the others, SplitMix64's
+    finaliser of ``seed + index * 0x9E3779B97F4A7C15`` (mod 2**64), as a signed 64-bit int.
+    Completions 1, 2, ... get distinct seeds (the finaliser is a bijection and so is the sum),
+    unrelated to each other and to nearby prompts' seeds (``seed + 1`` would reuse one)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - 2**64 if z >= 2**63 else z
 
 
 def _engine(arguments: dict[str, Any]) -> Engine:
