@@ -1047,7 +1047,8 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
     """What a snapshot's state and pages must match to be restored into ``engine``, as
     ``(name, value)`` pairs of plain values: where the pools live and their sizes, the limits
     that shape a state (page-table width, batch), overlap (an overlapped state holds a round in
-    flight), the shared cells, and the pipeline's kind and static config."""
+    flight), whether rounds count penalties (a state's penalty rows), the shared cells, and the
+    pipeline's kind and static config."""
     config, resources = engine.config, engine.resources
     # Pools are [layer, page, page_size, kv_head, head_dim]; pages are compared on their own.
     pools = tuple(
@@ -1062,6 +1063,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("max_batch", config.max_batch),
         ("overlap", config.overlap),
         ("max_logprobs", config.max_logprobs),
+        ("penalties", config.penalties),
         *pools,
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),

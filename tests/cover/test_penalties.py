@@ -9,6 +9,7 @@ takes ``--repetition-penalty``, ``--presence-penalty``, ``--frequency-penalty`` 
 from __future__ import annotations
 
 import itertools
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -445,7 +446,7 @@ def test_every_leaf_of_a_penalized_round_is_a_tensor(name):
     assert leaves and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
 
 
-def test_the_command_line_takes_penalties_and_min_tokens(capsys):
+def test_the_command_line_takes_penalties_and_min_tokens(capsys, tmp_path):
     prompt = "def fibonacci(n):"
     common = ["--prompt", prompt, "--algorithm", "plain", "--max-new-tokens", "12", "--json"]
     flags = ["--repetition-penalty", "1.5", "--presence-penalty", "0.5"]
@@ -471,3 +472,14 @@ def test_the_command_line_takes_penalties_and_min_tokens(capsys):
     ]:
         status, out, err = run_cli(capsys, *common, flag, bad)
         assert status == 2 and out == "" and flag in err and rule in err, err
+    # A line of a prompts file may carry its own; a bad one is refused naming the line.
+    prompts = tmp_path / "prompts.jsonl"
+    line = {"prompt": prompt, "repetition_penalty": 1.5, "presence_penalty": 0.5}
+    line |= {"frequency_penalty": -0.5, "min_tokens": 4}
+    prompts.write_text(json.dumps(line) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    status, out, _ = run_cli(capsys, "--prompts-file", str(prompts), *common[2:-1])
+    own, shared = (json.loads(x)["token_ids"] for x in out.splitlines())
+    assert status == 0 and own == list(expected.token_ids) and shared == list(free.token_ids)
+    prompts.write_text(json.dumps({"prompt": prompt, "presence_penalty": 5}) + "\n")
+    status, out, err = run_cli(capsys, "--prompts-file", str(prompts), *common[2:-1])
+    assert status == 2 and "prompts.jsonl:1" in err and "presence_penalty" in err, err
