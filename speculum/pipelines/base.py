@@ -8,6 +8,7 @@ its ``kv`` field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +18,9 @@ from jaxtyping import Int
 from torch import Tensor
 
 from speculum.models.decoder import DecoderModel
-from speculum.spec.sampling import first_fault
+from speculum.spec.sampling import count_emitted, first_fault, penalizing
 from speculum.state.kv import KVPool, PagedKV
-from speculum.state.record import make, record, static
+from speculum.state.record import make, record, replace, static
 from speculum.state.sampling import SamplingParams, TokenLogprobs
 from speculum.state.tree import Verified
 
@@ -31,6 +32,7 @@ __all__ = [
     "Pipeline",
     "one_token_output",
     "verified_output",
+    "counting",
     "prefill",
     "step",
 ]
@@ -171,6 +173,33 @@ def verified_output(verified: Verified) -> StepOutput:
         faults=faults,
         logprobs=verified.logprobs,
     )
+
+
+def counting(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` whose prefill and decoding rounds add the tokens they emit to the
+    requests' penalty counts (``spec.sampling.count_emitted``), so that the next round's
+    distributions penalize them (``SamplingParams.penalties``). Only emitted tokens are
+    added, after the round: a rejected draft token never is, a state kept from before a round
+    keeps its counts by value. Engines that apply penalties wrap their pipeline so
+    (``runtime.engine``); a scheduler of its own wraps it likewise."""
+    return replace(
+        pipeline,
+        prefill=functools.partial(_counted, run=pipeline.prefill),
+        decode=functools.partial(_counted, run=pipeline.decode),
+    )
+
+
+def _counted(
+    resources: Resources, inputs: Any, *, run: Callable[[Resources, Any], tuple[Any, StepOutput]]
+) -> tuple[Any, StepOutput]:
+    """``run(resources, inputs)``, with the tokens it emitted counted in its state's
+    penalties."""
+    state, output = run(resources, inputs)
+    sampling = state.sampling
+    if not penalizing(sampling.penalties):
+        return state, output
+    penalties = count_emitted(sampling.penalties, output.tokens, output.num_tokens)
+    return replace(state, sampling=replace(sampling, penalties=penalties)), output
 
 
 def prefill(

@@ -49,7 +49,13 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import draft_extend, extend_draft, propose
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import guard_logits, no_logprobs, sample, token_logprobs
+from speculum.spec.sampling import (
+    guard_logits,
+    no_logprobs,
+    penalizing,
+    sample,
+    token_logprobs,
+)
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -105,6 +111,8 @@ def prefill(
         out.hidden,
         out.captured,
         config.topk,
+        chunk.sampling,
+        first[:, None],  # the prefill's token, not yet counted in the penalties
     )
     state = make(
         EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling
@@ -192,15 +200,21 @@ def plain_round(
     ones = torch.ones_like(state.kv.seq_lens)
     capture = resources.draft.capture_layers
     token, tokens, hiddens, captures, faults, logits_seen = state.root_tokens, [], [], [], [], []
+    penalties = state.sampling.penalties
     for step in range(num_tokens):
         kv = replace(state.kv, seq_lens=state.kv.seq_lens + step)
         hidden, captured = resources.target(
             extend_batch(kv, token[:, None], ones), resources.target_pool, capture
         )
+        # Penalties count the tokens this round drew before the step (plain decoding's
+        # output would hold them already).
+        drawn = torch.stack(tokens, dim=1) if tokens and penalizing(penalties) else None
         logits, fault = guard_logits(
             resources.target.logits(hidden[:, 0]),
             state.sampling.temperature,
             state.sampling.logit_bias,
+            penalties,
+            drawn,
         )
         token = sample(logits, state.sampling, kv.seq_lens + 1)
         tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]

@@ -130,7 +130,7 @@ def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> Draft
     ones = torch.ones_like(state.kv.seq_lens)
     batch = extend_batch(state.kv, state.seed.tokens[:, None], ones)
     hidden = resources.draft(batch, resources.target_pool, state.seed.hidden[:, None, :])
-    return spec_draft.predict(resources, hidden[:, 0], topk)
+    return spec_draft.predict(resources, hidden[:, 0], topk, state.sampling)
 
 
 def _eagle_view(

@@ -56,6 +56,7 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import gather_nodes, last_valid
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
+from speculum.spec.sampling import biased_logits, penalized_logits, penalizing
 from speculum.spec.tree import chain_tree
 from speculum.state.draft import EagleConfig
 from speculum.state.kv import PagedKV
@@ -122,8 +123,28 @@ def _run_layer(
     return gather_nodes(out, (cols - skip[:, None]).clamp(min=0))
 
 
-def _argmax(resources: Resources, k: int, hidden: Tensor) -> Int[Tensor, " batch"]:
-    return resources.draft.layer_logits(k - 1, hidden).argmax(-1)
+def _argmax(
+    resources: Resources,
+    k: int,
+    hidden: Tensor,
+    sampling: SamplingParams,
+    path: Int[Tensor, "batch length"] | None,
+) -> Int[Tensor, " batch"]:
+    """Layer ``k``'s draft token: the argmax of its logits under the requests' bias and
+    penalties, these counting ``path`` (tokens emitted or drafted since the counts were last
+    updated; None without penalties) too."""
+    logits = biased_logits(resources.draft.layer_logits(k - 1, hidden), sampling.logit_bias)
+    return penalized_logits(logits, sampling.penalties, path).argmax(-1)
+
+
+def _chain_path(
+    sampling: SamplingParams, uncounted: Int[Tensor, "batch n"], chain: list[Tensor]
+) -> Int[Tensor, "batch length"] | None:
+    """The tokens a chain's next draft follows beyond the counted output: ``uncounted``
+    (padding -1) then the chain drafted so far; None without penalties."""
+    if not penalizing(sampling.penalties):
+        return None
+    return torch.cat([uncounted, *(d[:, None] for d in chain)], dim=1)
 
 
 def _column(x: Float[Tensor, "batch n hidden"], index: Int[Tensor, " batch"]) -> Tensor:
@@ -169,7 +190,8 @@ def prefill(
         out = _run_layer(
             resources, k, chunk.kv, chunk.kv.seq_lens, stream[:, k : k + width], inputs, q
         )
-        d = _argmax(resources, k, last_valid(out, q))
+        path = _chain_path(chunk.sampling, first[:, None], chain)  # first: not yet counted
+        d = _argmax(resources, k, last_valid(out, q), chunk.sampling, path)
         chain.append(d)
         stream = stream.scatter(1, (q + k)[:, None], d[:, None])
         if chain_hidden:
@@ -221,6 +243,9 @@ def draft_extend(
     stream = F.pad(acc.emitted.clamp(min=0), (0, num_steps))
     history = torch.cat([carry[:, 1:], new_hidden], dim=1)  # column i: h_{N - K + 1 + i}
     chain, next_carry = [], [torch.zeros_like(carry[:, 0])]
+    # The round's emitted tokens are counted only after it.
+    steps = torch.arange(acc.emitted.shape[1], device=acc.emitted.device)
+    emitted = torch.where(steps <= acc.num_accepted[:, None], acc.emitted, -1)
     out = new_hidden
     for k in range(1, num_steps + 1):
         width = num_steps + k
@@ -232,7 +257,8 @@ def draft_extend(
             inputs = history[:, num_steps - k :]
         q = acc.num_accepted + k
         out = _run_layer(resources, k, state.kv, n - k + 1, stream[:, :width], inputs, q)
-        d = _argmax(resources, k, last_valid(out, q))
+        path = _chain_path(state.sampling, emitted, chain)
+        d = _argmax(resources, k, last_valid(out, q), state.sampling, path)
         chain.append(d)
         stream = stream.scatter(1, (acc.num_accepted + k)[:, None], d[:, None])
         next_carry.append(_column(out, acc.num_accepted))  # h^k at entry N' - k

@@ -61,7 +61,10 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
     seq_lens = state.kv.seq_lens + 1
     sampling = state.sampling
     logits, faults = guard_logits(
-        resources.target.logits(hidden[:, 0]), sampling.temperature, sampling.logit_bias
+        resources.target.logits(hidden[:, 0]),
+        sampling.temperature,
+        sampling.logit_bias,
+        sampling.penalties,
     )
     tokens = sample(logits, state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)

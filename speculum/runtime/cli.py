@@ -160,6 +160,10 @@ _SETTINGS = {
     "min_p": _number("--min-p", float, 0.0, 1.0),
     "seed": _number("--seed", int, 0),
     "logprobs": _number("--logprobs", int, 0),
+    "repetition_penalty": _number("--repetition-penalty", float, 0.0, above=True),
+    "presence_penalty": _number("--presence-penalty", float, -2.0, 2.0),
+    "frequency_penalty": _number("--frequency-penalty", float, -2.0, 2.0),
+    "min_tokens": _number("--min-tokens", int, 0),
 }
 
 
@@ -345,6 +349,42 @@ def parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="add each bias (in [-100, 100]) to its token's logit, e.g. '{\"5\": -100}' bans "
         "token 5 (OpenAI's and vLLM's logit_bias)",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=_SETTINGS["repetition_penalty"],
+        default=1.0,
+        help="divide the positive logits and multiply the negative ones of every token of the "
+        "prompt and the output so far by this (> 0; 1 = off)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=_SETTINGS["presence_penalty"],
+        default=0.0,
+        help="subtract this from the logit of every token already generated ([-2, 2]; 0 = off)",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=_SETTINGS["frequency_penalty"],
+        default=0.0,
+        help="subtract this times its count from the logit of every token already generated "
+        "([-2, 2]; 0 = off)",
+    )
+    gen.add_argument(
+        "--min-tokens",
+        type=_SETTINGS["min_tokens"],
+        default=0,
+        metavar="N",
+        help="no EOS, stop token or stop string ends a completion before N tokens (<= "
+        "--max-new-tokens)",
+    )
+    gen.add_argument(
+        "--n",
+        type=_number("--n", int, 1),
+        default=1,
+        metavar="N",
+        help="N completions of each prompt, each with its own random streams (seeds derived "
+        "from --seed; the first keeps it); --json prints them as a list",
     )
     gen.add_argument(
         "--stop",
@@ -798,13 +838,44 @@ def _prompt_object(line: str, where: str) -> dict:
     return raw
 
 
+def _payload(result) -> dict:
+    """One result as ``--json`` prints it: ids, text, finish reason (and error), statistics,
+    and the log-probabilities when asked for."""
+    return {
+        "token_ids": list(result.token_ids),
+        # The contract makes text a string; a model without a tokenizer has no text.
+        "text": result.text or "",
+        "finish_reason": result.finish_reason,
+        **_error_field(result),
+        "stats": result.stats,
+        **({} if result.logprobs is None else {"logprobs": result.logprobs}),
+    }
+
+
+def _report_completions(args: argparse.Namespace, results: list) -> int:
+    """``--n``'s completions of one prompt: with ``--json`` one object, ``{"completions":
+    [...]}``, each as ``--json`` prints a single result; otherwise each text under a
+    ``=== completion i ===`` line and its statistics on stderr. The exit status."""
+    if args.json:
+        print(json.dumps({"completions": [_payload(r) for r in results]}))
+        return _errors_status(results)
+    for index, result in enumerate(results):
+        print(f"=== completion {index} ===")
+        print(result.text if result.text is not None else list(result.token_ids))
+        print(f"completion {index}: {_stats_line(result.stats)}", file=sys.stderr)
+    return _errors_status(results)
+
+
 def _report_batch(args: argparse.Namespace, results: list) -> int:
     """``--prompts-file``'s results: JSON lines to ``--output`` (or stdout) and a table on
-    stderr; the exit status."""
+    stderr; the exit status. With ``--n`` N > 1, result ``index`` is completion ``index % N``
+    of prompt ``index // N``, which its line says (``prompt_index``, ``completion``)."""
+    n = args.n
     lines = [
         json.dumps(
             {
                 "index": i,
+                **({"prompt_index": i // n, "completion": i % n} if n > 1 else {}),
                 "token_ids": list(r.token_ids),
                 "text": r.text or "",
                 "finish_reason": r.finish_reason,
@@ -864,6 +935,7 @@ def _generate_command(args: argparse.Namespace) -> int:
     launching = (args.tp or 1) > 1 and not distributed.launched()  # on_tokens would run there
     leader, batch = distributed.is_leader(), args.prompts_file is not None
     echo = args.stream and not (args.json or args.compare_plain or launching or batch)
+    echo = echo and args.n == 1  # completions would interleave
     progress = _BatchProgress(leader) if batch else _Progress(echo and leader)
     try:
         algorithm = _chosen_algorithm(args)
@@ -893,19 +965,13 @@ def _generate_command(args: argparse.Namespace) -> int:
         return 0
     if batch:
         return _report_batch(args, results)
+    if args.n > 1:
+        return _report_completions(args, results)
     (result,) = results
     if result.stats.get("length_limit") == "max_context":
         print(_context_notice(result, args.max_new_tokens), file=sys.stderr)
     if args.json:
-        payload = {
-            "token_ids": list(result.token_ids),
-            # The contract makes text a string; a model without a tokenizer has no text.
-            "text": result.text or "",
-            "finish_reason": result.finish_reason,
-            **_error_field(result),
-            "stats": result.stats,
-            **({} if result.logprobs is None else {"logprobs": result.logprobs}),
-        }
+        payload = _payload(result)
         if plain is not None:
             payload["compare_plain"] = _comparison(plain)
         print(json.dumps(payload))
@@ -1048,6 +1114,8 @@ def _check_generate_options(args: argparse.Namespace) -> None:
         raise ValueError("--output writes --prompts-file's results: add --prompts-file FILE")
     if args.compare_plain and args.prompts_file is not None:
         raise ValueError("--compare-plain times one prompt: use --prompt or --prompt-ids")
+    if args.compare_plain and args.n > 1:
+        raise ValueError("--compare-plain times one completion: drop --n")
     if args.passes is not None and not args.compare_plain:
         raise ValueError("--passes counts --compare-plain's timed passes: add --compare-plain")
 
@@ -1098,6 +1166,11 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         seed=args.seed,
         logprobs=args.logprobs,
         logit_bias=args.logit_bias,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
+        n=args.n,
         stop_strings=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,
         ignore_eos=args.ignore_eos,

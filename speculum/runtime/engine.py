@@ -22,7 +22,7 @@ from speculum.models.standalone import load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.pipelines.base import Cell, Pipeline, Resources
+from speculum.pipelines.base import Cell, Pipeline, Resources, counting
 from speculum.runtime import checks
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
@@ -76,6 +76,11 @@ class EngineConfig:
     ``docs/request_controls.md``). ``logit_bias`` lets requests carry a logit bias
     (``scheduler.Sampling.logit_bias``): a ``[batch, vocab]`` float32 row per request, added to
     every target distribution; False, the default, adds nothing and stores nothing.
+    ``penalties`` lets requests carry repetition, presence and frequency penalties and
+    ``min_tokens`` (``scheduler.Sampling``): per request, an int32 count and two bool rows over
+    the vocabulary on the device (6 bytes per token: 0.9 MB at a 150k vocabulary), read by
+    every distribution and updated by every round (``pipelines.base.counting``); False, the
+    default, stores and applies nothing.
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -92,6 +97,7 @@ class EngineConfig:
     overlap: bool = attrs.field(default=False, converter=_FLAG)
     max_logprobs: int = attrs.field(default=0, converter=_count(0))
     logit_bias: bool = attrs.field(default=False, converter=_FLAG)
+    penalties: bool = attrs.field(default=False, converter=_FLAG)
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -322,6 +328,13 @@ def _adaptive_variants(algorithm: str, draft: Any, spec: SpecOptions) -> tuple[P
     )
 
 
+def _counted(pipeline: Pipeline, config: EngineConfig) -> Pipeline:
+    """``pipeline`` counting what its rounds emit for the requests' penalties
+    (``pipelines.base.counting``) when the engine applies penalties; each adaptive variant
+    counts its own rounds, inside its captured graph."""
+    return counting(pipeline) if config.penalties else pipeline
+
+
 def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> Pipeline:
     """``pipeline`` with its decoding round captured per batch bucket, where that applies: on
     CUDA, with graphs switched on, for rounds without host work between stages."""
@@ -367,6 +380,7 @@ def engine_from_model(
     overlap: bool = False,
     max_logprobs: int = 0,
     logit_bias: bool = False,
+    penalties: bool = False,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -378,7 +392,8 @@ def engine_from_model(
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
-    requests carry a logit bias (:class:`EngineConfig`).
+    requests carry a logit bias, ``penalties`` penalties and ``min_tokens``
+    (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -401,12 +416,13 @@ def engine_from_model(
         overlap=overlap,
         max_logprobs=max_logprobs,
         logit_bias=logit_bias,
+        penalties=penalties,
     )
     _check_limits(target, config)
     spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
-    variants = _adaptive_variants(algorithm, draft, spec)
+    variants = tuple(_counted(v, config) for v in _adaptive_variants(algorithm, draft, spec))
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
             "adaptive speculation picks each round's depth from this process's own timings, so "
@@ -419,7 +435,7 @@ def engine_from_model(
     pipeline = (
         adaptive.pipeline(variants, policy=policy, depths=depths)
         if variants
-        else _pipeline(algorithm, target, draft, spec, ngram)
+        else _counted(_pipeline(algorithm, target, draft, spec, ngram), config)
     )
     if config.fuse_projections:
         for model in (target, draft):

@@ -13,7 +13,7 @@ import attrs
 
 from speculum.models.draft_kind import draft_algorithm
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.runtime import distributed, scheduler
+from speculum.runtime import checks, distributed, scheduler
 from speculum.runtime.default_model import (
     DEFAULT_ALGORITHM,
     default_draft_dir,
@@ -26,6 +26,7 @@ __all__ = [
     "Generation",
     "acceptance_stats",
     "compare_plain",
+    "completion_seed",
     "engine_for",
     "generate",
     "run_to_completion",
@@ -137,6 +138,11 @@ def generate(
     seed: int = 0,
     logprobs: int = 0,
     logit_bias: Mapping[int, float] | None = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
+    n: int = 1,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
     ignore_eos: bool = False,
@@ -180,7 +186,18 @@ def generate(
     Sampling: ``temperature`` (0 is greedy), ``top_k``, ``top_p``, ``min_p`` and ``seed``;
     ``logit_bias`` ``{token_id: bias}`` adds each bias (in [-100, 100]) to the target's logit of
     that token before all of them (an engine built here allows it when asked; one given must
-    have been built with ``logit_bias=True``).
+    have been built with ``logit_bias=True``). ``repetition_penalty`` (> 0, 1 is off: over the
+    prompt and the output), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is
+    off: over the output) penalize repeated tokens, and ``min_tokens`` (at most
+    ``max_new_tokens``) keeps EOS, ``stop_token_ids`` and ``stop_strings`` from ending a
+    request before it has generated that many tokens (vLLM's ``SamplingParams``; an engine
+    built here applies them when asked; one given must have been built with
+    ``penalties=True``). ``n`` (an int >= 1) asks for ``n`` completions of every prompt: the
+    results then hold ``n`` per prompt, prompt after prompt (completion ``j`` of prompt ``i``
+    at ``i * n + j``), each decoded with its own random streams, seeded by
+    :func:`completion_seed` from the prompt's seed (the first completion keeps it), so a call
+    always returns the same completions; greedy completions are all alike. Each completion is
+    a request of its own and prefills its own copy of the prompt (no sharing yet).
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
     string, or a sequence of them). A stop string ends the request at the token that completes
@@ -196,9 +213,9 @@ def generate(
     device runs the previous one (same tokens; see ``docs/overlap.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
-    that emitted some for prompt ``i``, with the new ids and the text they complete (``""``
-    while a multi-byte character is cut between tokens, or without a tokenizer); the pieces
-    add up to each result's ``token_ids`` and ``text``.
+    that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
+    the text they complete (``""`` while a multi-byte character is cut between tokens, or
+    without a tokenizer); the pieces add up to each result's ``token_ids`` and ``text``.
 
     ``tp > 1`` shards the model over ``tp`` processes (tensor parallelism; ``draft_tp=1``
     keeps the draft whole on every rank): inside a group started by torchrun, this process is
@@ -211,6 +228,7 @@ def generate(
         return generate(**_with_speculative_config(arguments))
     # Checked here, before any model loads or worker starts (scheduler.Sampling).
     scheduler.Sampling(**{name: arguments[name] for name in _SAMPLING})
+    checks.integer("n", n, minimum=1, fix="n is how many completions each prompt gets")
     if engine is None and tp > 1 and not distributed.launched():
         del arguments["engine"]
         return distributed.launch(functools.partial(generate, **arguments), tp)
@@ -222,8 +240,13 @@ def generate(
     requests = engine.tp.from_leader([_request(engine, p, shared_settings) for p in batch])
     state, rids = scheduler.new_state(engine), []
     for prompt, settings in requests:
-        state, rid = scheduler.add_request(engine, state, prompt, **settings)
-        rids.append(rid)
+        seed = settings["sampling"].seed
+        for index in range(n):
+            sampling = attrs.evolve(settings["sampling"], seed=completion_seed(seed, index))
+            state, rid = scheduler.add_request(
+                engine, state, prompt, **{**settings, "sampling": sampling}
+            )
+            rids.append(rid)
     stream = None if on_tokens is None else _TextStream(engine, on_tokens, rids)
     start = time.perf_counter()
     final, finished = run_to_completion(engine, state, stream)
@@ -233,12 +256,33 @@ def generate(
     return [_result(engine, finished[rid], shared) for rid in rids]
 
 
-def engine_for(*, max_logprobs: int = 0, logit_bias: bool = False, **options: Any) -> Engine:
+_MASK64 = 2**64 - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a prompt seeded ``seed`` (``generate``'s ``n``):
+    ``seed`` itself for completion 0, so ``n=1`` changes nothing; for the others, SplitMix64's
+    finaliser of ``seed + index * 0x9E3779B97F4A7C15`` (mod 2**64), as a signed 64-bit int.
+    Completions 1, 2, ... get distinct seeds (the finaliser is a bijection and so is the sum),
+    unrelated to each other and to nearby prompts' seeds (``seed + 1`` would reuse one)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - 2**64 if z >= 2**63 else z
+
+
+def engine_for(
+    *, max_logprobs: int = 0, logit_bias: bool = False, penalties: bool = False, **options: Any
+) -> Engine:
     """The engine ``generate(prompts, **options)`` would build, for callers that keep one
     engine for many requests (``speculum serve``): ``options`` are ``generate``'s arguments
     that shape the engine (``model``, ``algorithm``, ``draft``, ``num_steps``, ...,
     ``max_batch``, ``device``; the bundled default pair without ``model``). It computes up to
-    ``max_logprobs`` alternatives per token, and applies logit biases when ``logit_bias``."""
+    ``max_logprobs`` alternatives per token, applies logit biases when ``logit_bias`` and
+    penalties (and ``min_tokens``) when ``penalties``."""
     defaults = {n: p.default for n, p in inspect.signature(generate).parameters.items()}
     not_engine = {"prompts", "engine", "on_tokens", "speculative_config", *REQUEST_SETTINGS}
     unknown = sorted(set(options) - (set(defaults) - not_engine))
@@ -248,14 +292,17 @@ def engine_for(*, max_logprobs: int = 0, logit_bias: bool = False, **options: An
             f"{', '.join(sorted(set(defaults) - not_engine))}"
         )
     arguments = {**defaults, **options}
-    return _engine(arguments, max_logprobs=max_logprobs, logit_bias=logit_bias)
+    return _engine(arguments, max_logprobs=max_logprobs, logit_bias=logit_bias, penalties=penalties)
 
 
 def _engine(
-    arguments: dict[str, Any], max_logprobs: int | None = None, logit_bias: bool | None = None
+    arguments: dict[str, Any],
+    max_logprobs: int | None = None,
+    logit_bias: bool | None = None,
+    penalties: bool | None = None,
 ) -> Engine:
     """The engine ``generate``'s ``arguments`` describe (see its docstring for the defaults);
-    ``max_logprobs`` and ``logit_bias`` default to what the arguments ask for."""
+    ``max_logprobs``, ``logit_bias`` and ``penalties`` default to what the arguments ask for."""
     a = arguments
     algorithm, draft, model = a["algorithm"], a["draft"], a["model"]
     algorithm = algorithm and algorithm.lower()  # EAGLE3 as SGLang spells it is eagle3
@@ -294,14 +341,29 @@ def _engine(
         page_size=a["page_size"],
         max_logprobs=a["logprobs"] if max_logprobs is None else max_logprobs,
         logit_bias=_asks_for_logit_bias(a) if logit_bias is None else logit_bias,
+        penalties=_asks_for_penalties(a) if penalties is None else penalties,
     )
+
+
+def _own_settings(arguments: dict[str, Any]) -> list[Mapping[str, Any]]:
+    """The prompts of ``generate``'s call given as mappings: those with settings of their own."""
+    prompts = arguments["prompts"]
+    return [] if isinstance(prompts, str) else [p for p in prompts if isinstance(p, Mapping)]
 
 
 def _asks_for_logit_bias(arguments: dict[str, Any]) -> bool:
     """Whether ``generate``'s call gives a logit bias, shared or a mapping prompt's own."""
-    prompts = arguments["prompts"]
-    own = [] if isinstance(prompts, str) else [p for p in prompts if isinstance(p, Mapping)]
+    own = _own_settings(arguments)
     return bool(arguments["logit_bias"]) or any(p.get("logit_bias") for p in own)
+
+
+def _asks_for_penalties(arguments: dict[str, Any]) -> bool:
+    """Whether ``generate``'s call sets a penalty or ``min_tokens``, shared or a mapping
+    prompt's own."""
+    settings = [arguments, *_own_settings(arguments)]
+    return any(
+        scheduler.Sampling(**{k: s[k] for k in _PENALTIES if k in s}).penalized for s in settings
+    )
 
 
 #: ``generate``'s arguments that shape drafting, which plain decoding does without.
@@ -440,7 +502,17 @@ def _one_or_many(value: Any, kind: type) -> tuple[Any, ...]:
 
 
 #: ``generate``'s arguments that make a request's ``scheduler.Sampling``.
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "logit_bias")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "logprobs",
+    "logit_bias",
+    *_PENALTIES,
+)
 
 #: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
 REQUEST_SETTINGS = (
@@ -452,6 +524,7 @@ REQUEST_SETTINGS = (
     "seed",
     "logprobs",
     "logit_bias",
+    *_PENALTIES,
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",

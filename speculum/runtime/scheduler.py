@@ -49,7 +49,7 @@ from speculum.state.kv import (
     new_allocator,
 )
 from speculum.state.record import record, snapshot, tree_map_tensors
-from speculum.state.sampling import SamplingParams
+from speculum.state.sampling import Penalties, SamplingParams
 
 #: Owner tokens (:func:`new_state`): unique in the process, so a state can only ever match the
 #: engine whose latest claim it carries.
@@ -115,6 +115,10 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+#: The largest presence or frequency penalty, either way (OpenAI's and vLLM's range).
+MAX_PENALTY = 2.0
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Sampling:
     """Host-side sampling settings of one request, checked when built.
@@ -137,6 +141,17 @@ class Sampling:
     to the target's logit of that token before the temperature, the filters and the
     log-probabilities, at every position; stored as sorted ``(token_id, bias)`` pairs. The
     engine must be built with ``logit_bias=True``.
+
+    ``repetition_penalty`` (> 0, 1 is off; transformers' and vLLM's) divides the positive
+    logits and multiplies the negative ones of every token of the prompt and of the output so
+    far; ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is off; OpenAI's) are
+    subtracted from the logit of every token of the output, once and once per occurrence.
+    ``min_tokens`` bans the request's stop tokens (EOS unless ignored, ``stop_token_ids``)
+    until that many tokens have been generated, and no stop string ends it before then
+    (at most ``max_new_tokens``, checked by ``add_request``). All apply after the logit bias
+    and before the temperature, at every tree node and draft position as plain decoding
+    would apply them to the same prefix (``docs/request_controls.md``); the engine must be
+    built with ``penalties=True`` unless they are off.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -158,6 +173,28 @@ class Sampling:
     )
     logprobs: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    repetition_penalty: float = attrs.field(
+        default=1.0, converter=checks.converter(checks.real, low=0.0, open_low=True)
+    )
+    presence_penalty: float = attrs.field(
+        default=0.0,
+        converter=checks.converter(checks.real, low=-MAX_PENALTY, high=MAX_PENALTY),
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0,
+        converter=checks.converter(checks.real, low=-MAX_PENALTY, high=MAX_PENALTY),
+    )
+    min_tokens: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or ``min_tokens`` is on (the engine must apply them)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+        )
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -406,6 +443,23 @@ def _check_logit_bias(engine: Engine, sampling: Sampling, vocab: int) -> None:
     _token_ids("logit_bias", [token for token, _ in sampling.logit_bias], vocab)
 
 
+def _check_penalties(engine: Engine, sampling: Sampling, max_new_tokens: int) -> None:
+    """Refuse penalties or ``min_tokens`` the engine does not apply, and more ``min_tokens``
+    than the request may generate."""
+    if sampling.min_tokens > max_new_tokens:
+        raise ValueError(
+            f"min_tokens={sampling.min_tokens} exceeds max_new_tokens={max_new_tokens}: the "
+            "request would end before its minimum; lower min_tokens or raise max_new_tokens"
+        )
+    if sampling.penalized and not engine.config.penalties:
+        raise ValueError(
+            "repetition_penalty, presence_penalty, frequency_penalty and min_tokens need an "
+            "engine that applies them, and this one was built without penalties; build it with "
+            "penalties=True (engine_from_model, build_engine; generate does so when asked for "
+            "one)"
+        )
+
+
 def add_request(
     engine: Engine,
     state: SchedulerState,
@@ -427,7 +481,7 @@ def add_request(
     engine's tokenizer; a round that completes one ends the request there and its later tokens
     are discarded, and the request's text excludes the stop string unless
     ``include_stop_str_in_output``, a flag); ``sampling.logprobs`` at most the engine's
-    ``max_logprobs``. Raises
+    ``max_logprobs``; ``sampling.min_tokens`` at most ``max_new_tokens``. Raises
     ``TypeError`` for a value of the wrong kind, ``ValueError`` for one out of range and
     :class:`KVPoolExhausted` for a request that could never fit, each naming the setting, the
     value and the fix; the state handed in is unchanged either way.
@@ -450,6 +504,7 @@ def add_request(
     _validate(engine, prompt, max_new_tokens)
     _check_logprobs(engine, sampling)
     _check_logit_bias(engine, sampling, vocab)
+    _check_penalties(engine, sampling, max_new_tokens)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
@@ -534,11 +589,12 @@ def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
 
 
 def _sampling_params(
-    requests: tuple[Request, ...], num_logprobs: int, bias_vocab: int
+    requests: tuple[Request, ...], num_logprobs: int, bias_vocab: int, penalty_vocab: int
 ) -> SamplingParams:
     """The requests' settings as device rows; a dense logit-bias row each over ``bias_vocab``
-    tokens (zeros without one; no columns, so nothing added, when ``bias_vocab`` is 0). The
-    bias is always a tensor: a captured round's records may hold nothing else."""
+    tokens (zeros without one; no columns, so nothing added, when ``bias_vocab`` is 0), and
+    penalty rows over ``penalty_vocab`` tokens (:func:`_penalties`). The bias is always a
+    tensor: a captured round's records may hold nothing else."""
     s = [r.sampling for r in requests]
     bias = torch.zeros(len(s), bias_vocab, dtype=torch.float32)
     for row, x in enumerate(s if bias_vocab else ()):
@@ -552,6 +608,29 @@ def _sampling_params(
         seed=torch.tensor([x.seed for x in s], dtype=torch.int64),
         num_logprobs=num_logprobs,
         logit_bias=bias,
+        penalties=_penalties(requests, penalty_vocab),
+    )
+
+
+def _penalties(requests: tuple[Request, ...], vocab: int) -> Penalties:
+    """The requests' penalties and ``min_tokens`` as rows over ``vocab`` tokens: each prompt's
+    tokens and stop tokens marked, no output counted yet (a prefill's round counts the first
+    token it emits); with ``vocab`` 0 (an engine without penalties), rows of no columns."""
+    s = [r.sampling for r in requests]
+    prompt = torch.zeros(len(s), vocab, dtype=torch.bool)
+    stops = torch.zeros(len(s), vocab, dtype=torch.bool)
+    for row, request in enumerate(requests if vocab else ()):
+        prompt[row, list(request.prompt)] = True
+        stops[row, [t for t in request.stop_token_ids if t < vocab]] = True
+    return Penalties(
+        repetition=torch.tensor([x.repetition_penalty for x in s], dtype=torch.float32),
+        presence=torch.tensor([x.presence_penalty for x in s], dtype=torch.float32),
+        frequency=torch.tensor([x.frequency_penalty for x in s], dtype=torch.float32),
+        min_tokens=torch.tensor([x.min_tokens for x in s], dtype=torch.int64),
+        num_output=torch.zeros(len(s), dtype=torch.int64),
+        prompt=prompt,
+        counts=torch.zeros(len(s), vocab, dtype=torch.int32),
+        stops=stops,
     )
 
 
@@ -590,7 +669,12 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         next_tokens=to_device(torch.tensor(next_tokens, dtype=torch.int64), device),
         sampling=tree_map_tensors(
             lambda x: to_device(x, device),
-            _sampling_params(chosen, engine.config.max_logprobs, _bias_vocab(engine)),
+            _sampling_params(
+                chosen,
+                engine.config.max_logprobs,
+                _bias_vocab(engine),
+                engine.resources.target.config.vocab_size if engine.config.penalties else 0,
+            ),
         ),
         prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
     )
@@ -714,9 +798,12 @@ def _failed(request: Request, faults: int) -> Request:
 
 
 def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str | None:
-    if output[-1] in request.stop_token_ids:
+    # Nothing stops a request before its min_tokens (vLLM's rule; its stop tokens are banned
+    # from the distributions until then anyway).
+    stoppable = len(output) >= request.sampling.min_tokens
+    if stoppable and output[-1] in request.stop_token_ids:
         return "stop"
-    if request.stop_strings:
+    if stoppable and request.stop_strings:
         text = engine.tokenizer.decode(output)
         tail = max(map(len, request.stop_strings)) + 16  # only the newest text can hold a new match
         previous = engine.tokenizer.decode(output[:-1])
@@ -960,7 +1047,8 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
     """What a snapshot's state and pages must match to be restored into ``engine``, as
     ``(name, value)`` pairs of plain values: where the pools live and their sizes, the limits
     that shape a state (page-table width, batch), overlap (an overlapped state holds a round in
-    flight), the shared cells, and the pipeline's kind and static config."""
+    flight), whether rounds count penalties (a state's penalty rows), the shared cells, and the
+    pipeline's kind and static config."""
     config, resources = engine.config, engine.resources
     # Pools are [layer, page, page_size, kv_head, head_dim]; pages are compared on their own.
     pools = tuple(
@@ -975,6 +1063,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("max_batch", config.max_batch),
         ("overlap", config.overlap),
         ("max_logprobs", config.max_logprobs),
+        ("penalties", config.penalties),
         *pools,
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),

@@ -45,6 +45,7 @@ from speculum.spec.sampling import (
     Stream,
     draft_logits_guarded,
     filtered_probs,
+    penalizing,
     sample_from_probs,
     uniforms,
 )
@@ -112,7 +113,9 @@ def propose_block(
     DFLASH heads draw every token from its own slot's logits, in parallel. Heads with a
     sequential part (DSPARK's Markov head) walk the slots in order: slot ``k``'s logits get the
     bias of the token before it (the root for the first), then its token is drawn and becomes
-    the next slot's previous token.
+    the next slot's previous token. Under penalties (``sampling.penalties``) every head walks
+    the slots in order, slot ``k``'s penalties counting the tokens drawn at the slots before
+    it, as the target's do at that depth.
     """
     head, kv = resources.draft, state.kv
     batch = block_batch(kv, state.root_tokens, config.block_size, head.config.mask_token_id)
@@ -121,15 +124,20 @@ def propose_block(
     positions = kv.seq_lens[:, None] + torch.arange(1, config.num_drafts + 1, device=hidden.device)
     sampling = state.sampling
     base = draft_logits_guarded(head.logits(hidden), sampling.temperature, sampling.logit_bias)
-    if not hasattr(head, "step_logits"):
+    markov, penalties = hasattr(head, "step_logits"), sampling.penalties
+    if not markov and not penalizing(penalties):
         tokens, q = _draw(base, state.sampling, positions, config.sample_drafts)
         proposal = make(BlockProposal, tokens=tokens, confidence=_top_probability(base))
         return proposal, q
-    previous, recurrent = state.root_tokens, head.initial_state(hidden[:, 0])
+    previous = state.root_tokens
+    recurrent = head.initial_state(hidden[:, 0]) if markov else None
     tokens, qs, confidences = [], [], []
     for k in range(config.num_drafts):
-        logits, recurrent = head.step_logits(base[:, k], previous, hidden[:, k], recurrent)
-        logits = draft_logits_guarded(logits, state.sampling.temperature)
+        logits = base[:, k]
+        if markov:
+            logits, recurrent = head.step_logits(logits, previous, hidden[:, k], recurrent)
+        drawn = torch.stack(tokens, dim=1) if tokens and penalizing(penalties) else None
+        logits = draft_logits_guarded(logits, sampling.temperature, None, penalties, drawn)
         if getattr(head, "confidence_head", None) is not None:
             confidences.append(head.confidence(hidden[:, k], previous))
         else:

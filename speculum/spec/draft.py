@@ -24,8 +24,11 @@ from speculum.spec.paged import extend_batch, tail_batch
 from speculum.spec.prefill import last_valid
 from speculum.spec.sampling import (
     Stream,
+    biased_logits,
     draft_logits_guarded,
     filtered_probs,
+    penalized_logits,
+    penalizing,
     sample_from_probs,
     uniforms,
 )
@@ -60,27 +63,47 @@ class DraftResources(Protocol):
 
 
 def top_children(
-    draft: Any, hidden: Float[Tensor, "*rows hidden"], topk: int
-) -> tuple[Float[Tensor, "*rows topk"], Int[Tensor, "*rows topk"]]:
+    draft: Any,
+    hidden: Float[Tensor, "batch *rows hidden"],
+    topk: int,
+    sampling: SamplingParams | None = None,
+    path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+) -> tuple[Float[Tensor, "batch *rows topk"], Int[Tensor, "batch *rows topk"]]:
     """The ``topk`` likeliest next tokens of ``draft`` at ``hidden``: probabilities and target
     token ids, likeliest first.
 
     A head with a reduced vocabulary (EAGLE-3's ``d2t``: ``draft_logits`` over its own ids and
     ``target_ids`` mapping them) is ranked over that vocabulary, whose softmax equals the full
     one's (every other target token has probability 0) at a fraction of the cost: a Llama-3
-    EAGLE-3 head ranks 32000 ids instead of 128256.
+    EAGLE-3 head ranks 32000 ids instead of 128256. With ``sampling``, the requests' logit bias
+    and penalties (these counting each row's ``path_tokens`` too, the draft tokens on its tree
+    path) shape the ranking as they shape the target's distributions, so the draft proposes
+    what the target will accept (acceptance is exact either way).
     """
     reduced = getattr(draft, "draft_logits", None)
-    if reduced is None:
-        top = torch.softmax(draft_logits_guarded(draft.logits(hidden)), dim=-1).topk(topk, dim=-1)
-        return top.values, top.indices
-    top = torch.softmax(draft_logits_guarded(reduced(hidden)), dim=-1).topk(topk, dim=-1)
-    return top.values, draft.target_ids[top.indices]
+    columns = None if reduced is None else draft.target_ids
+    logits = draft.logits(hidden) if reduced is None else reduced(hidden)
+    if sampling is not None:
+        bias = sampling.logit_bias
+        if columns is not None and bias is not None and bias.shape[-1] > 0:
+            bias = bias[:, columns]
+        logits = biased_logits(logits, bias)
+        logits = penalized_logits(logits, sampling.penalties, path_tokens, columns)
+    top = torch.softmax(draft_logits_guarded(logits), dim=-1).topk(topk, dim=-1)
+    return top.values, top.indices if columns is None else columns[top.indices]
 
 
-def predict(resources: DraftResources, hidden: Tensor, topk: int) -> DraftPrediction:
-    """Top-k of the draft's next-token distribution at ``hidden`` ([batch, hidden])."""
-    probs, tokens = top_children(resources.draft, hidden, topk)
+def predict(
+    resources: DraftResources,
+    hidden: Tensor,
+    topk: int,
+    sampling: SamplingParams | None = None,
+    path_tokens: Int[Tensor, "batch length"] | None = None,
+) -> DraftPrediction:
+    """Top-k of the draft's next-token distribution at ``hidden`` ([batch, hidden]), shaped
+    by ``sampling``'s controls over the output so far plus ``path_tokens`` (tokens emitted but
+    not yet counted in it) when given (:func:`top_children`)."""
+    probs, tokens = top_children(resources.draft, hidden, topk, sampling, path_tokens)
     return make(DraftPrediction, hidden=hidden, top_probs=probs, top_tokens=tokens)
 
 
@@ -92,8 +115,12 @@ def extend_draft(
     target_hidden: Float[Tensor, "batch q hidden"],
     captured: tuple[Tensor, ...],
     topk: int,
+    sampling: SamplingParams | None = None,
+    path_tokens: Int[Tensor, "batch length"] | None = None,
 ) -> DraftPrediction:
-    """Run the draft over positions ``seq_lens + i`` pairing target features with ``tokens``.
+    """Run the draft over positions ``seq_lens + i`` pairing target features with ``tokens``;
+    its prediction after the last is shaped by ``sampling`` and ``path_tokens``
+    (:func:`predict`).
 
     A head that runs ahead of the target (standalone) reads one token more than there are
     target features; its feature input is empty, so padding it costs nothing.
@@ -102,7 +129,7 @@ def extend_draft(
     hidden_in = F.pad(hidden_in, (0, 0, 0, tokens.shape[1] - hidden_in.shape[1]))
     batch = extend_batch(kv, tokens, q_lens)
     hidden_out = resources.draft(batch, resources.draft_pool, hidden_in)
-    return predict(resources, last_valid(hidden_out, q_lens), topk)
+    return predict(resources, last_valid(hidden_out, q_lens), topk, sampling, path_tokens)
 
 
 def prepare_draft(state: EagleState) -> DraftCandidates:
@@ -158,7 +185,9 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     ``seq_lens + ahead + s - 1``), writing their draft K/V after the draft's committed
     entries at tail slots ``(s - 1) * topk + j``; each sees the prefix and its own ancestors.
     Each frontier node proposes its ``topk`` likeliest children; the ``topk`` best of those by
-    cumulative probability form the next frontier. Scores multiply along the path.
+    cumulative probability form the next frontier. Scores multiply along the path. The
+    requests' bias and penalties rank the children (:func:`top_children`), the penalties
+    counting the draft tokens on each frontier node's path.
     """
     k = config.topk
     kv = draft_kv(resources, state)
@@ -168,13 +197,15 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     frontier_tokens, frontier_scores = level.tokens, level.scores
     frontier_hidden = state.prediction.hidden[:, None, :].expand(-1, k, -1)
     ancestors = no_ancestors(kv, k)
+    # The draft tokens on each frontier node's path, itself included (penalties count them).
+    paths = level.tokens[:, :, None] if penalizing(state.sampling.penalties) else None
     offset = k  # candidate index of the next level's first entry
     for step in range(1, config.num_steps):
         hidden, mask = draft_forward(
             resources, kv, step, frontier_tokens, frontier_hidden, ancestors
         )
         # [batch, k (frontier), k (children)]
-        top_probs, top_tokens = top_children(resources.draft, hidden, k)
+        top_probs, top_tokens = top_children(resources.draft, hidden, k, state.sampling, paths)
         child_scores = (frontier_scores[:, :, None] * top_probs).flatten(1)
         child_tokens = top_tokens.flatten(1)
         child_parents = frontier_ids.repeat_interleave(k, dim=1)
@@ -188,6 +219,9 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
         frontier_ids = offset + chosen
         frontier_hidden = hidden.gather(1, owner[:, :, None].expand(-1, -1, hidden.shape[-1]))
         ancestors = mask.gather(1, owner[:, :, None].expand(-1, -1, mask.shape[2]))
+        if paths is not None:
+            paths = paths.gather(1, owner[:, :, None].expand(-1, -1, paths.shape[2]))
+            paths = torch.cat([paths, frontier_tokens[:, :, None]], dim=2)
         offset += k * k
     return make(
         DraftCandidates,
@@ -201,10 +235,16 @@ def _sampled_probs(
     resources: DraftResources,
     hidden: Float[Tensor, "batch width hidden"],
     sampling: SamplingParams,
+    path_tokens: Int[Tensor, "batch width length"] | None = None,
 ) -> Float[Tensor, "batch width vocab"]:
-    """The draft's filtered distribution at ``hidden``, each request's own settings applied."""
+    """The draft's filtered distribution at ``hidden``, each request's own settings applied,
+    its penalties counting each chain's ``path_tokens`` (drawn so far this round) too."""
     logits = draft_logits_guarded(
-        resources.draft.logits(hidden), sampling.temperature, sampling.logit_bias
+        resources.draft.logits(hidden),
+        sampling.temperature,
+        sampling.logit_bias,
+        sampling.penalties,
+        path_tokens,
     )
     return filtered_probs(logits, sampling)
 
@@ -220,6 +260,7 @@ def draft_sampled(
     and every candidate is verified, so each token really is a draw from the distribution
     returned beside it: the condition under which recursive rejection is lossless with those
     distributions. Candidate ``(s - 1) * topk + j`` is chain ``j``'s token at depth ``s``.
+    Penalties count each chain's own earlier tokens, as the target's at its nodes do.
     """
     k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
     kv = draft_kv(resources, state)
@@ -235,7 +276,8 @@ def draft_sampled(
         if step == config.num_steps:
             break
         hidden, ancestors = draft_forward(resources, kv, step, drawn, hidden, ancestors)
-        q = _sampled_probs(resources, hidden, state.sampling)
+        path = torch.stack(tokens, dim=2) if penalizing(state.sampling.penalties) else None
+        q = _sampled_probs(resources, hidden, state.sampling, path)
     chain = torch.arange(k, device=seq_lens.device)
     parents = [torch.full_like(tokens[0], -1)] + [
         ((step - 1) * k + chain).expand_as(tokens[0]) for step in range(1, config.num_steps)
@@ -286,6 +328,10 @@ def draft_extend(
     acc = verified.accepted
     hidden = gather_nodes(verified.final_hidden, acc.path)
     captured = tuple(gather_nodes(c, acc.path) for c in verified.captured)
+    # The round's tokens are counted in the penalties only after it: its prediction (for the
+    # token after the bonus) counts them itself.
+    emitted = torch.arange(acc.emitted.shape[1], device=acc.emitted.device)
+    emitted = torch.where(emitted <= acc.num_accepted[:, None], acc.emitted, -1)
     return extend_draft(
         resources,
         replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead),
@@ -294,4 +340,6 @@ def draft_extend(
         hidden,
         captured,
         config.topk,
+        state.sampling,
+        emitted if penalizing(state.sampling.penalties) else None,
     )

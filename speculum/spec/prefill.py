@@ -56,7 +56,10 @@ def prefill_target(
     hidden, captured = target(extend_batch(kv, tokens, q_lens), pool, capture_layers)
     seq_lens = kv.seq_lens + q_lens
     logits, faults = guard_logits(
-        target.logits(last_valid(hidden, q_lens)), sampling.temperature, sampling.logit_bias
+        target.logits(last_valid(hidden, q_lens)),
+        sampling.temperature,
+        sampling.logit_bias,
+        sampling.penalties,
     )
     first_tokens = sample(logits, sampling, seq_lens)
     return make(

@@ -22,8 +22,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.spec.checks import checking, raise_for_rows
-from speculum.state.record import make
-from speculum.state.sampling import SamplingParams, TokenLogprobs
+from speculum.state.record import make, replace
+from speculum.state.sampling import Penalties, SamplingParams, TokenLogprobs
 
 __all__ = [
     "Stream",
@@ -31,6 +31,11 @@ __all__ = [
     "describe_faults",
     "scaled_logits",
     "logit_faults",
+    "biased_logits",
+    "penalizing",
+    "penalized_logits",
+    "path_token_counts",
+    "count_emitted",
     "guard_logits",
     "token_logprobs",
     "no_logprobs",
@@ -135,20 +140,111 @@ def biased_logits(
     return logits.float() + bias.view(bias.shape[0], *([1] * (logits.dim() - 2)), bias.shape[1])
 
 
+def penalizing(penalties: Penalties | None) -> bool:
+    """Whether ``penalties`` apply anything: present and with columns (a static shape, so
+    compiled and captured code branch on it without a sync)."""
+    return penalties is not None and penalties.counts.shape[-1] > 0
+
+
+def path_token_counts(
+    path_tokens: Int[Tensor, "batch *rows length"], vocab: int
+) -> Int[Tensor, "batch *rows vocab"]:
+    """How many times each token occurs in each row's ``path_tokens`` (padding: -1), as int32
+    counts over ``vocab`` tokens: one scatter-add, no host sync."""
+    valid = path_tokens >= 0
+    counts = torch.zeros(*path_tokens.shape[:-1], vocab, dtype=torch.int32, device=valid.device)
+    return counts.scatter_add(-1, path_tokens.clamp(min=0), valid.to(torch.int32))
+
+
+def penalized_logits(
+    logits: Float[Tensor, "batch *rows vocab"],
+    penalties: Penalties | None,
+    path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+    columns: Int[Tensor, " vocab"] | None = None,
+) -> Float[Tensor, "batch *rows vocab"]:
+    """``logits`` with each request's ``min_tokens`` ban and its repetition, frequency and
+    presence penalties applied, in float32, in vLLM's order (``docs/request_controls.md``):
+
+    * while fewer than ``min_tokens`` tokens have been generated, the request's stop tokens
+      (``Penalties.stops``) are set to ``-inf``;
+    * ``repetition`` divides the positive logits and multiplies the negative ones of every
+      token of the prompt or of the output (transformers' and vLLM's rule);
+    * ``frequency`` times a token's count in the output, then ``presence`` once if it occurs
+      there at all, are subtracted (OpenAI's rule).
+
+    The output a row's distribution follows is every token emitted before the round
+    (``Penalties.counts``, ``Penalties.num_output``) plus that row's ``path_tokens`` (padding:
+    -1): the draft tokens on the tree path to the node it belongs to, root excluded, or the
+    tokens a round already drew before it. Every row is thus penalized exactly as plain
+    decoding would penalize the same sequence prefix. A request without penalties (repetition
+    1, presence and frequency 0, min_tokens 0) gets its logits bit for bit. ``penalties``
+    None, or with no columns, returns ``logits`` as they are. ``columns`` (a draft's reduced
+    vocabulary, EAGLE-3's ``target_ids``) are the target token ids of the logits' columns,
+    when they are not the whole vocabulary in order.
+    """
+    if not penalizing(penalties):
+        return logits
+    x = logits.float()
+    rows = x.dim() - 2
+
+    def per_request(v: Tensor) -> Tensor:  # [batch] -> broadcast against [batch, *rows, vocab]
+        return v.view(v.shape[0], *([1] * (rows + 1)))
+
+    def per_token(v: Tensor) -> Tensor:  # [batch, (*rows,) vocab] -> the logits' columns
+        v = v if v.dim() == x.dim() else v.view(v.shape[0], *([1] * rows), v.shape[-1])
+        return v if columns is None else v[..., columns]
+
+    counts = per_token(penalties.counts)
+    generated = per_request(penalties.num_output)
+    if path_tokens is not None:
+        vocab = penalties.counts.shape[-1]
+        counts = counts + per_token(path_token_counts(path_tokens, vocab))
+        generated = generated + (path_tokens >= 0).sum(-1, keepdim=True)
+    banned = per_token(penalties.stops) & (generated < per_request(penalties.min_tokens))
+    x = x.masked_fill(banned, float("-inf"))
+    output = counts > 0
+    repetition = per_request(penalties.repetition)
+    repeated = torch.where(x > 0, x / repetition, x * repetition)
+    x = torch.where(output | per_token(penalties.prompt), repeated, x)
+    x = x - per_request(penalties.frequency) * counts
+    return x - per_request(penalties.presence) * output
+
+
+def count_emitted(
+    penalties: Penalties | None,
+    tokens: Int[Tensor, "batch max_tokens"],
+    num_tokens: Int[Tensor, " batch"],
+) -> Penalties | None:
+    """``penalties`` with each row's emitted ``tokens[b, :num_tokens[b]]`` added to its output
+    counts: what a round's distributions read next round. Rejected drafts never pass here, so
+    only what plain decoding would have generated is counted. No-op without penalties."""
+    if not penalizing(penalties):
+        return penalties
+    steps = torch.arange(tokens.shape[1], device=tokens.device)
+    emitted = (steps < num_tokens[:, None]) & (tokens >= 0)
+    counts = penalties.counts.scatter_add(
+        1, tokens.clamp(min=0), emitted.to(penalties.counts.dtype)
+    )
+    return replace(penalties, counts=counts, num_output=penalties.num_output + emitted.sum(1))
+
+
 def guard_logits(
     logits: Float[Tensor, "batch *rows vocab"],
     temperature: Float[Tensor, " batch"] | None = None,
     bias: Float[Tensor, "batch vocab"] | None = None,
+    penalties: Penalties | None = None,
+    path_tokens: Int[Tensor, "batch *rows length"] | None = None,
 ) -> tuple[Float[Tensor, "batch *rows vocab"], Int[Tensor, " batch *rows"]]:
-    """``logits`` (plus ``bias``, :func:`biased_logits`, so that everything read from them
-    sees it) with every faulty row replaced by zeros, and each row's faults.
+    """``logits`` (plus ``bias``, :func:`biased_logits`, then ``penalties`` over the output
+    so far and each row's ``path_tokens``, :func:`penalized_logits`, so that everything read
+    from them sees both) with every faulty row replaced by zeros, and each row's faults.
 
     A faulty row becomes a uniform distribution, so everything computed from it (draws, trees,
     acceptance) stays finite and defined; what it decides is meaningless, and its faults say
     so. Every other row passes unchanged, bit for bit: a tree node whose logits are NaN (a draft
     token with a broken embedding row, say) spoils only what that node decides.
     """
-    logits = biased_logits(logits, bias)
+    logits = penalized_logits(biased_logits(logits, bias), penalties, path_tokens)
     faults = logit_faults(logits, temperature)
     return logits.masked_fill((faults != 0)[..., None], 0.0), faults
 
@@ -208,16 +304,19 @@ def draft_logits_guarded(
     logits: Float[Tensor, "batch *rows vocab"],
     temperature: Float[Tensor, " batch"] | None = None,
     bias: Float[Tensor, "batch vocab"] | None = None,
+    penalties: Penalties | None = None,
+    path_tokens: Int[Tensor, "batch *rows length"] | None = None,
 ) -> Float[Tensor, "batch *rows vocab"]:
     """:func:`guard_logits` for a draft: a faulty row drafts from a uniform distribution.
-    ``bias`` (the requests' logit bias, over the target's vocabulary) makes the draft propose
-    what the biased target will accept; acceptance is exact either way.
+    ``bias`` and ``penalties`` (the requests' logit bias and penalties, over the target's
+    vocabulary, with each row's ``path_tokens``) make the draft propose what the controlled
+    target will accept; acceptance is exact either way.
 
     A draft's faults are not reported: its tokens are proposals that the target verifies, and
     the distribution a proposal was drawn from (uniform, here) is what the verifier is given,
     so a broken draft lowers acceptance but never changes the output.
     """
-    return guard_logits(logits, temperature, bias)[0]
+    return guard_logits(logits, temperature, bias, penalties, path_tokens)[0]
 
 
 def _mul32(x, c: int):

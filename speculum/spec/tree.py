@@ -32,6 +32,7 @@ __all__ = [
     "build_tree",
     "chain_tree",
     "tree_mask",
+    "tree_path_tokens",
     "children",
     "sibling_ranks",
     "validate_tree_config",
@@ -156,6 +157,18 @@ def tree_mask(tree: DraftTree) -> Bool[Tensor, "batch num_nodes num_nodes"]:
     Node ``i``'s query may see exactly the draft tokens on its own path, root included.
     """
     return _ancestor_mask(tree.parents)
+
+
+def tree_path_tokens(
+    tree: DraftTree, ancestors: Bool[Tensor, "batch num_nodes num_nodes"]
+) -> Int[Tensor, "batch num_nodes num_nodes"]:
+    """``path[b, i, j]``: the token of node ``j`` when ``j`` is node ``i`` or one of its
+    ancestors and not the root, else -1 (``ancestors`` is :func:`tree_mask`). Row ``i`` holds
+    the draft tokens a sequence ending at node ``i`` adds to the request's output: what a
+    penalty at that node counts besides the output before the round
+    (``spec.sampling.penalized_logits``)."""
+    not_root = torch.arange(ancestors.shape[-1], device=ancestors.device) > 0
+    return torch.where(ancestors & not_root, tree.tokens[:, None, :], -1)
 
 
 def sibling_ranks(parents: Int[Tensor, "batch num_nodes"]) -> Int[Tensor, "batch num_nodes"]:

@@ -15,8 +15,14 @@ from torch import Tensor
 
 from speculum.spec.accept import accept
 from speculum.spec.paged import cache_slots, slots_at, tail_batch
-from speculum.spec.sampling import filtered_probs, guard_logits, no_logprobs, token_logprobs
-from speculum.spec.tree import tree_mask
+from speculum.spec.sampling import (
+    filtered_probs,
+    guard_logits,
+    no_logprobs,
+    penalizing,
+    token_logprobs,
+)
+from speculum.spec.tree import tree_mask, tree_path_tokens
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
 from speculum.state.sampling import SamplingParams, TokenLogprobs
@@ -47,15 +53,24 @@ def verify_tree(
     depth ``i``) verifies the first ``verify_lens[b]`` draft nodes of row ``b`` in the same
     forward: the rest are padding rows of the batch (ragged verify). A node whose target
     logits cannot be sampled is reported in ``faults`` (``spec.sampling.guard_logits``) rather
-    than raised, so the rest of the batch, and the rest of the tree, decode on. With
+    than raised, so the rest of the batch, and the rest of the tree, decode on. Penalties
+    (``sampling.penalties``) at each node count the draft tokens on its path
+    (``spec.tree.tree_path_tokens``), as plain decoding counts the same prefix. With
     ``sampling.num_logprobs > 0``, each emitted token's log-probabilities are read from the
     target's distribution at the path node that decided it (:func:`path_logprobs`).
     """
     positions = kv.seq_lens[:, None] + tree.depths
     q_lens = None if verify_lens is None else verify_lens + 1
-    batch = tail_batch(kv, tree.tokens, positions, tree_mask(tree), q_lens=q_lens)
+    ancestors = tree_mask(tree)
+    batch = tail_batch(kv, tree.tokens, positions, ancestors, q_lens=q_lens)
     hidden, captured = target(batch, pool, capture_layers)
-    logits, faults = guard_logits(target.logits(hidden), sampling.temperature, sampling.logit_bias)
+    logits, faults = guard_logits(
+        target.logits(hidden),
+        sampling.temperature,
+        sampling.logit_bias,
+        sampling.penalties,
+        tree_path_tokens(tree, ancestors) if penalizing(sampling.penalties) else None,
+    )
     target_probs = filtered_probs(logits, sampling)
     accepted = accept(
         tree,

@@ -14,7 +14,7 @@ from speculum.state.record import (
     tree_equal,
     tree_map_tensors,
 )
-from speculum.state.sampling import SamplingParams, TokenLogprobs
+from speculum.state.sampling import Penalties, SamplingParams, TokenLogprobs
 from speculum.state.tree import AcceptResult, DraftCandidates, DraftTree
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "KVPoolExhausted",
     "PageAllocator",
     "PagedKV",
+    "Penalties",
     "SamplingParams",
     "TokenLogprobs",
     "batch_size",

@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.state.record import record, static
 
-__all__ = ["SamplingParams", "TokenLogprobs"]
+__all__ = ["Penalties", "SamplingParams", "TokenLogprobs"]
+
+
+@record
+class Penalties:
+    """Each request's repetition, presence and frequency penalties and ``min_tokens``, with
+    the token history they read (``spec.sampling.penalized_logits``), as device tensors.
+
+    ``repetition`` (1 is off) divides the positive logits and multiplies the negative ones of
+    every token of the prompt (``prompt[b, t]``) or of the output; ``presence`` is subtracted
+    from the logit of every token of the output, ``frequency`` once per occurrence
+    (``counts[b, t]``, how many times token ``t`` was emitted). ``stops[b, t]`` marks the tokens
+    that end request ``b`` (EOS unless ignored, its stop token ids): they are banned while
+    fewer than ``min_tokens[b]`` tokens have been generated (``num_output[b]`` so far).
+
+    ``counts`` and ``num_output`` cover every token emitted so far, the one a round's root
+    holds included: rounds read them as they start and add the tokens on a tree path to them
+    for each node, and only the emitted tokens are added to them after the round
+    (``pipelines.base.count_emitted``), so a rejected draft never enters them and a snapshot
+    keeps them by value. With no columns (an engine built without penalties) nothing is
+    stored and nothing applied.
+    """
+
+    repetition: Float[Tensor, " batch"]
+    presence: Float[Tensor, " batch"]
+    frequency: Float[Tensor, " batch"]
+    min_tokens: Int[Tensor, " batch"]
+    num_output: Int[Tensor, " batch"]
+    prompt: Bool[Tensor, "batch penalty_vocab"]
+    counts: Int[Tensor, "batch penalty_vocab"]
+    stops: Bool[Tensor, "batch penalty_vocab"]
 
 
 @record
@@ -29,6 +59,10 @@ class SamplingParams:
     .biased_logits``); zeros for a request without one. With no columns (the scheduler's rows
     for an engine built without ``logit_bias``), or ``None``, it adds nothing and costs
     nothing; captured rounds need the former, a tensor.
+
+    ``penalties`` are the requests' repetition, presence and frequency penalties and
+    ``min_tokens`` (:class:`Penalties`), applied after the bias; ``None``, or with no columns,
+    applies none.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -38,6 +72,7 @@ class SamplingParams:
     seed: Int[Tensor, " batch"]
     num_logprobs: int = static(default=0)
     logit_bias: Float[Tensor, "batch bias_vocab"] | None = None
+    penalties: Penalties | None = None
 
 
 @record

@@ -108,6 +108,8 @@ def test_restore_claims_the_engine_for_the_snapshots_state():
         ({}, {"overlap": True}, "overlap: snapshot False, engine True"),
         # A synchronous engine would never collect the round the snapshot holds in flight.
         ({"overlap": True}, {}, "overlap: snapshot True, engine False"),
+        # Its rows carry penalty counts that this engine's rounds would not update.
+        ({"penalties": True}, {}, "penalties: snapshot True, engine False"),
     ],
 )
 def test_a_snapshot_from_an_engine_of_another_shape_is_refused_and_changes_nothing(
