@@ -10,6 +10,8 @@ from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
+from speculum.runtime import scheduler
+from speculum.runtime.generate import run_to_completion
 
 
 def markov_target(vocab: int, head_scale: float = 1.0, **changes: object) -> DecoderModel:
@@ -88,3 +90,23 @@ def draw_correction_biases_(model, seed: int) -> None:
         for layer in model.model.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3, generator=generator)
+
+
+def assert_sampled_snapshot_replays(engine) -> None:
+    """A snapshot of three seeded sampled requests taken after three steps on ``engine``,
+    restored, replays bit for bit what the original state went on to emit."""
+    state = scheduler.new_state(engine)
+    rids = []
+    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
+        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
+        state, rid = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=16
+        )
+        rids.append(rid)
+    for _ in range(3):
+        state, _ = scheduler.step(engine, state)
+    snap = scheduler.take_snapshot(engine, state)
+    _, finished = run_to_completion(engine, state)
+    first = [finished[rid].output for rid in rids]
+    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
+    assert [finished[rid].output for rid in rids] == first

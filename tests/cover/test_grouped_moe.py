@@ -14,6 +14,39 @@ from speculum.kernels.grouped_moe import few_pairs, grouped_experts, grouped_mm_
 from speculum.kernels.model_ops import moe_reference, moe_row_weights
 
 
+def assert_matches_reference(
+    kernel,
+    rows: int,
+    experts: int,
+    k: int,
+    renormalize: bool,
+    deepseek: bool,
+    seed: int,
+    hidden: int = 8,
+    inter: int = 4,
+    atol: float = 1e-5,
+) -> None:
+    """``kernel`` (``grouped_experts``'s signature) on random float32 experts and routing
+    equals the dense reference: Qwen's softmax routing, or DeepSeek-V3's (sigmoid scores, a
+    correction bias choosing, a scaling factor, float32 weights)."""
+    experts = max(experts, 2) if deepseek else experts  # noaux_tc ranks a group by its best 2
+    k = min(k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen)
+    router = torch.randn(experts, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen)
+    routing = (
+        ("sigmoid", "noaux_tc", 1, 1, 2.5, torch.randn(experts, generator=gen), True)
+        if deepseek
+        else ()
+    )
+    weights = moe_row_weights(x, router, k, renormalize, *routing)
+    ours = kernel(x, *weights.topk(k), gate_up, down)
+    expected = moe_reference(x, router, gate_up, down, k, renormalize, *routing)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=atol)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     rows=st.integers(1, 9),
@@ -30,23 +63,7 @@ def test_grouped_experts_equal_the_dense_reference_on_any_routing(
     (float32 rounding apart: the GEMMs differ), whatever the routing: experts chosen by many
     rows, by one, or by none; Qwen's softmax routing or DeepSeek-V3's (sigmoid scores, a
     correction bias choosing, a scaling factor, float32 weights)."""
-    experts = max(experts, 2) if deepseek else experts  # noaux_tc ranks a group by its best 2
-    k = min(k, experts)
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = 8, 4
-    x = torch.randn(rows, hidden, generator=gen)
-    router = torch.randn(experts, hidden, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
-    down = torch.randn(experts, hidden, inter, generator=gen)
-    routing = (
-        ("sigmoid", "noaux_tc", 1, 1, 2.5, torch.randn(experts, generator=gen), True)
-        if deepseek
-        else ()
-    )
-    weights = moe_row_weights(x, router, k, renormalize, *routing)
-    ours = grouped_experts(x, *weights.topk(k), gate_up, down)
-    expected = moe_reference(x, router, gate_up, down, k, renormalize, *routing)
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(grouped_experts, rows, experts, k, renormalize, deepseek, seed)
 
 
 def test_the_grouped_kernel_is_only_chosen_for_bfloat16_on_hopper() -> None:
@@ -76,22 +93,9 @@ def test_the_pairwise_kernel_equals_the_dense_reference(
     fill its blocks (hidden 40, expert width 12), for Qwen's and DeepSeek-V3's routing."""
     from speculum.kernels.triton_moe import pairwise_experts
 
-    k = min(k, experts)
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = 40, 12
-    x = torch.randn(rows, hidden, generator=gen)
-    router = torch.randn(experts, hidden, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
-    down = torch.randn(experts, hidden, inter, generator=gen)
-    routing = (
-        ("sigmoid", "noaux_tc", 1, 1, 2.5, torch.randn(experts, generator=gen), True)
-        if deepseek
-        else ()
+    assert_matches_reference(
+        pairwise_experts, rows, experts, k, True, deepseek, seed, hidden=40, inter=12, atol=1e-4
     )
-    weights = moe_row_weights(x, router, k, True, *routing)
-    ours = pairwise_experts(x, *weights.topk(k), gate_up, down)
-    expected = moe_reference(x, router, gate_up, down, k, True, *routing)
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_few_pairs_take_the_pairwise_kernel() -> None:

@@ -12,7 +12,12 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, draw_correction_biases_, markov_target
+from heads import (
+    agreeing_head,
+    assert_sampled_snapshot_replays,
+    draw_correction_biases_,
+    markov_target,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -35,9 +40,8 @@ from speculum.models.multi_layer_eagle import (
 )
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
-from speculum.runtime.generate import generate, run_to_completion
+from speculum.runtime.generate import generate
 from speculum.spec.paged import causal_mask
 from speculum.state.parallel import TensorParallel
 
@@ -430,21 +434,7 @@ def test_snapshot_restore_of_an_mla_batch_replays_exactly() -> None:
     """A snapshot of a sampled batch on the MLA target (its latent pages, and the MTP draft's),
     restored, replays bit for bit."""
     engine = mla_engine("mtp", (3, 2, 6), page_size=4)
-    state = scheduler.new_state(engine)
-    rids = []
-    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
-        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
-        state, rid = scheduler.add_request(
-            engine, state, prompt, sampling=sampling, max_new_tokens=16
-        )
-        rids.append(rid)
-    for _ in range(3):
-        state, _ = scheduler.step(engine, state)
-    snap = scheduler.take_snapshot(engine, state)
-    _, finished = run_to_completion(engine, state)
-    first = [finished[rid].output for rid in rids]
-    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
-    assert [finished[rid].output for rid in rids] == first
+    assert_sampled_snapshot_replays(engine)
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "mtp"])

@@ -10,7 +10,12 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, draw_correction_biases_, markov_target
+from heads import (
+    agreeing_head,
+    assert_sampled_snapshot_replays,
+    draw_correction_biases_,
+    markov_target,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -41,9 +46,8 @@ from speculum.models.multi_layer_eagle import (
 )
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
-from speculum.runtime.generate import acceptance_stats, generate, run_to_completion
+from speculum.runtime.generate import acceptance_stats, generate
 from speculum.state.parallel import TensorParallel
 
 transformers.logging.disable_progress_bar()
@@ -431,21 +435,7 @@ def test_sampled_requests_yield_in_a_batch_what_they_yield_alone() -> None:
 def test_snapshot_restore_of_an_moe_batch_replays_exactly() -> None:
     """A snapshot of a sampled batch on the MoE target, restored, replays bit for bit."""
     engine = moe_engine("mtp", (3, 2, 6), page_size=4)
-    state = scheduler.new_state(engine)
-    rids = []
-    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
-        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
-        state, rid = scheduler.add_request(
-            engine, state, prompt, sampling=sampling, max_new_tokens=16
-        )
-        rids.append(rid)
-    for _ in range(3):
-        state, _ = scheduler.step(engine, state)
-    snap = scheduler.take_snapshot(engine, state)
-    _, finished = run_to_completion(engine, state)
-    first = [finished[rid].output for rid in rids]
-    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
-    assert [finished[rid].output for rid in rids] == first
+    assert_sampled_snapshot_replays(engine)
 
 
 def test_speculative_sampling_on_an_moe_target_follows_the_target_law() -> None:
