@@ -20,8 +20,9 @@ from test_models import random_tensors
 from speculum import kernels
 from speculum.models.block_draft import random_block_draft
 from speculum.models.config import CheckpointError, DecoderConfig
-from speculum.models.decoder import dense_batch
+from speculum.models.decoder import Attention, dense_batch
 from speculum.models.draft import random_draft
+from speculum.models.draft_loading import LAYOUTS, load_draft, save_draft
 from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import load_model, random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
@@ -281,10 +282,14 @@ def test_the_cache_free_forward_keeps_the_window() -> None:
 
 
 PIPE_VOCAB = 16
-#: A mostly-Markov target (``heads.markov_target``) with a 4-key window on layers 1-3, layer 0
-#: full, decoding 30 tokens into a context of 64.
+#: A mostly-Markov Qwen2-shaped target (``heads.markov_target``) with a 4-key window on layers
+#: 1-3, layer 0 full, decoding 30 tokens into a context of 64.
 TARGET = markov_target(
-    PIPE_VOCAB, architecture="Qwen2ForCausalLM", sliding_window=4, full_attention_layers=(0,)
+    PIPE_VOCAB,
+    architecture="Qwen2ForCausalLM",
+    qkv_bias=True,
+    sliding_window=4,
+    full_attention_layers=(0,),
 )
 #: A random target (no Markov vote) with a 3-key window on every layer: drafts that agree with
 #: a Markov target rarely agree with it, so most rounds roll back.
@@ -404,3 +409,21 @@ def test_speculative_rounds_on_the_windowed_targets_accept_as_meant() -> None:
         prompts, engine=engine_from_model(full, max_context=64), max_new_tokens=30
     )
     assert [r.token_ids for r in windowed] != [r.token_ids for r in unwindowed]
+
+
+def attention_windows(module: torch.nn.Module) -> list[int]:
+    """The window of every grouped-query attention block in ``module``, in order."""
+    return [m.window for m in module.modules() if isinstance(m, Attention)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_drafts_for_a_windowed_target_round_trip(layout: str, tmp_path: Path) -> None:
+    """EAGLE/MTP heads built for a windowed target save and load back in every layout with
+    their weights and their layers' windows."""
+    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
+    target = {"target": TARGET} if layout == "mtp-in-target" else {}
+    save_draft(head, tmp_path, layout, **target)
+    loaded = load_draft(tmp_path, TARGET, LAYOUTS[layout])
+    assert attention_windows(loaded) == attention_windows(head)
+    left, right = loaded.state_dict(), head.state_dict()
+    assert list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
