@@ -41,6 +41,8 @@ def window_limits(
     columns more than ``window - 1`` visible keys back). ``window == 0`` is full attention:
     the whole prefix and ``new_mask`` itself."""
     batch, q, tail = new_mask.shape
+    if window < 0:
+        raise ValueError(f"window={window}: a sliding window is a key count (0: no window)")
     if window == 0:
         return prefix_lens.new_zeros(batch, q), new_mask
     # seen[b, i, j]: tail keys query i sees up to column j, so a seen column j sits

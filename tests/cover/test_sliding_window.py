@@ -257,8 +257,9 @@ def test_the_window_keeps_keys_by_position_for_a_tree(tree) -> None:
 
 
 def test_the_attention_op_takes_the_window_and_passes_its_checks() -> None:
-    """``speculum::paged_attention`` with a window passes torch's custom-op checks, and its
-    window changes the result only when it is shorter than the context."""
+    """``speculum::paged_attention`` with a window passes torch's custom-op checks, its window
+    changes the result only when it is shorter than the context, and a negative one is
+    refused."""
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 4, 4, 2, 8, generator=gen)
     q = torch.randn(2, 3, 4, 8, generator=gen)
@@ -268,6 +269,8 @@ def test_the_attention_op_takes_the_window_and_passes_its_checks() -> None:
     full = kernels.paged_attention(*call)
     assert torch.equal(kernels.paged_attention(*call, 7), full)
     assert not torch.equal(kernels.paged_attention(*call, 6)[0], full[0])
+    with pytest.raises(ValueError, match=r"window=-1: a sliding window is a key count"):
+        kernels.paged_attention(*call, -1)
 
 
 def test_the_cache_free_forward_keeps_the_window() -> None:
@@ -416,14 +419,18 @@ def attention_windows(module: torch.nn.Module) -> list[int]:
     return [m.window for m in module.modules() if isinstance(m, Attention)]
 
 
+@pytest.mark.parametrize("target_name", sorted(TARGETS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_drafts_for_a_windowed_target_round_trip(layout: str, tmp_path: Path) -> None:
+def test_drafts_for_a_windowed_target_round_trip(
+    target_name: str, layout: str, tmp_path: Path
+) -> None:
     """EAGLE/MTP heads built for a windowed target save and load back in every layout with
-    their weights and their layers' windows."""
-    head = random_draft(TARGET, LAYOUTS[layout], seed=1, std=0.3)
-    target = {"target": TARGET} if layout == "mtp-in-target" else {}
+    their weights and their layers' windows (EAGLE-3's Llama midlayer has none)."""
+    model = TARGETS[target_name][0]
+    head = random_draft(model, LAYOUTS[layout], seed=1, std=0.3)
+    target = {"target": model} if layout == "mtp-in-target" else {}
     save_draft(head, tmp_path, layout, **target)
-    loaded = load_draft(tmp_path, TARGET, LAYOUTS[layout])
+    loaded = load_draft(tmp_path, model, LAYOUTS[layout])
     assert attention_windows(loaded) == attention_windows(head)
     left, right = loaded.state_dict(), head.state_dict()
     assert list(left) == list(right) and all(torch.equal(left[k], right[k]) for k in left)
