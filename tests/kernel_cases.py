@@ -169,14 +169,16 @@ def attention_inputs(
     head_dim: int,
     page_size: int,
     latent_dim: int | None = None,
+    window: int = 0,
 ) -> dict:
     """Float32 inputs of ``paged_attention`` on ``gen``'s device, with a ``ref_mask`` beside.
 
     With ``latent_dim``, the values are the keys' first ``latent_dim`` columns (a strided view,
     as latent attention's cache gives them).
 
-    Every pool slot that some query row (padding too, as the reference defines it) sees holds a
-    random value; every other slot, and every padded query row, holds NaN, inf or 1e30.
+    Every pool slot that some query row (padding too, as the reference defines it) sees within
+    its sliding ``window`` (0: none) holds a random value; every other slot, and every padded
+    query row, holds NaN, inf or 1e30.
     ``ref_mask`` is ``new_mask`` where it has a column; the reference needs one tail column to
     gather from, and an all-False one sees nothing.
     """
@@ -187,7 +189,7 @@ def attention_inputs(
     lens = torch.tensor(q_lens, device=device)
     ref_mask = new_mask if tail else torch.zeros(batch, q, 1, dtype=torch.bool, device=device)
     seq = page_table.shape[1] * page_size
-    seen = visible_keys(prefix, ref_mask, seq).any(1)
+    seen = visible_keys(prefix, ref_mask, seq, window).any(1)
     s = torch.arange(seq, device=device)
     live = (page_table[:, s // page_size] * page_size + s % page_size)[seen]
     garbage = torch.tensor(GARBAGE, device=device)
@@ -212,6 +214,7 @@ def attention_inputs(
         "new_mask": new_mask,
         "ref_mask": ref_mask,
         "scale": head_dim**-0.5,
+        "window": window,
     }
 
 

@@ -27,15 +27,17 @@ def paged_attention(
     q_lens: Tensor,
     new_mask: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """Attention of new tokens over their paged prefix and each other (see ``spec.attention``)."""
+    """Attention of new tokens over their paged prefix and each other, each seeing its last
+    ``window`` keys only when ``window`` is above 0 (see ``spec.attention``)."""
     return spec_attention.paged_attention(
-        q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale
+        q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window
     )
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale):
+def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window=0):
     # One output row per query head, as wide as a value head (latent attention's values are
     # narrower than its keys).
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])

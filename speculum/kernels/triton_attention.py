@@ -42,6 +42,12 @@ Design
   (empty for a chunk past the request's keys), and a small combine kernel merges the partials.
   ``splits = min(2 * SMs // programs, ceil(capacity / 128), 64)`` where ``capacity = max_pages *
   page_size``; 1 (no partials, no combine) once the grid already fills two programs per SM.
+* **Sliding window** (``window > 0``): the wrapper cuts the mask to each query's last
+  ``window`` keys and computes each query's first visible prefix index
+  (``spec.attention.window_limits``); the kernel masks prefix keys below a row's first index
+  and starts its prefix tiles at the tile holding the block's smallest one, so tiles wholly
+  outside every row's window are neither loaded nor visited. A skipped tile would have added
+  nothing (probabilities 0, running max unchanged), so outputs keep their bits.
 * **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
   the device alone; lengths are read on the device, so a launch can be captured and replayed.
 
@@ -60,6 +66,8 @@ import triton
 import triton.language as tl
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+
+from speculum.spec.attention import window_limits
 
 __all__ = ["paged_attention_triton", "register"]
 
@@ -167,6 +175,7 @@ def _attention_kernel(
     prefix_lens_ptr,
     q_lens_ptr,
     mask_ptr,
+    first_ptr,
     out_ptr,
     m_ptr,
     l_ptr,
@@ -192,6 +201,8 @@ def _attention_kernel(
     stride_mb,
     stride_mi,
     stride_mj,
+    stride_fb,
+    stride_fi,
     stride_ob,
     stride_oi,
     stride_oh,
@@ -209,6 +220,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     TOKENS: tl.constexpr,
     SCAN_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """One (query block, request x KV head, split) program; see the module docstring.
 
@@ -239,6 +251,14 @@ def _attention_kernel(
     row_ok = row_in & (qi < q_len)  # rows that are real queries
     # A block of padding rows does no work at all: its loops get empty ranges.
     block_live = q_block * BLOCK_Q < q_len
+    # Each row's first visible cache index (0 without a window), and the block's smallest. A
+    # padding row's is past every key, so that no key only it would see (outside every real
+    # row's window: maybe stale) is loaded.
+    first = tl.zeros([BLOCK_M], tl.int32)
+    if WINDOWED:
+        first = tl.load(first_ptr + b * stride_fb + qi * stride_fi, mask=row_ok, other=1 << 30)
+        first = first.to(tl.int32)
+    first_min = tl.min(tl.where(row_ok, first, prefix_len), axis=0)
 
     # A first pass over the block's mask rows (one per token, not per head, in wide tiles: this
     # loop has no matrix work to hide its latency) finds one past the last column a real row
@@ -284,28 +304,34 @@ def _attention_kernel(
     prefix = tl.where(block_live, prefix_len, 0)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix + tail_end)
-    prefix_tiles_end = tl.maximum(lo, tl.minimum(hi, prefix // BLOCK_N * BLOCK_N))
+    # Tiles below the one holding the block's first visible key are outside every row's
+    # window (``lo`` and the tile starts are multiples of BLOCK_N, so tiling is unchanged).
+    first_tile = tl.maximum(lo, tl.minimum(first_min, prefix) // BLOCK_N * BLOCK_N)
+    prefix_tiles_end = tl.maximum(first_tile, tl.minimum(hi, prefix // BLOCK_N * BLOCK_N))
     dense_keys_end = (prefix + tl.minimum(dense_end, tail_end)) // BLOCK_N * BLOCK_N
     dense_tiles_end = tl.maximum(prefix_tiles_end, tl.minimum(hi, dense_keys_end))
-    for start in range(lo, prefix_tiles_end, BLOCK_N):
+    for start in range(first_tile, prefix_tiles_end, BLOCK_N):
         s = start + keys
-        key_ok = s < hi
+        key_ok = (s < hi) & (s >= first_min)
+        visible = key_ok[None, :] & (s[None, :] >= first[:, None])
         m_i, l_acc, acc = _attend_block(
-            q, s, key_ok, key_ok[None, :], page_row, stride_pp, k_base, stride_kp, stride_ks,
+            q, s, key_ok, visible, page_row, stride_pp, k_base, stride_kp, stride_ks,
             v_base, stride_vp, stride_vs, d_ok, dv_ok, ones, m_i, l_acc, acc, qk_scale,
             PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
     for start in range(prefix_tiles_end, dense_tiles_end, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
+        visible = visible & (s[None, :] >= first[:, None])
         m_i, l_acc, acc = _attend_block(
-            q, s, s < hi, visible, page_row, stride_pp, k_base, stride_kp, stride_ks, v_base,
-            stride_vp, stride_vs, d_ok, dv_ok, ones, m_i, l_acc, acc, qk_scale, PAGE_SIZE,
-            DOT_PRECISION,
+            q, s, (s < hi) & (s >= first_min), visible, page_row, stride_pp, k_base, stride_kp,
+            stride_ks, v_base, stride_vp, stride_vs, d_ok, dv_ok, ones, m_i, l_acc, acc,
+            qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
     for start in range(dense_tiles_end, hi, BLOCK_N):
         s = start + keys
         visible = _visible(mask_rows, s - prefix, stride_mj, row_ok, num_tail)
+        visible = visible & (s[None, :] >= first[:, None])
         m_i, l_acc, acc = _attend_block(
             q, s, tl.max(visible.to(tl.int32), axis=0) > 0, visible, page_row, stride_pp,
             k_base, stride_kp, stride_ks, v_base, stride_vp, stride_vs, d_ok, dv_ok, ones, m_i,
@@ -472,6 +498,7 @@ def paged_attention_triton(
     q_lens: Int[Tensor, " batch"],
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
+    window: int = 0,
     *,
     num_splits: int | None = None,
     out: Float[Tensor, "batch q head head_dim"] | None = None,
@@ -485,6 +512,9 @@ def paged_attention_triton(
     queries that see no key. Tensors live on one CUDA device (or the CPU under
     ``TRITON_INTERPRET=1``). Reads no tensor value on the host, so the call can be captured in
     a CUDA graph.
+
+    ``window`` above 0: each query sees its last ``window`` keys only (sliding-window
+    attention, ``spec.attention.window_limits``).
 
     ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
     receives the result in place of a fresh tensor (tests poison it to prove every element is
@@ -520,6 +550,10 @@ def paged_attention_triton(
         target, target_strides = acc, (0, 0, 0, 0)  # partials are addressed as contiguous
     else:
         target, m, l_sum, target_strides = out, out, out, out.stride()
+    # Each query's first visible cache index (read only with a window; prefix_lens stands in).
+    first_key = prefix_lens[:, None]
+    if window:
+        first_key, new_mask = window_limits(prefix_lens, new_mask, window)
     # Triton loads bytes; a bool tensor reinterpreted as uint8 keeps its (maybe 0) strides.
     mask = new_mask.view(torch.uint8)
     _attention_kernel[(q_blocks, batch * kv_heads, num_splits)](
@@ -530,6 +564,7 @@ def paged_attention_triton(
         prefix_lens.contiguous(),
         q_lens.contiguous(),
         mask,
+        first_key,
         target,
         m,
         l_sum,
@@ -543,6 +578,7 @@ def paged_attention_triton(
         *v_cache.stride(),
         *page_table.stride(),
         *mask.stride(),
+        *first_key.stride(),
         *target_strides,
         GROUP=group,
         BLOCK_Q=tiles["BLOCK_Q"],
@@ -557,6 +593,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         TOKENS=tiles["TOKENS"],
         SCAN_N=tiles["SCAN_N"],
+        WINDOWED=window > 0,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )

@@ -513,15 +513,15 @@ def _parse(raw: dict[str, Any], algorithm: str, target: DecoderConfig, where: st
             f"{where} holds a {found} draft ({archs[0]}), not a {algorithm} draft; pass "
             f"--algorithm {found}"
         )
-    layer_raw = {**raw, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-    layer_raw["attention_bias"] = bool(raw.get("attention_bias", False))
-    layer = DecoderConfig.from_dict(layer_raw, str(Path(where) / "config.json"))
-    layer = attrs.evolve(layer, sliding_window=None, eos_token_ids=(), num_nextn_predict_layers=0)
     if raw.get("layer_types") and set(raw["layer_types"]) != {"full_attention"}:
         raise UnsupportedModel(
             f"{where}: layer_types {raw['layer_types']}: speculum's block drafts run full "
             "attention layers only"
         )
+    layer_raw = {**raw, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    layer_raw["attention_bias"] = bool(raw.get("attention_bias", False))
+    layer = DecoderConfig.from_dict(layer_raw, str(Path(where) / "config.json"))
+    layer = attrs.evolve(layer, sliding_window=None, eos_token_ids=(), num_nextn_predict_layers=0)
     num_target = _int(
         _field(raw, "num_target_layers", default=target.num_layers), "num_target_layers", where
     )

@@ -20,6 +20,15 @@ hold, two different expert counts, ``topk_group`` above ``n_group``, experts tha
 into ``n_group`` groups, an unknown ``scoring_func`` or ``topk_method``), latent attention
 widths missing or not positive (``kv_lora_rank`` ...) or an odd ``qk_rope_head_dim``, and an
 unreadable ``generation_config.json``.
+
+Sliding-window attention: Mistral and Mixtral window every layer with ``sliding_window``;
+Qwen2, Qwen3 and Qwen2-MoE window the layers ``layer_types`` names ``"sliding_attention"``
+(transformers 5 writes it), else by transformers' default rule (Qwen2/Qwen3: layers from
+``max_window_layers`` on; Qwen2-MoE: even layers below ``max_window_layers``), and only with
+``use_sliding_window``; Qwen3-MoE windows every layer with ``use_sliding_window``. Llama, GLM-4.5
+and DeepSeek have no window (transformers reads no ``sliding_window`` for them). A
+``layer_types`` of the wrong length or with an unknown kind is refused, and so is one naming
+sliding layers of a config without a window.
 """
 
 from __future__ import annotations
@@ -70,6 +79,13 @@ MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: Architectures whose every layer takes ``sliding_window`` (transformers reads no
+#: ``layer_types`` for them).
+WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+#: Architectures whose windowed layers follow ``layer_types`` (or transformers' default rule).
+WINDOW_BY_LAYER_TYPE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
+#: The attention kinds ``layer_types`` may name.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Architectures whose attention is multi-head latent attention (:class:`MLAConfig`).
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _REQUIRED = (
@@ -321,6 +337,16 @@ class DecoderConfig:
     #: The share of each head's dimensions the rotary embedding turns (the first
     #: ``head_dim * partial_rotary_factor``; GLM-4.5's 0.5); the rest pass through.
     partial_rotary_factor: float = 1.0
+    #: Layers that attend to their whole context although ``sliding_window`` is set (Qwen's
+    #: ``full_attention`` layers); every other layer sees the last ``sliding_window`` keys.
+    full_attention_layers: tuple[int, ...] = ()
+
+    def attention_window(self, layer: int) -> int:
+        """How many keys (the query's own included) a query of layer ``layer`` sees at most:
+        ``sliding_window`` for a windowed layer, 0 (no limit) for a full-attention one."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return 0
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -368,8 +394,7 @@ class DecoderConfig:
         head_dim = mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where)
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
         nextn = _integer(raw, "num_nextn_predict_layers", where, minimum=0, default=0)
-        uses_window = not (qwen2 or qwen3) or raw.get("use_sliding_window", False)
-        window = _integer(raw, "sliding_window", where, minimum=1) if uses_window else None
+        window, full_layers = _window_settings(raw, arch, where, size["num_hidden_layers"])
         return cls(
             architecture=arch,
             vocab_size=size["vocab_size"],
@@ -398,6 +423,7 @@ class DecoderConfig:
             moe=_moe_settings(raw, arch, where, size["num_hidden_layers"], nextn),
             mla=mla,
             partial_rotary_factor=_partial_rotary_factor(raw, where, head_dim, 0.5 if glm else 1.0),
+            full_attention_layers=full_layers,
         )
 
     @classmethod
@@ -457,7 +483,7 @@ class DecoderConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.o_bias,
             "mlp_bias": self.mlp_bias,
-            "sliding_window": self.sliding_window,
+            **_window_dict(self),
             "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
             "bos_token_id": self.bos_token_id,
             "torch_dtype": self.dtype,
@@ -466,6 +492,61 @@ class DecoderConfig:
             **(_glm4_moe_dict(self) if self.architecture == "Glm4MoeForCausalLM" else {}),
             **(_mla_dict(self) if self.mla is not None else {}),
         }
+
+
+def _window_settings(
+    raw: dict[str, Any], arch: str, where: str, num_layers: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """``(sliding_window, full_attention_layers)`` as transformers reads them for ``arch``
+    (module docstring): no window where the architecture or ``use_sliding_window`` has none."""
+    if arch not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPE:
+        return None, ()
+    used = arch in ("MistralForCausalLM", "MixtralForCausalLM") or _boolean(
+        raw, "use_sliding_window", where, False
+    )
+    window = _integer(raw, "sliding_window", where, minimum=1) if used else None
+    if arch in WINDOW_EVERY_LAYER:
+        return window, ()
+    types = raw.get("layer_types")
+    if types is None:
+        first = _integer(raw, "max_window_layers", where, minimum=0, default=28)
+        qwen2_moe = arch == "Qwen2MoeForCausalLM"
+        windowed = [
+            (n < first and n % 2 == 0) if qwen2_moe else n >= first for n in range(num_layers)
+        ]
+        types = ["sliding_attention" if w and window else "full_attention" for w in windowed]
+    if not (
+        isinstance(types, list)
+        and len(types) == num_layers
+        and all(t in LAYER_TYPES for t in types)
+    ):
+        raise CheckpointError(
+            f"{where}: layer_types is {types!r}; it must list one of {', '.join(LAYER_TYPES)} "
+            f"per layer (num_hidden_layers {num_layers}): fix layer_types in the file"
+        )
+    if window is None and "sliding_attention" in types:
+        raise CheckpointError(
+            f"{where}: layer_types names sliding_attention layers but the config has no window "
+            "(use_sliding_window false or sliding_window null): set use_sliding_window and "
+            "sliding_window, or make every layer full_attention"
+        )
+    if window is None:
+        return None, ()  # one spelling of "no window", whatever layer_types lists
+    return window, tuple(n for n, t in enumerate(types) if t == "full_attention")
+
+
+def _window_dict(config: DecoderConfig) -> dict[str, Any]:
+    """The sliding-window keys of ``config.json`` as transformers reads them for the
+    architecture: ``layer_types`` where it is read, ``use_sliding_window`` for Qwen's."""
+    keys: dict[str, Any] = {"sliding_window": config.sliding_window}
+    if config.architecture in WINDOW_BY_LAYER_TYPE + ("Qwen3MoeForCausalLM",):
+        keys["use_sliding_window"] = config.sliding_window is not None
+    if config.architecture in WINDOW_BY_LAYER_TYPE:
+        keys["layer_types"] = [
+            "sliding_attention" if config.attention_window(n) else "full_attention"
+            for n in range(config.num_layers)
+        ]
+    return keys
 
 
 def _qwen2_qkv_bias(raw: dict[str, Any], arch: str) -> bool:

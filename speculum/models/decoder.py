@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from speculum import kernels
 from speculum.models.config import DecoderConfig
+from speculum.spec.attention import window_limits
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -231,11 +232,14 @@ class Attention(nn.Module):
 
     ``input_size`` is the width of ``x`` (the q/k/v projections' input); it defaults to
     ``hidden_size``. EAGLE-3's draft layer attends over ``[embedding; hidden]``, twice as wide.
+    ``window`` is the layer's sliding window (``config.attention_window``; 0: full attention):
+    a query sees its last ``window`` keys, itself included.
     """
 
     def __init__(self, config: DecoderConfig, layer: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.window = config.attention_window(layer)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -315,6 +319,7 @@ class Attention(nn.Module):
             batch.q_lens,
             batch.new_mask,
             1.0 / math.sqrt(self.head_dim),
+            self.window,
         )
         return self.o_proj(out.flatten(2))
 
@@ -324,12 +329,14 @@ class Attention(nn.Module):
         """Project, rotate, write K/V into the pool, attend, and project back.
 
         With ``pool=None`` (training) nothing is cached: the queries attend to each other's
-        keys alone under ``batch.new_mask``, differentiably (:func:`dense_attention`).
+        keys alone under ``batch.new_mask`` (cut to the window), differentiably
+        (:func:`dense_attention`).
         """
         qs, ks, vs = self.heads(x)
         if pool is None:
             qs, ks = (apply_rope(t, batch.positions, inv_freq) for t in (qs, ks))
-            return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
+            _, mask = window_limits(batch.prefix_lens, batch.new_mask, self.window)
+            return self.o_proj(dense_attention(qs, ks, vs, mask).flatten(2))
         qs = kernels.model_ops.rope_write_kv(
             qs,
             ks,

@@ -502,6 +502,9 @@ def draft_config(target: DecoderConfig, algorithm: str, **changes: object) -> Dr
             o_bias=False,
             mlp_bias=False,
             qk_norm=False,
+            # The midlayer is a Llama layer, which has no sliding window in any layout.
+            sliding_window=None,
+            full_attention_layers=(),
         )
         if "capture_layers" not in changes:
             try:

@@ -12,7 +12,6 @@ import attrs
 import torch
 
 from speculum.models.block_draft import load_block_draft
-from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel, fuse_projections_
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
@@ -261,12 +260,6 @@ def _check_limits(target: DecoderModel, config: EngineConfig) -> None:
     if context > model_limit:
         raise ValueError(
             f"max_context={context} exceeds the model's max_position_embeddings={model_limit}"
-        )
-    window = target.config.sliding_window
-    if window is not None and window < context:
-        raise UnsupportedModel(
-            f"sliding_window={window} is shorter than the context of {context} tokens and "
-            f"sliding-window attention is not implemented; pass max_context <= {window}"
         )
 
 

@@ -8,6 +8,15 @@ draft-extend pass a causal mask with ``t == q``; tree verify passes the tree mas
 draft passes ``t > q``, its earlier steps' tokens sitting in the tail before the current step's.
 The queries' K/V must already be in the cache. Which tail entries exist is the mask's business:
 a column no valid query should see must be False.
+
+Sliding-window attention (``window > 0``) keeps, of each query's visible keys in cache order,
+the last ``window``: a query's visible keys are its context, the prefix (positions ``0 ..
+prefix_lens - 1``) then its path through the tail (one key per position, ancestors before
+descendants, itself last), so the ``k``-th from the end sits at position ``p - k`` for a query
+at position ``p``. Keeping the last ``window`` is transformers' rule for Mistral and Qwen's
+windowed layers, key position ``> p - window`` (the query itself and ``window - 1`` keys before
+it), for every shape at once: a prefill chunk, a decode step, a chain verify, a tree node at
+depth ``d`` (position ``prefix_lens + d``) and a multi-step draft, with no positions passed.
 """
 
 from __future__ import annotations
@@ -18,29 +27,56 @@ from torch import Tensor
 
 from speculum.spec.paged import gather_kv
 
-__all__ = ["paged_attention", "visible_keys"]
+__all__ = ["paged_attention", "visible_keys", "window_limits"]
+
+
+def window_limits(
+    prefix_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    window: int,
+) -> tuple[Int[Tensor, "batch q"], Bool[Tensor, "batch q tail"]]:
+    """Where a ``window``-wide sliding window cuts each query's context (module docstring):
+    ``(first_key, tail_mask)``, query ``i`` of request ``b`` seeing the prefix indices from
+    ``first_key[b, i]`` on and the tail columns of ``tail_mask[b, i]`` (``new_mask`` less the
+    columns more than ``window - 1`` visible keys back). ``window == 0`` is full attention:
+    the whole prefix and ``new_mask`` itself."""
+    batch, q, tail = new_mask.shape
+    if window < 0:
+        raise ValueError(f"window={window}: a sliding window is a key count (0: no window)")
+    if window == 0:
+        return prefix_lens.new_zeros(batch, q), new_mask
+    # seen[b, i, j]: tail keys query i sees up to column j, so a seen column j sits
+    # count - seen[j] keys before the query's own (the last it sees).
+    seen = new_mask.to(torch.int64).cumsum(-1)
+    count = seen[..., -1] if tail else prefix_lens.new_zeros(batch, q)
+    tail_mask = new_mask & (count[..., None] - seen < window)
+    first_key = (prefix_lens[:, None] + count - window).clamp(min=0)
+    return first_key, tail_mask
 
 
 def visible_keys(
     prefix_lens: Int[Tensor, " batch"],
     new_mask: Bool[Tensor, "batch q tail"],
     seq: int,
+    window: int = 0,
 ) -> Bool[Tensor, "batch q seq"]:
     """Which cache indices each query attends to.
 
     Index ``s`` is visible to query ``i`` of request ``b`` when it is in the prefix
     (``s < prefix_lens[b]``), or when it is tail index ``j = s - prefix_lens[b] < tail`` with
-    ``new_mask[b, i, j]``.
+    ``new_mask[b, i, j]``; with a sliding ``window`` (above 0), when it is moreover one of the
+    query's last ``window`` such indices (:func:`window_limits`).
     """
     q, tail = new_mask.shape[1], new_mask.shape[2]
+    first_key, new_mask = window_limits(prefix_lens, new_mask, window)
     s = torch.arange(seq, device=prefix_lens.device)[None, :]
     rel = s - prefix_lens[:, None]  # [batch, seq]: index within the tail
-    in_prefix = rel < 0
+    in_prefix = (rel < 0)[:, None, :] & (s[:, None, :] >= first_key[:, :, None])
     if tail == 0:  # nothing after the prefix (and no column to gather the mask from)
-        return in_prefix[:, None, :].expand(-1, q, -1)
+        return in_prefix
     in_tail = (rel >= 0) & (rel < tail)
     gathered = new_mask.gather(2, rel.clamp(0, tail - 1)[:, None, :].expand(-1, q, -1))
-    return in_prefix[:, None, :] | (in_tail[:, None, :] & gathered)
+    return in_prefix | (in_tail[:, None, :] & gathered)
 
 
 def paged_attention(
@@ -52,8 +88,11 @@ def paged_attention(
     q_lens: Int[Tensor, " batch"],
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
+    window: int = 0,
 ) -> Float[Tensor, "batch q head head_dim"]:
-    """Softmax attention of queries over (prefix + masked tail), grouped-query aware.
+    """Softmax attention of queries over (prefix + masked tail), grouped-query aware, each
+    query seeing only its last ``window`` keys when ``window`` is above 0 (sliding-window
+    attention; see the module docstring).
 
     Computed in float32; padded query rows (``i >= q_lens[b]``) return zeros.
     """
@@ -63,7 +102,7 @@ def paged_attention(
     keys = keys.repeat_interleave(group, dim=2)
     values = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bshd->bhqs", q.float(), keys) * scale
-    visible = visible_keys(prefix_lens, new_mask, keys.shape[1])
+    visible = visible_keys(prefix_lens, new_mask, keys.shape[1], window)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     # A query that sees no key (padding) would be NaN after softmax; it gets all-zero weights
     # instead (nan_to_num would also hide a real NaN coming out of the model).

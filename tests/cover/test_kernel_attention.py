@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 import kernel_cases as kc
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,8 @@ class Case:
     seed: int
     #: Values as the keys' first columns (latent attention), or their own pool (``None``).
     latent_dim: int | None = None
+    #: Sliding window (keys each query sees at most; 0: full attention).
+    window: int = 0
 
 
 @st.composite
@@ -70,6 +73,7 @@ def cases(draw: st.DrawFn) -> Case:
         num_splits=draw(st.sampled_from([None, 1, 2, 3])),
         seed=draw(st.integers(0, 2**16)),
         latent_dim=draw(st.sampled_from([None, None, 6])),
+        window=draw(st.sampled_from([0, 0, 1, 3, 7, 20])),
     )
 
 
@@ -87,6 +91,7 @@ def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim=case.head_dim,
         page_size=case.page_size,
         latent_dim=case.latent_dim,
+        window=case.window,
     )
     return kc.run_attention(inputs, num_splits=case.num_splits)
 
@@ -123,6 +128,34 @@ def test_multi_block_tail_and_queries():
     )
     got, want = run_both(case)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_q", [1, 5, 20])
+def test_sliding_window_skips_tiles_outside_it(num_q):
+    """A decode step, a chain verify and a prefill chunk over prefixes several key tiles long
+    with a window shorter than a tile: every key outside the window is NaN or inf (poisoned by
+    ``attention_inputs``), so a tile the kernel wrongly loads shows up, split or not."""
+    batch, kv_heads, group, page_size, window = 2, 1, 2, 3, 5
+    prefix_lens = [70, 37]
+    counts = kc.pages_needed(prefix_lens, num_q, page_size)
+    for num_splits in (1, 3):
+        case = Case(
+            page_size=page_size,
+            kv_heads=kv_heads,
+            group=group,
+            head_dim=16,
+            prefix_lens=prefix_lens,
+            q_lens=[num_q, max(1, num_q - 2)],
+            page_table=kc.page_table(list(range(1, 1 + sum(counts))), counts, max(counts)),
+            num_pages=1 + sum(counts),
+            new_mask=causal_mask(batch, num_q).clone(),
+            num_splits=num_splits,
+            seed=3,
+            window=window,
+        )
+        got, want = run_both(case)
+        assert not want.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_latent_attention_shape():

@@ -68,6 +68,13 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3", {"head_dim": 24}),  # q/k norm, head_dim != hidden / heads
     # A window no shorter than the context is accepted and changes nothing.
     "mistral": ("Mistral", {"sliding_window": MAX_POSITIONS}),
+    # Windows shorter than the prompts: every layer (Mistral), or layers from
+    # max_window_layers on (Qwen2), through chunks, decode steps and pages alike.
+    "mistral-window": ("Mistral", {"sliding_window": 3}),
+    "qwen2-window": (
+        "Qwen2",
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
     # Mixtures of experts (4 experts, top 2): Mixtral always renormalises the top k; Qwen2-MoE
     # adds a gated shared expert and does not renormalise; Qwen3-MoE does, with a dense layer.
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),

@@ -82,6 +82,7 @@ def shapes(draw: st.DrawFn) -> dict:
         "kv_heads": kv_heads,
         "head_dim": draw(st.sampled_from([64, 128])),
         "page_size": draw(st.sampled_from([1, 16])),
+        "window": draw(st.sampled_from([0, 0, 50, 300])),
         "seed": seed,
     }
 
@@ -124,6 +125,24 @@ def test_tree_verify(q, tail, dtype):
     """Tree verify (tail == q) and a later multi-step draft step (tail > q)."""
     lens, mask = [q, q, q - 3, 1], tree_mask(4, q, tail, seed=q)
     check(make_inputs(prefix_lens=[1500, 0, 333, 2048], q_lens=lens, new_mask=mask), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [100, 1000])
+@pytest.mark.parametrize("call", ["decode", "chain", "tree", "chunk"])
+def test_sliding_window(call, window, dtype):
+    """Mistral-style windows shorter than 4096-token prefixes: decode at batch 1 (split KV), a
+    chain verify, a tree and a 512-token chunk; every key outside the window is poisoned."""
+    shapes = {
+        "decode": (1, 1, causal_mask(1, 1)),
+        "chain": (4, 5, causal_mask(4, 5)),
+        "tree": (4, 8, tree_mask(4, 8, 8, seed=1)),
+        "chunk": (2, 512, causal_mask(2, 512)),
+    }
+    batch, q, mask = shapes[call]
+    prefix = [4096 - 301 * b for b in range(batch)]
+    inputs = make_inputs(prefix_lens=prefix, q_lens=[q] * batch, new_mask=mask, window=window)
+    check(inputs, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,6 +231,7 @@ def chains(draw: st.DrawFn) -> dict:
         kv_heads=kv_heads,
         page_size=page_size,
         seed=draw(st.integers(0, 2**16)),
+        window=draw(st.sampled_from([0, 0, 64, 700])),
     )
     dtype = draw(st.sampled_from(DTYPES))
     for name in ("q", "k_cache", "v_cache"):
