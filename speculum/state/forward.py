@@ -18,7 +18,10 @@ class ForwardBatch:
     written to (padding rows point at the padding sink). Each query sees the whole cached prefix
     of ``prefix_lens`` tokens and the ``tail`` cache indices after it that ``new_mask`` allows
     (see ``spec.attention``): causal over the queries themselves for prefill and decode, the
-    tree mask for verify.
+    tree mask for verify. Query ``i`` sits at tail index ``tail - q + i``.
+
+    ``state_slots`` are the requests' recurrent-state slots (``PagedKV.state_slots``), read and
+    written by linear-attention layers; ``None`` for models without them.
     """
 
     input_ids: Int[Tensor, "batch q"]
@@ -28,3 +31,4 @@ class ForwardBatch:
     prefix_lens: Int[Tensor, " batch"]
     q_lens: Int[Tensor, " batch"]
     new_mask: Bool[Tensor, "batch q tail"]
+    state_slots: Int[Tensor, " batch"] | None = None
