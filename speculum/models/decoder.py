@@ -29,8 +29,8 @@ from speculum.models.config import DecoderConfig
 from speculum.spec import recurrent
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
-from speculum.state.recurrent import RecurrentPool
 from speculum.state.parallel import SINGLE, TensorParallel
+from speculum.state.recurrent import RecurrentPool
 
 __all__ = [
     "Attention",
@@ -81,7 +81,7 @@ class RMSNorm(nn.Module):
         return self.weight if self.offset == 0.0 else self.weight + self.offset
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise the last axis of ``x`` and scale it by :attr:`scale` (``kernels.model_ops``)."""
+        """Normalise the last axis of ``x``, scaled by :attr:`scale` (``kernels.model_ops``)."""
         return kernels.model_ops.rms_norm(x, self.scale, self.eps)
 
 
@@ -570,9 +570,7 @@ class GatedDeltaNet(nn.Module):
         h = config.hidden_size
         k_width, v_width = linear.num_k_heads * linear.k_dim, linear.num_v_heads * linear.v_dim
         channels = linear.conv_channels
-        self.conv1d = nn.Conv1d(
-            channels, channels, linear.conv_kernel, groups=channels, bias=False
-        )
+        self.conv1d = nn.Conv1d(channels, channels, linear.conv_kernel, groups=channels, bias=False)
         self.in_proj_qkvz = nn.Linear(h, 2 * k_width + 2 * v_width, bias=False)
         self.in_proj_ba = nn.Linear(h, 2 * linear.num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(linear.num_v_heads))
