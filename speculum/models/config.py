@@ -106,7 +106,7 @@ _DENSE_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM": "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM",
-    "Qwen3NextForCausalLM": "Qwen3NextForCausalLM",
+    "Qwen3NextForCausalLM": "Qwen3ForCausalLM",
 }
 #: Architectures with DeepSeek-style MoE settings (``n_routed_experts``, ``n_shared_experts``,
 #: ``first_k_dense_replace``, ``n_group`` ...) -> transformers' defaults for the routing keys
@@ -480,13 +480,17 @@ class DecoderConfig:
     def dense(self) -> DecoderConfig:
         """This config with a dense MLP in every layer, under the dense architecture with the
         same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3, GLM-4.5
-        and DeepSeek -> themselves with every layer dense): the shape of draft layers built
-        like the target's for training (EAGLE, EAGLE-3, block and frozen-KV drafts; MTP layers
-        keep the target's own kind)."""
+        and DeepSeek -> themselves with every layer dense, Qwen3-Next -> Qwen3 with its head
+        shapes and partial rotary, every layer a plain attention layer): the shape of draft
+        layers built like the target's for training (EAGLE, EAGLE-3, block and frozen-KV
+        drafts; MTP layers keep the target's own kind)."""
         return attrs.evolve(
             self,
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
             moe=None,
+            linear=None,
+            attention_output_gate=False,
+            norm_offset=0.0,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -470,8 +470,11 @@ def engine_from_model(
 
 #: Algorithms refused on a hybrid target (gated DeltaNet layers): their drafts read or extend
 #: the target's per-layer K/V (which a hybrid keeps for its attention layers only), or their
-#: draft layers come from Qwen3-Next's MTP weights, not loaded yet; see docs/hybrid.md.
-HYBRID_REFUSED = frozenset({"mtp", "nextn", "frozen_kv_mtp", "dflash", "dspark"})
+#: draft layers are MTP layers of the target's kind (Qwen3-Next's MTP is not loaded yet); see
+#: docs/hybrid.md.
+HYBRID_REFUSED = frozenset(
+    {"mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp", "dflash", "dspark"}
+)
 
 
 def _check_hybrid(target: Any, algorithm: str) -> None:
@@ -483,10 +486,10 @@ def _check_hybrid(target: Any, algorithm: str) -> None:
     if algorithm in HYBRID_REFUSED:
         raise UnsupportedModel(
             f"algorithm={algorithm!r} is not supported on the hybrid target "
-            f"{config.architecture} (gated DeltaNet layers): MTP layers of Qwen3-Next are not "
-            "loaded, and frozen-KV and block drafters read the target's per-layer K/V, which "
-            "a hybrid keeps for its attention layers only. Use eagle, eagle3, standalone, "
-            "multi_layer_eagle, ngram or plain"
+            f"{config.architecture} (gated DeltaNet layers): MTP layers (mtp, nextn, "
+            "multi_layer_eagle) of Qwen3-Next are not built yet, and frozen-KV and block "
+            "drafters read the target's per-layer K/V, which a hybrid keeps for its attention "
+            "layers only. Use eagle, eagle3, standalone, ngram or plain"
         )
     if getattr(target, "tp", SINGLE).size > 1:
         raise UnsupportedModel(

@@ -1,0 +1,279 @@
+"""Hybrid targets (Qwen3-Next: gated DeltaNet layers between gated attention layers, a
+shared-expert MoE): equal to transformers, and every pipeline equal to plain decoding with the
+recurrent state kept per request, per draft node, committed for the accepted path only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from heads import agreeing_head, markov_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import page_sizes, prefill_budgets, prompt_batches
+
+from speculum.models.config import (
+    CheckpointError,
+    DecoderConfig,
+    LinearAttentionConfig,
+    MoEConfig,
+    UnsupportedModel,
+)
+from speculum.models.decoder import GatedAttention, GatedDeltaNet
+from speculum.models.loading import load_model, random_model
+from speculum.models.standalone import StandaloneHead
+from speculum.runtime import scheduler
+from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
+from speculum.runtime.generate import generate, run_to_completion
+
+transformers.logging.disable_progress_bar()
+
+VOCAB = 96
+
+
+def hf_qwen3_next(**changes: object) -> transformers.PreTrainedModel:
+    """A float32 transformers Qwen3-Next model (linear, full, linear, full layers; MoE with a
+    shared expert in every layer), every parameter random (norms included: zero-centred)."""
+    config = transformers.Qwen3NextConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "full_attention_interval": 2,
+            "max_position_embeddings": 128,
+            **changes,
+        }
+    )
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> tuple[transformers.PreTrainedModel, Path]:
+    """The transformers model and the folder its ``save_pretrained`` wrote."""
+    model = hf_qwen3_next()
+    folder = tmp_path_factory.mktemp("qwen3_next")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
+    """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts of
+    several lengths) emits transformers' ``generate`` tokens, token for token."""
+    hf, folder = hf_checkpoint
+    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
+    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2], [60, 7, 7, 31, 2, 88, 4, 50, 11, 19, 23, 5, 6]]
+    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :]
+        assert list(result.token_ids) == expected.tolist()
+
+
+def test_the_checkpoint_loads_into_the_hybrid_layer_plan(hf_checkpoint) -> None:
+    """Every weight of transformers' layout loads strictly: DeltaNet layers under
+    ``linear_attn``, gated attention under ``self_attn``, and the pool holds K/V for the
+    attention layers only, recurrent slots for the DeltaNet layers."""
+    _, folder = hf_checkpoint
+    model = load_model(folder)
+    kinds = [type(getattr(layer, layer.mixer_name)) for layer in model.model.layers]
+    assert kinds == [GatedDeltaNet, GatedAttention, GatedDeltaNet, GatedAttention]
+    pool = model.new_pool(5, 4, state_slots=3, state_ring=6)
+    assert pool.k.shape == (2, 5, 4, 2, 16)
+    assert pool.recurrent.conv.shape == (2, 3, 6, 2 * 2 * 8 + 4 * 8, 3)
+    assert pool.recurrent.ssm.shape == (2, 3, 6, 4, 8, 8)
+
+
+def test_bad_layer_types_are_refused_naming_the_field(hf_checkpoint) -> None:
+    """A ``layer_types`` list that does not cover the layers is a clear error."""
+    _, folder = hf_checkpoint
+    raw = hf_checkpoint[0].config.to_dict()
+    raw["layer_types"] = ["linear_attention"] * 3
+    with pytest.raises(CheckpointError, match="layer_types .* must list 4 entries"):
+        DecoderConfig.from_dict(raw)
+
+
+#: A Markov-ish hybrid target (heads.markov_target): DeltaNet, attention, DeltaNet, attention,
+#: the attention layers gated, norms zero-centred, a shared-expert MoE in every layer.
+HYBRID = {
+    "architecture": "Qwen3NextForCausalLM",
+    "qk_norm": True,
+    "partial_rotary_factor": 0.5,
+    "attention_output_gate": True,
+    "norm_offset": 1.0,
+    "linear": LinearAttentionConfig(
+        layer_types=("linear_attention", "full_attention") * 2,
+        num_k_heads=2,
+        num_v_heads=4,
+        k_dim=8,
+        v_dim=4,
+        conv_kernel=4,
+    ),
+}
+MOE = MoEConfig(
+    num_experts=4,
+    top_k=2,
+    expert_intermediate_size=16,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=24,
+)
+PIPE_VOCAB = 16
+TARGET = markov_target(PIPE_VOCAB, **HYBRID, moe=MOE)
+#: A small hybrid standalone draft that rarely agrees with the target: rollback every round.
+STRANGER = random_model(
+    tiny_config(vocab_size=PIPE_VOCAB, num_layers=4, **HYBRID),
+    seed=8,
+    std=0.5,
+)
+#: name -> (algorithm, draft, spec options); "tree" takes a drawn tree shape.
+PIPELINES = {
+    "plain": ("plain", None, {}),
+    "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
+    "eagle tree": ("eagle", agreeing_head(TARGET, "eagle"), "tree"),
+    "adaptive": ("eagle", agreeing_head(TARGET, "eagle"), {"adaptive_steps": (0, 1, 3)}),
+    "standalone self": ("standalone", StandaloneHead(TARGET, PIPE_VOCAB), {"num_steps": 3}),
+    "standalone self tree": ("standalone", StandaloneHead(TARGET, PIPE_VOCAB), "tree"),
+    "standalone stranger": ("standalone", StandaloneHead(STRANGER, PIPE_VOCAB), "tree"),
+    "ngram": ("ngram", None, {"num_draft_tokens": 6}),
+}
+TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
+
+
+def hybrid_engine(name: str, tree: tuple[int, int, int] = (3, 2, 6), **limits):
+    algorithm, draft, spec = PIPELINES[name]
+    if spec == "tree":
+        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
+    return engine_from_model(
+        TARGET,
+        algorithm=algorithm,
+        draft=draft,
+        spec=SpecOptions(**spec),
+        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
+        **({"max_context": 48, "page_size": 4} | limits),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(set(PIPELINES) - {"plain"}))
+@settings(max_examples=2)
+@given(
+    prompts=prompt_batches(PIPE_VOCAB, max_batch=3),
+    tree=TREES,
+    page_size=page_sizes,
+    prefill_budget=prefill_budgets,
+)
+def test_every_pipeline_equals_plain_greedy_on_a_hybrid_target(
+    name, prompts, tree, page_size, prefill_budget
+) -> None:
+    """Token for token, for a batch of prompts, any page size, chunked prefill or not, and
+    tree shape: each draft node's candidate state follows its path, commit keeps the
+    accepted one, and a rejected draft token leaves no trace."""
+    limits = {"page_size": page_size, "prefill_budget": prefill_budget}
+    ours = generate(prompts, engine=hybrid_engine(name, tree, **limits), max_new_tokens=10)
+    plain = generate(prompts, engine=hybrid_engine("plain", tree, **limits), max_new_tokens=10)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+
+
+def decoded(engine, prompts: list[list[int]], max_new_tokens: int) -> list[scheduler.Request]:
+    """The finished requests of greedy ``prompts`` through the scheduler, in order."""
+    state, rids = scheduler.new_state(engine), []
+    for prompt in prompts:
+        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=max_new_tokens)
+        rids.append(rid)
+    _, finished = run_to_completion(engine, state)
+    return [finished[rid] for rid in rids]
+
+
+PROMPTS = [[1, 2, 3], [9, 9, 9, 1, 4]]
+
+
+@pytest.mark.parametrize("name", ["standalone self", "standalone self tree"])
+def test_the_target_drafting_for_itself_is_accepted_every_round(name) -> None:
+    """The target as its own standalone draft (its own recurrent pool, one state ahead)
+    agrees with itself: every round accepts its whole chain, the deepest state committed."""
+    ours = decoded(hybrid_engine(name, (3, 2, 6)), PROMPTS, 25)
+    plain = decoded(hybrid_engine("plain"), PROMPTS, 25)
+    assert [r.output for r in ours] == [r.output for r in plain]
+    for request in ours:  # 25 tokens: the prefill's, then six rounds of 4
+        assert request.round_lengths == (0, 0, 0, 0, 6)
+
+
+def test_a_draft_that_rarely_agrees_rolls_back_and_stays_exact() -> None:
+    """With a stranger as the draft, most rounds reject at once (the state of every rejected
+    node is left behind), and the tokens are still plain decoding's."""
+    ours = decoded(hybrid_engine("standalone stranger"), PROMPTS, 20)
+    plain = decoded(hybrid_engine("plain"), PROMPTS, 20)
+    assert [r.output for r in ours] == [r.output for r in plain]
+    for request in ours:
+        assert 2 * request.round_lengths[1] > request.num_rounds
+
+
+def test_snapshot_restore_of_a_hybrid_batch_replays_exactly() -> None:
+    """A snapshot of a sampled batch on the hybrid target (its pages and its recurrent slots,
+    and the self-draft's), restored after the states were overwritten, replays bit for bit."""
+    engine = hybrid_engine("standalone self tree", (3, 2, 6))
+    state = scheduler.new_state(engine)
+    rids = []
+    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
+        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
+        state, rid = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=16
+        )
+        rids.append(rid)
+    for _ in range(3):
+        state, _ = scheduler.step(engine, state)
+    snap = scheduler.take_snapshot(engine, state)
+    _, finished = run_to_completion(engine, state)
+    first = [finished[rid].output for rid in rids]
+    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
+    assert [finished[rid].output for rid in rids] == first
+
+
+def test_cancel_frees_the_state_slot() -> None:
+    """Each admitted request holds one recurrent slot; cancelling it (or finishing) frees it,
+    and a request admitted afterwards decodes as it would alone."""
+    engine = hybrid_engine("eagle chain", max_batch=2)
+    state = scheduler.new_state(engine)
+    state, first = scheduler.add_request(engine, state, [3, 1, 4], max_new_tokens=12)
+    state, second = scheduler.add_request(engine, state, [2, 7], max_new_tokens=12)
+    state, _ = scheduler.step(engine, state)
+    assert int(state.state_slots.num_free) == 0
+    held = {r.state_slot for r in state.running}
+    assert held == {1, 2}
+    state = scheduler.cancel(engine, state, first)
+    assert int(state.state_slots.num_free) == 1
+    state, third = scheduler.add_request(engine, state, [5, 5, 1], max_new_tokens=8)
+    state, finished = run_to_completion(engine, state)
+    assert int(state.state_slots.num_free) == 2
+    alone = generate([[5, 5, 1]], engine=hybrid_engine("plain"), max_new_tokens=8)
+    assert finished[third].output == alone[0].token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "mtp", "multi_layer_eagle", "frozen_kv_mtp"])
+def test_unsupported_algorithms_are_refused_on_a_hybrid_target(algorithm) -> None:
+    """Algorithms whose drafts read the target's per-layer K/V, or Qwen3-Next's MTP layers,
+    are refused before anything is built, saying why."""
+    with pytest.raises(UnsupportedModel, match="hybrid target Qwen3NextForCausalLM"):
+        engine_from_model(TARGET, algorithm=algorithm, draft=object())
