@@ -506,10 +506,11 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
 
 
 def _released(state: SchedulerState, requests: list[Request]) -> dict[str, PageAllocator | None]:
-    """The state's allocators with the pages and state slots of ``requests`` freed."""
-    slots = state.state_slots
-    if slots is not None and requests:
-        slots = free(slots, torch.tensor([r.state_slot for r in requests], dtype=torch.int64))
+    """The state's allocators with the pages and state slots of ``requests`` freed (a
+    waiting request holds neither)."""
+    slots, held = state.state_slots, [r.state_slot for r in requests if r.state_slot]
+    if slots is not None and held:
+        slots = free(slots, torch.tensor(held, dtype=torch.int64))
     return {"allocator": _free_pages(state.allocator, requests), "state_slots": slots}
 
 

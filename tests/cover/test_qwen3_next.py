@@ -13,7 +13,9 @@ from conftest import tiny_config
 from heads import agreeing_head, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
 from strategies import page_sizes, prefill_budgets, prompt_batches
+from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
 from speculum.models.config import (
     CheckpointError,
@@ -28,6 +30,7 @@ from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.state.kv import allocated_pages
 
 transformers.logging.disable_progress_bar()
 
@@ -63,7 +66,7 @@ def hf_qwen3_next(**changes: object) -> transformers.PreTrainedModel:
     model = transformers.Qwen3NextForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             std = param.shape[-1] ** -0.5 if param.dim() >= 2 else 0.3
             param.copy_(torch.randn(param.shape, generator=gen) * std)
     model.generation_config.eos_token_id = None
@@ -206,15 +209,15 @@ def decoded(engine, prompts: list[list[int]], max_new_tokens: int) -> list[sched
     return [finished[rid] for rid in rids]
 
 
-PROMPTS = [[1, 2, 3], [9, 9, 9, 1, 4]]
+TWO_PROMPTS = [[1, 2, 3], [9, 9, 9, 1, 4]]
 
 
 @pytest.mark.parametrize("name", ["standalone self", "standalone self tree"])
 def test_the_target_drafting_for_itself_is_accepted_every_round(name) -> None:
     """The target as its own standalone draft (its own recurrent pool, one state ahead)
     agrees with itself: every round accepts its whole chain, the deepest state committed."""
-    ours = decoded(hybrid_engine(name, (3, 2, 6)), PROMPTS, 25)
-    plain = decoded(hybrid_engine("plain"), PROMPTS, 25)
+    ours = decoded(hybrid_engine(name, (3, 2, 6)), TWO_PROMPTS, 25)
+    plain = decoded(hybrid_engine("plain"), TWO_PROMPTS, 25)
     assert [r.output for r in ours] == [r.output for r in plain]
     for request in ours:  # 25 tokens: the prefill's, then six rounds of 4
         assert request.round_lengths == (0, 0, 0, 0, 6)
@@ -223,8 +226,8 @@ def test_the_target_drafting_for_itself_is_accepted_every_round(name) -> None:
 def test_a_draft_that_rarely_agrees_rolls_back_and_stays_exact() -> None:
     """With a stranger as the draft, most rounds reject at once (the state of every rejected
     node is left behind), and the tokens are still plain decoding's."""
-    ours = decoded(hybrid_engine("standalone stranger"), PROMPTS, 20)
-    plain = decoded(hybrid_engine("plain"), PROMPTS, 20)
+    ours = decoded(hybrid_engine("standalone stranger"), TWO_PROMPTS, 20)
+    plain = decoded(hybrid_engine("plain"), TWO_PROMPTS, 20)
     assert [r.output for r in ours] == [r.output for r in plain]
     for request in ours:
         assert 2 * request.round_lengths[1] > request.num_rounds
@@ -277,3 +280,75 @@ def test_unsupported_algorithms_are_refused_on_a_hybrid_target(algorithm) -> Non
     are refused before anything is built, saying why."""
     with pytest.raises(UnsupportedModel, match="hybrid target Qwen3NextForCausalLM"):
         engine_from_model(TARGET, algorithm=algorithm, draft=object())
+
+
+_alone_cache: dict = {}
+
+
+def machine_engine():
+    """The state machine's engine: the target drafting for itself in trees, so both pools
+    hold recurrent slots."""
+    return hybrid_engine("standalone self tree", (3, 2, 6), **MACHINE_LIMITS)
+
+
+MACHINE_LIMITS = {"page_size": 4, "max_context": 40, "prefill_budget": 6, "max_batch": 3}
+#: The scheduler machine's prompts, in this target's vocabulary.
+MACHINE_PROMPTS = [tuple(t % PIPE_VOCAB for t in prompt) for prompt in PROMPTS]
+
+
+def alone(prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling) -> tuple[int, ...]:
+    """What a request yields on the machine's engine when it is the only one."""
+    key = (prompt, max_new, sampling)
+    if key not in _alone_cache:
+        engine = machine_engine()
+        state, _ = scheduler.add_request(
+            engine, scheduler.new_state(engine), prompt, sampling=sampling, max_new_tokens=max_new
+        )
+        _, finished = run_to_completion(engine, state)
+        (request,) = finished.values()
+        _alone_cache[key] = request.output
+    return _alone_cache[key]
+
+
+class HybridSchedulerMachine(SchedulerMachine):
+    """The scheduler state machine (``test_scheduler_machine``) on a hybrid target and draft:
+    add / step / cancel / snapshot / restore keep every request's tokens what it yields alone,
+    and its recurrent slot its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = machine_engine()
+        self.state = scheduler.new_state(self.engine)
+
+    @rule(
+        prompt=st.sampled_from(MACHINE_PROMPTS),
+        max_new=st.integers(1, 6),
+        temperature=st.sampled_from([0.0, 1.0]),
+        seed=st.integers(0, 3),
+    )
+    def add(self, prompt, max_new, temperature, seed):
+        sampling = scheduler.Sampling(temperature=temperature, top_k=0, seed=seed)
+        self.state, rid = scheduler.add_request(
+            self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
+        )
+        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling))
+
+    @invariant()
+    def batch_rows_follow_the_running_requests(self):
+        """Each admitted request holds its own slot, and the batch rows name it."""
+        admitted = self.state.prefilling + self.state.running
+        slots = [r.state_slot for r in admitted]
+        allocator = self.state.state_slots
+        assert len(set(slots)) == len(slots) and 0 not in slots
+        assert set(slots) == allocated_pages(allocator), "a state slot leaked"
+        assert all(r.state_slot == 0 for r in self.state.waiting)
+        if self.state.running:
+            assert self.state.batch.kv.state_slots.tolist() == [
+                r.state_slot for r in self.state.running
+            ]
+
+
+HybridSchedulerMachine.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=25, deadline=None
+)
+test_hybrid_scheduler_state_machine = HybridSchedulerMachine.TestCase
