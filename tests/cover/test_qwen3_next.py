@@ -14,6 +14,7 @@ from heads import agreeing_head, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
+from safetensors.torch import load_file, save_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
@@ -352,3 +353,19 @@ HybridSchedulerMachine.TestCase.settings = settings(
     max_examples=15, stateful_step_count=25, deadline=None
 )
 test_hybrid_scheduler_state_machine = HybridSchedulerMachine.TestCase
+
+
+def test_the_hub_mtp_weights_are_tolerated(hf_checkpoint, tmp_path: Path) -> None:
+    """Released Qwen3-Next folders carry MTP weights (``mtp.*``) that the target does not
+    read (transformers ignores them too): loading still succeeds, and still refuses any
+    other stray key."""
+    _, folder = hf_checkpoint
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    load_model(tmp_path)
+    tensors["model.stray.weight"] = torch.zeros(4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.stray.weight"):
+        load_model(tmp_path)
