@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from speculum import kernels
 from speculum.models.config import DecoderConfig
-from speculum.spec import recurrent
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -596,18 +595,18 @@ class GatedDeltaNet(nn.Module):
     ) -> Float[Tensor, "batch q hidden"]:
         """Conv, gated delta rule from each token's parent state (written into the pool at
         the batch's state slots), gated norm and output projection."""
-        if pool is None or pool.recurrent is None or batch.state_slots is None:
+        if pool is None or pool.recurrent is None:
             raise ValueError(
-                "a gated DeltaNet layer needs the recurrent pool and the batch's state slots "
-                "(build the pool with the model's new_pool and give PagedKV.state_slots); "
+                "a gated DeltaNet layer needs the recurrent pool (build the pool with the "
+                "model's new_pool, and give each request its own PagedKV.state_slots); "
                 "cache-free training is not supported for hybrid models"
             )
         lin = self.linear
         mixed, z, beta, a = self._split(x)
         gate = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = recurrent.gated_delta_rule(
-            pool.recurrent,
-            self.layer,
+        out = kernels.gated_delta_rule(
+            pool.recurrent.conv[self.layer],
+            pool.recurrent.ssm[self.layer],
             batch.state_slots,
             batch.prefix_lens,
             batch.q_lens,
@@ -616,7 +615,7 @@ class GatedDeltaNet(nn.Module):
             self.conv1d.weight[:, 0],
             gate,
             beta.sigmoid(),
-            (lin.num_k_heads, lin.k_dim, lin.num_v_heads, lin.v_dim),
+            [lin.num_k_heads, lin.k_dim, lin.num_v_heads, lin.v_dim],
         )
         return self.out_proj(self.norm(out, z).flatten(2))
 

@@ -607,9 +607,7 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         page_table=_page_table(engine, chosen),
         seq_lens=torch.tensor([r.prefilled for r in chosen], dtype=torch.int64),
         page_size=engine.config.page_size,
-        state_slots=torch.tensor([r.state_slot for r in chosen], dtype=torch.int64)
-        if _hybrid(engine)
-        else None,
+        state_slots=torch.tensor([r.state_slot for r in chosen], dtype=torch.int64),
     )
     after = [r.prefilled + n for r, n in zip(chosen, sizes)]
     next_tokens = [r.prompt[i] if i < len(r.prompt) else -1 for r, i in zip(chosen, after)]

@@ -11,13 +11,15 @@ the round ends, and commit picks the accepted one (:func:`commit_states`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.state.kv import KVPool, PagedKV
-from speculum.state.recurrent import PADDING_SLOT, RecurrentPool
+from speculum.state.recurrent import PADDING_SLOT
 from speculum.state.tree import AcceptResult
 
 __all__ = ["node_parents", "l2norm", "gated_delta_rule", "commit_states"]
@@ -40,8 +42,8 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def gated_delta_rule(
-    states: RecurrentPool,
-    layer: int,
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring head k_dim v_dim"],
     slots: Int[Tensor, " batch"],
     prefix_lens: Int[Tensor, " batch"],
     q_lens: Int[Tensor, " batch"],
@@ -50,17 +52,18 @@ def gated_delta_rule(
     conv_weight: Float[Tensor, "channels kernel"],
     gate: Float[Tensor, "batch q head"],
     beta: Float[Tensor, "batch q head"],
-    dims: tuple[int, int, int, int],
+    dims: Sequence[int],
 ) -> Float[Tensor, "batch q head v_dim"]:
-    """Linear-attention outputs of ``q`` queries of layer ``layer``, writing each query's conv
-    and delta-rule states into ``states`` at its slot and cache index, in place.
+    """Linear-attention outputs of ``q`` queries of one layer, writing each query's conv and
+    delta-rule states into that layer's ``conv`` and ``ssm`` (``RecurrentPool.conv[layer]``,
+    ``.ssm[layer]``) at its slot and cache index's ring entry, in place.
 
     ``mixed`` are the conv inputs (queries, keys, values concatenated); ``gate`` is the log
     decay ``g`` and ``beta`` the write strength per value head; ``dims`` is ``(k_heads, k_dim,
     v_heads, v_dim)``. Padded queries (``i >= q_lens``) write to the padding slot.
     """
     k_heads, k_dim, v_heads, v_dim = dims
-    conv, ssm, ring = states.conv[layer], states.ssm[layer], states.ring
+    ring = conv.shape[1]
     batch, q, _ = mixed.shape
     tail = new_mask.shape[2]
     parents = node_parents(new_mask)
@@ -97,7 +100,7 @@ def commit_states(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> None:
     layer, in place (chains: the same entry, a no-op). A rejected node's state stays behind in
     an entry no record points at."""
     states = pool.recurrent
-    if states is None or kv.state_slots is None:
+    if states is None:
         return
     depth = accepted.num_accepted
     node = accepted.path.gather(1, depth[:, None])[:, 0]

@@ -200,10 +200,13 @@ class PagedKV:
     rotary position: tree tokens sit in consecutive slots at depth-based positions.
 
     ``state_slots[b]`` is request ``b``'s slot in a hybrid model's recurrent pool
-    (``state.recurrent``); ``None`` when the model has no recurrent layers.
+    (``state.recurrent``); the padding slot 0 (the default) for models without recurrent
+    layers. Always a tensor, so that a captured round's records hold nothing else.
     """
 
     page_table: Int[Tensor, "batch max_pages"]
     seq_lens: Int[Tensor, " batch"]
     page_size: int = static()
-    state_slots: Int[Tensor, " batch"] | None = None
+    state_slots: Int[Tensor, " batch"] = attrs.field(
+        default=attrs.Factory(lambda kv: torch.zeros_like(kv.seq_lens), takes_self=True)
+    )
