@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
+from speculum import kernels
 from speculum.models.config import (
     CheckpointError,
     DecoderConfig,
@@ -31,7 +32,11 @@ from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
+from speculum.runtime.graphs import pad_batch
+from speculum.state.batch import take_rows
 from speculum.state.kv import allocated_pages
+from speculum.state.record import tree_equal
+from speculum.state.recurrent import PADDING_SLOT
 
 transformers.logging.disable_progress_bar()
 
@@ -369,3 +374,56 @@ def test_the_hub_mtp_weights_are_tolerated(hf_checkpoint, tmp_path: Path) -> Non
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="model.stray.weight"):
         load_model(tmp_path)
+
+
+def test_the_gated_delta_rule_op_passes_torch_custom_op_checks() -> None:
+    """``speculum::gated_delta_rule`` declares what it mutates (the layer's conv and delta-rule
+    states) and its fake kernel gives the output's shape, so it traces and captures."""
+    gen = torch.Generator().manual_seed(0)
+    dims = [2, 4, 4, 3]  # key heads, key dim, value heads, value dim
+    channels, batch, q = 2 * 2 * 4 + 4 * 3, 2, 3
+    conv, ssm = torch.randn(3, 5, channels, 3, generator=gen), torch.randn(3, 5, 4, 4, 3)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    args = (
+        conv,
+        ssm,
+        torch.tensor([1, 2]),
+        torch.tensor([4, 0]),
+        torch.tensor([3, 2]),
+        tree.expand(batch, q, q),
+        torch.randn(batch, q, channels, generator=gen),
+        torch.randn(channels, 4, generator=gen),
+        -torch.rand(batch, q, 4, generator=gen),
+        torch.rand(batch, q, 4, generator=gen),
+        dims,
+    )
+    torch.library.opcheck(kernels.gated_delta_rule, args)
+
+
+def test_graph_padding_rows_leave_the_real_rows_states_alone() -> None:
+    """A captured round runs the batch padded to its bucket with copies of row 0: the copies
+    move to the padding slot, so the real rows' tokens and recurrent states are those of the
+    unpadded round."""
+    engine = hybrid_engine("standalone self tree", (3, 2, 6), max_batch=4)
+    state = scheduler.new_state(engine)
+    for prompt in TWO_PROMPTS:
+        state, _ = scheduler.add_request(engine, state, prompt, max_new_tokens=20)
+    while state.waiting or state.prefilling:
+        state, _ = scheduler.step(engine, state)
+    pools = [p.recurrent for p in engine.resources.pools]
+    before = [(s.conv.clone(), s.ssm.clone()) for s in pools]
+    _, unpadded = engine.pipeline.decode(engine.resources, state.batch)
+    after = [(s.conv.clone(), s.ssm.clone()) for s in pools]
+    for states, (conv, ssm) in zip(pools, before, strict=True):
+        states.conv.copy_(conv)
+        states.ssm.copy_(ssm)
+    padded = pad_batch(state.batch, 4)
+    assert padded.kv.state_slots[2:].tolist() == [PADDING_SLOT] * 2
+    _, out = engine.pipeline.decode(engine.resources, padded)
+    assert tree_equal(take_rows(out, torch.arange(2)), unpadded)
+    # Equal up to rounding: the padded batch's projections are matrix products of another
+    # shape; a padding row writing a real slot would change its entries wholesale.
+    real = torch.tensor([r.state_slot for r in state.running])
+    for states, (conv, ssm) in zip(pools, after, strict=True):
+        assert torch.allclose(states.conv[:, real], conv[:, real], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(states.ssm[:, real], ssm[:, real], rtol=1e-5, atol=1e-6)
