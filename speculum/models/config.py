@@ -569,8 +569,9 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
         "decoder_sparse_step": moe.sparse_step,
         "mlp_only_layers": list(moe.dense_layers),
     }
-    if config.architecture == "Qwen2MoeForCausalLM":
+    if config.architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         qwen["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    if config.architecture == "Qwen2MoeForCausalLM":
         qwen["qkv_bias"] = config.qkv_bias
     return qwen
 
