@@ -33,10 +33,14 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
+from speculum.spec.paged import causal_mask
+from speculum.spec.recurrent import gated_delta_rule
+from speculum.spec.tree import tree_mask
 from speculum.state.batch import take_rows
 from speculum.state.kv import allocated_pages
 from speculum.state.record import tree_equal
 from speculum.state.recurrent import PADDING_SLOT
+from speculum.state.tree import DraftTree
 
 transformers.logging.disable_progress_bar()
 
@@ -455,3 +459,56 @@ def test_saving_writes_a_folder_transformers_reads_back(hf_checkpoint, tmp_path:
         assert torch.equal(again(tokens).logits, original(tokens).logits)
     reloaded = load_model(tmp_path).state_dict()
     assert all(torch.equal(t, reloaded[k]) for k, t in model.state_dict().items())
+
+
+@st.composite
+def parent_lists(draw, max_nodes: int = 7) -> list[int]:
+    """A tree's parents in level order: node 0 the root (-1), every other node's parent
+    earlier."""
+    size = draw(st.integers(1, max_nodes))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
+
+
+@settings(max_examples=25)
+@given(parents=parent_lists(), prefix=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_each_tree_node_gets_the_state_of_its_own_path(parents, prefix, seed) -> None:
+    """Over a tree, each node's output and candidate state are exactly what running its path
+    (root to node) as a chain after the same committed state gives: a node's state follows its
+    path, never its siblings'."""
+    gen = torch.Generator().manual_seed(seed)
+    dims, ring, n = [1, 4, 2, 3], 8, len(parents)
+    channels = 2 * 4 + 2 * 3
+
+    def pools():
+        g = torch.Generator().manual_seed(seed)
+        conv = torch.randn(1, 2, ring, channels, 3, generator=g)
+        return conv, torch.randn(1, 2, ring, 2, 4, 3, generator=g)
+
+    mixed = torch.randn(1, n, channels, generator=gen)
+    weight, gate = torch.randn(channels, 4, generator=gen), -torch.rand(1, n, 2, generator=gen)
+    beta = torch.rand(1, n, 2, generator=gen)
+    tree = DraftTree(
+        tokens=torch.zeros(1, n, dtype=torch.int64),
+        parents=torch.tensor([parents]),
+        depths=torch.zeros(1, n, dtype=torch.int64),
+    )
+    slot, prefix_lens = torch.tensor([1]), torch.tensor([prefix])
+    conv, ssm = pools()
+    out = gated_delta_rule(
+        conv[0], ssm[0], slot, prefix_lens, torch.tensor([n]), tree_mask(tree),
+        mixed, weight, gate, beta, dims,
+    )  # fmt: skip
+    for node in range(n):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        chain_conv, chain_ssm = pools()
+        chain = gated_delta_rule(
+            chain_conv[0], chain_ssm[0], slot, prefix_lens, torch.tensor([len(path)]),
+            causal_mask(1, len(path)), mixed[:, path], weight, gate[:, path], beta[:, path], dims,
+        )  # fmt: skip
+        assert torch.equal(out[:, node], chain[:, -1])
+        tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
+        assert torch.equal(ssm[0, 1, tree_entry], chain_ssm[0, 1, chain_entry])
+        assert torch.equal(conv[0, 1, tree_entry], chain_conv[0, 1, chain_entry])
