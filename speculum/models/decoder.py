@@ -624,14 +624,17 @@ def attention_block(
     config: DecoderConfig, layer: int
 ) -> Attention | LatentAttention | GatedDeltaNet:
     """The attention kind of decoder layer ``layer``: a gated DeltaNet in a hybrid config's
-    linear-attention layers, gated attention in its full-attention layers (reading pool layer
-    ``ordinal``), latent attention where the config has MLA shapes, else grouped-query
-    attention."""
-    if config.linear is not None:
-        if config.linear.is_linear(layer):
-            return GatedDeltaNet(config, layer)
-        return GatedAttention(config, config.linear.ordinal(layer))
-    return LatentAttention(config, layer) if config.mla is not None else Attention(config, layer)
+    linear-attention layers; else gated attention where the config has an output gate
+    (Qwen3-Next), latent attention where it has MLA shapes, or grouped-query attention, each
+    reading its pool layer (a hybrid's pool holds its attention layers only)."""
+    if config.linear is not None and config.linear.is_linear(layer):
+        return GatedDeltaNet(config, layer)
+    cache_layer = layer if config.linear is None else config.linear.ordinal(layer)
+    if config.attention_output_gate:
+        return GatedAttention(config, cache_layer)
+    if config.mla is not None:
+        return LatentAttention(config, cache_layer)
+    return Attention(config, cache_layer)
 
 
 def pool_for(
