@@ -28,6 +28,7 @@ from speculum.models.config import (
 )
 from speculum.models.decoder import GatedAttention, GatedDeltaNet
 from speculum.models.loading import load_model, random_model, save_model
+from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
@@ -38,6 +39,7 @@ from speculum.spec.recurrent import gated_delta_rule
 from speculum.spec.tree import tree_mask
 from speculum.state.batch import take_rows
 from speculum.state.kv import allocated_pages
+from speculum.state.parallel import TensorParallel
 from speculum.state.record import tree_equal
 from speculum.state.recurrent import PADDING_SLOT
 from speculum.state.tree import DraftTree
@@ -512,3 +514,14 @@ def test_each_tree_node_gets_the_state_of_its_own_path(parents, prefix, seed) ->
         tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
         assert torch.equal(ssm[0, 1, tree_entry], chain_ssm[0, 1, chain_entry])
         assert torch.equal(conv[0, 1, tree_entry], chain_conv[0, 1, chain_entry])
+
+
+def test_tensor_parallelism_refuses_a_hybrid() -> None:
+    """A hybrid (dense here, so that its MoE layers are not what refuses) is not split over
+    ranks yet: sharding says so and leaves the model as it was."""
+    model = random_model(tiny_config(vocab_size=PIPE_VOCAB, num_layers=4, **HYBRID), seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedSplit, match="tp=2: Qwen3-Next's gated DeltaNet"):
+        shard_(model, TensorParallel(rank=0, size=2))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
