@@ -4,8 +4,10 @@ recurrent state kept per request, per draft node, committed for the accepted pat
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 from safetensors.torch import load_file, save_file
+from stats import chi2_stat, chi2_threshold, tv_bound
 from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
@@ -34,11 +37,11 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
-from speculum.spec.paged import causal_mask
+from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.recurrent import gated_delta_rule
 from speculum.spec.tree import tree_mask
 from speculum.state.batch import take_rows
-from speculum.state.kv import allocated_pages
+from speculum.state.kv import PagedKV, allocated_pages
 from speculum.state.parallel import TensorParallel
 from speculum.state.record import tree_equal
 from speculum.state.recurrent import PADDING_SLOT
@@ -525,3 +528,72 @@ def test_tensor_parallelism_refuses_a_hybrid() -> None:
         shard_(model, TensorParallel(rank=0, size=2))
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+STATS_VOCAB = 6
+#: A hybrid target whose temperature-1 next-token law is spread (the likeliest token 0.4-0.9),
+#: and an EAGLE head that mostly agrees with it, so rounds accept sampled drafts.
+STATS_TARGET = markov_target(STATS_VOCAB, head_scale=0.25, **HYBRID, moe=MOE)
+STATS_HEAD = agreeing_head(STATS_TARGET, "eagle")
+
+
+def exact_joint(prompt: list[int], num_tokens: int) -> np.ndarray:
+    """The hybrid target's temperature-1 law of the first ``num_tokens`` tokens after
+    ``prompt`` (last token fastest), each prefix decoded alone by plain decoding's forward."""
+    joint = np.ones(1)
+    for step in range(num_tokens):
+        prefixes = [prompt + list(t) for t in itertools.product(range(STATS_VOCAB), repeat=step)]
+        probs = []
+        for prefix in prefixes:
+            pool = STATS_TARGET.new_pool(4, 8, state_slots=2, state_ring=2)
+            kv = PagedKV(
+                page_table=torch.tensor([[1, 2]]),
+                seq_lens=torch.tensor([0]),
+                page_size=8,
+                state_slots=torch.tensor([1]),
+            )
+            batch = extend_batch(kv, torch.tensor([prefix]), torch.tensor([len(prefix)]))
+            hidden, _ = STATS_TARGET(batch, pool)
+            probs.append(torch.softmax(STATS_TARGET.logits(hidden[0, -1]).double(), -1))
+        joint = (joint[:, None] * torch.stack(probs).numpy()).reshape(-1)
+    return joint
+
+
+def test_sampled_speculation_on_a_hybrid_target_follows_the_target_law() -> None:
+    """Seeded sampling through EAGLE trees on the hybrid target: the first four tokens of
+    4000 requests (one per seed) follow the target's exact joint law (chi-square and total
+    variation far in the tail), with draft tokens accepted along the way."""
+    prompt, num_tokens, seeds, chunk = [1, 4, 2], 4, 4000, 1000
+    engine = engine_from_model(
+        STATS_TARGET,
+        algorithm="eagle",
+        draft=STATS_HEAD,
+        spec=SpecOptions(num_steps=3, topk=2, num_draft_tokens=6),
+        page_size=4,
+        max_batch=chunk,
+        max_context=16,
+        prefill_budget=chunk * len(prompt),
+    )
+    outputs, emitted, rounds = [], 0, 0
+    for start in range(0, seeds, chunk):
+        state = scheduler.new_state(engine)
+        for seed in range(start, start + chunk):
+            sampling = scheduler.Sampling(temperature=1.0, seed=seed)
+            state, _ = scheduler.add_request(
+                engine, state, prompt, sampling=sampling, max_new_tokens=num_tokens
+            )
+        _, finished = run_to_completion(engine, state)
+        for request in finished.values():
+            outputs.append(request.output)
+            rounds += request.num_rounds
+            emitted += sum(k * n for k, n in enumerate(request.round_lengths))
+    assert emitted > 1.2 * rounds  # drafts were accepted, not only bonus tokens
+    code = np.zeros(seeds, dtype=np.int64)
+    for j in range(num_tokens):
+        code = code * STATS_VOCAB + np.array([o[j] for o in outputs])
+    joint = exact_joint(prompt, num_tokens)
+    counts = np.bincount(code, minlength=STATS_VOCAB**num_tokens).astype(np.float64)
+    assert counts[joint == 0].sum() == 0
+    chi2, dof = chi2_stat(counts, seeds * joint)
+    assert chi2 < chi2_threshold(dof, 6.0), (chi2, dof)
+    assert 0.5 * np.abs(counts / seeds - joint).sum() < tv_bound(joint, seeds, 1e-9)
