@@ -19,8 +19,16 @@ import torch
 
 from speculum.kernels import model_ops
 from speculum.kernels.attention import paged_attention, write_kv
+from speculum.kernels.recurrent import gated_delta_rule
 
-__all__ = ["DEVICE_KERNELS", "model_ops", "paged_attention", "register_device_kernels", "write_kv"]
+__all__ = [
+    "DEVICE_KERNELS",
+    "gated_delta_rule",
+    "model_ops",
+    "paged_attention",
+    "register_device_kernels",
+    "write_kv",
+]
 
 #: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
 TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")

@@ -8,7 +8,10 @@ One config covers the Llama family as transformers writes it: ``LlamaForCausalLM
 shared experts, dense first layers), whose routing settings are a :class:`MoEConfig`, and
 DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCausalLM``,
 ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose attention shapes are an
-:class:`MLAConfig`. Both spellings of the rotary settings are read: ``rope_theta`` plus
+:class:`MLAConfig`, and the hybrid ``Qwen3NextForCausalLM`` (gated DeltaNet layers between
+gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
+linear-attention shapes are a :class:`LinearAttentionConfig`. Both spellings of the rotary
+settings are read: ``rope_theta`` plus
 ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
@@ -43,6 +46,7 @@ import attrs
 __all__ = [
     "CheckpointError",
     "DecoderConfig",
+    "LinearAttentionConfig",
     "MLAConfig",
     "MoEConfig",
     "UnsupportedModel",
@@ -64,6 +68,7 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 #: architecture -> transformers' ``model_type``
 MODEL_TYPES = {
@@ -77,6 +82,7 @@ MODEL_TYPES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Architectures whose every layer takes ``sliding_window`` (transformers reads no
@@ -116,6 +122,7 @@ _DENSE_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM": "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM": "Qwen3ForCausalLM",
 }
 #: Architectures with DeepSeek-style MoE settings (``n_routed_experts``, ``n_shared_experts``,
 #: ``first_k_dense_replace``, ``n_group`` ...) -> transformers' defaults for the routing keys
@@ -299,6 +306,37 @@ class MLAConfig:
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
+class LinearAttentionConfig:
+    """Shapes of a hybrid decoder's gated DeltaNet layers (Qwen3-Next; all static).
+
+    ``layer_types[n]`` is ``"linear_attention"`` or ``"full_attention"`` for decoder layer
+    ``n``. A linear-attention layer projects each token to ``num_k_heads`` query and key heads
+    of ``k_dim`` and ``num_v_heads`` value heads of ``v_dim``, runs them through a causal
+    conv1d of ``conv_kernel`` taps, then the gated delta rule (see ``spec.recurrent``)."""
+
+    layer_types: tuple[str, ...]
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: queries, keys and values concatenated."""
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a gated DeltaNet layer."""
+        return self.layer_types[layer] == "linear_attention"
+
+    def ordinal(self, layer: int) -> int:
+        """Layer ``layer``'s index among the layers of its own kind (its pool layer)."""
+        kind = self.layer_types[layer]
+        return sum(t == kind for t in self.layer_types[:layer])
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
 class DecoderConfig:
     """Shapes and options of a Llama-family decoder (all static)."""
 
@@ -348,6 +386,23 @@ class DecoderConfig:
             return 0
         return self.sliding_window
 
+    #: Gated DeltaNet layers of a hybrid decoder (Qwen3-Next); ``None`` when every layer
+    #: attends.
+    linear: LinearAttentionConfig | None = None
+    #: Qwen3-Next's gated attention: ``q_proj`` also yields a per-head output gate, and the
+    #: attention output is scaled by its sigmoid before ``o_proj``.
+    attention_output_gate: bool = False
+    #: Added to every RMSNorm weight but the DeltaNet's output norm: 1.0 for Qwen3-Next,
+    #: whose checkpoints store zero-centred norm weights (scale ``1 + weight``).
+    norm_offset: float = 0.0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the paged pool holds: every layer but the linear-attention ones."""
+        if self.linear is None:
+            return self.num_layers
+        return sum(not self.linear.is_linear(n) for n in range(self.num_layers))
+
     @property
     def rotary_dim(self) -> int:
         """How many leading dimensions of each head the rotary embedding turns."""
@@ -390,6 +445,7 @@ class DecoderConfig:
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         glm = arch == "Glm4MoeForCausalLM"
+        qwen3_next = arch == "Qwen3NextForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
         head_dim = mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where)
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
@@ -414,7 +470,7 @@ class DecoderConfig:
             qkv_bias=(qwen2 and _qwen2_qkv_bias(raw, arch)) or attention_bias,
             o_bias=attention_bias and not (qwen2 or glm),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=qwen3 or (glm and bool(raw.get("use_qk_norm", False))),
+            qk_norm=qwen3 or qwen3_next or (glm and bool(raw.get("use_qk_norm", False))),
             sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -422,8 +478,13 @@ class DecoderConfig:
             num_nextn_predict_layers=nextn,
             moe=_moe_settings(raw, arch, where, size["num_hidden_layers"], nextn),
             mla=mla,
-            partial_rotary_factor=_partial_rotary_factor(raw, where, head_dim, 0.5 if glm else 1.0),
+            partial_rotary_factor=_partial_rotary_factor(
+                raw, where, head_dim, 0.5 if glm else 0.25 if qwen3_next else 1.0
+            ),
             full_attention_layers=full_layers,
+            linear=_linear_settings(raw, where, size["num_hidden_layers"]) if qwen3_next else None,
+            attention_output_gate=qwen3_next,
+            norm_offset=1.0 if qwen3_next else 0.0,
         )
 
     @classmethod
@@ -446,13 +507,17 @@ class DecoderConfig:
     def dense(self) -> DecoderConfig:
         """This config with a dense MLP in every layer, under the dense architecture with the
         same attention (Mixtral -> Mistral, Qwen2-MoE -> Qwen2, Qwen3-MoE -> Qwen3, GLM-4.5
-        and DeepSeek -> themselves with every layer dense): the shape of draft layers built
-        like the target's for training (EAGLE, EAGLE-3, block and frozen-KV drafts; MTP layers
-        keep the target's own kind)."""
+        and DeepSeek -> themselves with every layer dense, Qwen3-Next -> Qwen3 with its head
+        shapes and partial rotary, every layer a plain attention layer): the shape of draft
+        layers built like the target's for training (EAGLE, EAGLE-3, block and frozen-KV
+        drafts; MTP layers keep the target's own kind)."""
         return attrs.evolve(
             self,
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
             moe=None,
+            linear=None,
+            attention_output_gate=False,
+            norm_offset=0.0,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -491,6 +556,7 @@ class DecoderConfig:
             **(_moe_dict(self) if self.moe is not None else _dense_moe_dict(self)),
             **(_glm4_moe_dict(self) if self.architecture == "Glm4MoeForCausalLM" else {}),
             **(_mla_dict(self) if self.mla is not None else {}),
+            **(_linear_dict(self.linear) if self.linear is not None else {}),
         }
 
 
@@ -585,10 +651,65 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
         "decoder_sparse_step": moe.sparse_step,
         "mlp_only_layers": list(moe.dense_layers),
     }
-    if config.architecture == "Qwen2MoeForCausalLM":
+    if config.architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         qwen["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    if config.architecture == "Qwen2MoeForCausalLM":
         qwen["qkv_bias"] = config.qkv_bias
     return qwen
+
+
+def _linear_dict(linear: LinearAttentionConfig) -> dict[str, Any]:
+    """Qwen3-Next's linear-attention keys."""
+    return {
+        "layer_types": list(linear.layer_types),
+        "linear_num_key_heads": linear.num_k_heads,
+        "linear_num_value_heads": linear.num_v_heads,
+        "linear_key_head_dim": linear.k_dim,
+        "linear_value_head_dim": linear.v_dim,
+        "linear_conv_kernel_dim": linear.conv_kernel,
+    }
+
+
+def _linear_settings(raw: dict[str, Any], where: str, num_layers: int) -> LinearAttentionConfig:
+    """Qwen3-Next's linear-attention shapes, with transformers' defaults: ``layer_types``, or
+    every ``full_attention_interval``-th layer (default 4) full attention and the rest linear."""
+    interval = _integer(raw, "full_attention_interval", where, minimum=1, default=4)
+    kinds = ("linear_attention", "full_attention")
+    default = [kinds[(n + 1) % interval == 0] for n in range(num_layers)]
+    layer_types = raw.get("layer_types") or default
+    if not (
+        isinstance(layer_types, list)
+        and len(layer_types) == num_layers
+        and all(t in kinds for t in layer_types)
+    ):
+        raise CheckpointError(
+            f"{where}: layer_types is {layer_types!r}; it must list {num_layers} entries "
+            f"(num_hidden_layers), each {' or '.join(map(repr, kinds))}: fix layer_types"
+        )
+    dims = {
+        key: _integer(raw, key, where, minimum=1, default=default_value)
+        for key, default_value in (
+            ("linear_num_key_heads", 16),
+            ("linear_num_value_heads", 32),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
+            ("linear_conv_kernel_dim", 4),
+        )
+    }
+    if dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
+        raise CheckpointError(
+            f"{where}: linear_num_value_heads {dims['linear_num_value_heads']} is not a "
+            f"multiple of linear_num_key_heads {dims['linear_num_key_heads']} (each key head "
+            "serves a group of value heads): fix one of them"
+        )
+    return LinearAttentionConfig(
+        layer_types=tuple(layer_types),
+        num_k_heads=dims["linear_num_key_heads"],
+        num_v_heads=dims["linear_num_value_heads"],
+        k_dim=dims["linear_key_head_dim"],
+        v_dim=dims["linear_value_head_dim"],
+        conv_kernel=dims["linear_conv_kernel_dim"],
+    )
 
 
 def _mla_dict(config: DecoderConfig) -> dict[str, Any]:
@@ -756,7 +877,7 @@ def _moe_settings(
             num_experts=experts, top_k=top_k, expert_intermediate_size=size, norm_topk_prob=True
         )
     shared = 0
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         shared = _required_integer(
             raw, "shared_expert_intermediate_size", where, "the shared expert's width"
         )

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import attrs
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
@@ -29,6 +30,7 @@ from speculum.spec.attention import window_limits
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
+from speculum.state.recurrent import RecurrentPool
 
 __all__ = [
     "Attention",
@@ -46,6 +48,9 @@ __all__ = [
     "dense_batch",
     "float32_logits",
     "FusedLinear",
+    "GatedAttention",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
     "LatentAttention",
     "attention_block",
     "fuse_projections_",
@@ -54,22 +59,30 @@ __all__ = [
     "mla_softmax_scale",
     "mlp_block",
     "pool_for",
+    "recurrent_pool_for",
     "rope_attention_factor",
     "rope_inv_freq",
 ]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as transformers does."""
+    """Root-mean-square norm computed in float32, as transformers does. ``offset`` is added to
+    the stored weight (1.0 for Qwen3-Next's zero-centred norms, whose scale is ``1 + weight``)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
+
+    @property
+    def scale(self) -> Tensor:
+        """What the normalised values are multiplied by: ``weight + offset``."""
+        return self.weight if self.offset == 0.0 else self.weight + self.offset
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise the last axis of ``x`` and scale it by ``weight`` (``kernels.model_ops``)."""
-        return kernels.model_ops.rms_norm(x, self.weight, self.eps)
+        """Normalise the last axis of ``x``, scaled by :attr:`scale` (``kernels.model_ops``)."""
+        return kernels.model_ops.rms_norm(x, self.scale, self.eps)
 
 
 def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
@@ -250,8 +263,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.qkv: FusedLinear | None = None
 
@@ -310,7 +323,13 @@ class Attention(nn.Module):
     ) -> Float[Tensor, "batch q hidden"]:
         """Attention of ``qs`` over layer ``self.layer``'s cache as ``batch`` shows it,
         projected back."""
-        out = kernels.paged_attention(
+        return self.o_proj(self.attention_heads(qs, batch, pool).flatten(2))
+
+    def attention_heads(
+        self, qs: Float[Tensor, "batch q head head_dim"], batch: ForwardBatch, pool: KVPool
+    ) -> Float[Tensor, "batch q head head_dim"]:
+        """Each head's attention output of ``qs`` over layer ``self.layer``'s cache."""
+        return kernels.paged_attention(
             qs,
             pool.k[self.layer],
             pool.v[self.layer],
@@ -321,7 +340,6 @@ class Attention(nn.Module):
             1.0 / math.sqrt(self.head_dim),
             self.window,
         )
-        return self.o_proj(out.flatten(2))
 
     def forward(
         self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
@@ -481,10 +499,149 @@ class LatentAttention(nn.Module):
         return self.o_proj(torch.einsum("bqhr,hvr->bqhv", out, up_v).flatten(2))
 
 
-def attention_block(config: DecoderConfig, layer: int) -> Attention | LatentAttention:
-    """The attention kind of decoder layer ``layer``: latent attention where the config has
-    MLA shapes, else grouped-query attention."""
-    return LatentAttention(config, layer) if config.mla is not None else Attention(config, layer)
+class GatedAttention(Attention):
+    """Qwen3-Next's gated full attention: grouped-query attention with q/k norms and partial
+    rotary, whose ``q_proj`` yields each head's queries then its output gate (``2 * head_dim``
+    rows per head), the attention output scaled by ``sigmoid(gate)`` before ``o_proj``. The
+    query projection is wider than the keys', so q, k and v are never fused."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        width = 2 * config.num_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=config.qkv_bias)
+
+    def fuse_(self) -> None:
+        """Nothing to fuse: the gated query projection is not the keys' width."""
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, rotate, write K/V, attend, gate and project back."""
+        if pool is None:
+            raise ValueError(
+                "Qwen3-Next runs over a KV pool only (pool=None, cache-free training, is not "
+                "supported for hybrid models)"
+            )
+        b, n, _ = x.shape
+        qs, gate = self.q_proj(x).view(b, n, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+        ks, vs = self._key_value_heads(self.k_proj(x), self.v_proj(x))
+        qs = kernels.model_ops.rope_write_kv(
+            self.q_norm(qs),
+            ks,
+            vs,
+            batch.positions,
+            inv_freq.to(x.device),
+            pool.k[self.layer],
+            pool.v[self.layer],
+            batch.slots,
+        )
+        out = self.attention_heads(qs, batch, pool) * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(2))
+
+
+class GatedRMSNorm(nn.Module):
+    """The gated DeltaNet's output norm: RMS-normed in float32, scaled by ``weight``, times
+    ``silu(gate)`` (transformers' ``Qwen3NextRMSNormGated``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        """``weight * rms_norm(x) * silu(gate)``, in ``x``'s dtype."""
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear attention (gated DeltaNet) over the recurrent pool.
+
+    Parameters carry the hub's names: ``in_proj_qkvz`` (per key-head group: queries, keys,
+    values, output gate ``z``), ``in_proj_ba`` (per group: write strengths ``b``, decay inputs
+    ``a``), ``conv1d`` (depthwise, no bias), ``dt_bias``, ``A_log``, ``norm`` and ``out_proj``.
+    The per-request conv and delta-rule states live in ``pool.recurrent`` at the batch's state
+    slots, layer ``self.layer`` (its ordinal among linear layers); ``spec.recurrent`` runs the
+    recurrence, each token from its parent's state, so tree verify keeps a candidate state per
+    node.
+    """
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        linear = config.linear
+        if linear is None:
+            raise ValueError("GatedDeltaNet needs a config with linear settings (config.linear)")
+        self.linear = linear
+        self.layer = linear.ordinal(layer)
+        h = config.hidden_size
+        k_width, v_width = linear.num_k_heads * linear.k_dim, linear.num_v_heads * linear.v_dim
+        channels = linear.conv_channels
+        self.conv1d = nn.Conv1d(channels, channels, linear.conv_kernel, groups=channels, bias=False)
+        self.in_proj_qkvz = nn.Linear(h, 2 * k_width + 2 * v_width, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * linear.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(linear.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(linear.num_v_heads))
+        self.norm = GatedRMSNorm(linear.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(v_width, h, bias=False)
+
+    def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The conv inputs (queries, keys, values), ``z`` ``[b, q, v_head, v_dim]``, ``b`` and
+        ``a`` ``[b, q, v_head]`` of ``x``, from the projections' per-key-head-group layout."""
+        lin = self.linear
+        b, n, _ = x.shape
+        group = lin.num_v_heads // lin.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(b, n, lin.num_k_heads, -1)
+        q, k, v, z = qkvz.split([lin.k_dim, lin.k_dim, group * lin.v_dim, group * lin.v_dim], -1)
+        beta, a = self.in_proj_ba(x).view(b, n, lin.num_k_heads, 2 * group).split(group, -1)
+        mixed = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], -1)
+        heads = (b, n, lin.num_v_heads)
+        return mixed, z.reshape(*heads, lin.v_dim), beta.reshape(heads), a.reshape(heads)
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Conv, gated delta rule from each token's parent state (written into the pool at
+        the batch's state slots), gated norm and output projection."""
+        if pool is None or pool.recurrent is None:
+            raise ValueError(
+                "a gated DeltaNet layer needs the recurrent pool (build the pool with the "
+                "model's new_pool, and give each request its own PagedKV.state_slots); "
+                "cache-free training is not supported for hybrid models"
+            )
+        lin = self.linear
+        mixed, z, beta, a = self._split(x)
+        gate = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = kernels.gated_delta_rule(
+            pool.recurrent.conv[self.layer],
+            pool.recurrent.ssm[self.layer],
+            batch.state_slots,
+            batch.prefix_lens,
+            batch.q_lens,
+            batch.new_mask,
+            mixed,
+            self.conv1d.weight[:, 0],
+            gate,
+            beta.sigmoid(),
+            [lin.num_k_heads, lin.k_dim, lin.num_v_heads, lin.v_dim],
+        )
+        return self.out_proj(self.norm(out, z).flatten(2))
+
+
+def attention_block(
+    config: DecoderConfig, layer: int
+) -> Attention | LatentAttention | GatedDeltaNet:
+    """The attention kind of decoder layer ``layer``: a gated DeltaNet in a hybrid config's
+    linear-attention layers; else gated attention where the config has an output gate
+    (Qwen3-Next), latent attention where it has MLA shapes, or grouped-query attention, each
+    reading its pool layer (a hybrid's pool holds its attention layers only)."""
+    if config.linear is not None and config.linear.is_linear(layer):
+        return GatedDeltaNet(config, layer)
+    cache_layer = layer if config.linear is None else config.linear.ordinal(layer)
+    if config.attention_output_gate:
+        return GatedAttention(config, cache_layer)
+    if config.mla is not None:
+        return LatentAttention(config, cache_layer)
+    return Attention(config, cache_layer)
 
 
 def pool_for(
@@ -502,6 +659,8 @@ def pool_for(
     ``head_dim`` (this rank's heads when ``module`` is sharded)."""
     weight = next(module.parameters())
     dtype, device = dtype or weight.dtype, weight.device
+    if config.linear is not None:
+        num_layers = config.num_kv_layers
     common = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size)
     if config.mla is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
         return KVPool.allocate_latent(
@@ -517,6 +676,29 @@ def pool_for(
         head_dim=config.head_dim,
         dtype=dtype,
         device=device,
+    )
+
+
+def recurrent_pool_for(
+    config: DecoderConfig, num_slots: int, ring: int, dtype: torch.dtype
+) -> RecurrentPool:
+    """A zeroed recurrent pool for ``config``'s linear-attention layers: ``num_slots`` slots
+    (one per request that may be live at once, plus the padding sink) keeping ``ring``
+    consecutive states each (more than any round writes past the committed prefix: the
+    pipeline's KV lookahead + 1)."""
+    linear = config.linear
+    if linear is None:
+        raise ValueError(f"{config.architecture} has no linear-attention layers (config.linear)")
+    return RecurrentPool.allocate(
+        num_layers=config.num_layers - config.num_kv_layers,
+        num_slots=num_slots,
+        ring=ring,
+        channels=linear.conv_channels,
+        kernel=linear.conv_kernel,
+        heads=linear.num_v_heads,
+        k_dim=linear.k_dim,
+        v_dim=linear.v_dim,
+        dtype=dtype,
     )
 
 
@@ -679,10 +861,14 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = attention_block(config, layer)
+        mixer = attention_block(config, layer)
+        # Named as transformers names it: a hybrid's DeltaNet layers hold ``linear_attn``.
+        self.mixer_name = "linear_attn" if isinstance(mixer, GatedDeltaNet) else "self_attn"
+        setattr(self, self.mixer_name, mixer)
         self.mlp = mlp_block(config, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(
         self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
@@ -702,9 +888,9 @@ class DecoderLayer(nn.Module):
         """The layer short of its last residual add: from the input stream ``x`` and its
         input-normed ``normed``, returns ``(mlp_out, stream)`` whose sum is the stream leaving
         the layer, so a caller can fuse that add into the next norm."""
-        attended = self.self_attn(normed, batch, pool, inv_freq)
+        attended = getattr(self, self.mixer_name)(normed, batch, pool, inv_freq)
         norm = self.post_attention_layernorm
-        normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.weight, norm.eps)
+        normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.scale, norm.eps)
         return self.mlp(normed), x
 
 
@@ -729,7 +915,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 def float32_logits(
@@ -796,9 +982,23 @@ class DecoderModel(nn.Module):
         """Recompute the rotary table (after ``to_empty`` wiped buffers)."""
         self.inv_freq = rope_inv_freq(self.config).to(self.model.embed_tokens.weight.device)
 
-    def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
-        """A zeroed KV pool shaped for this model's attention (:func:`pool_for`)."""
-        return pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
+    def new_pool(
+        self,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype | None = None,
+        *,
+        state_slots: int = 9,
+        state_ring: int = 16,
+    ) -> KVPool:
+        """A zeroed KV pool shaped for this model's attention (:func:`pool_for`); a hybrid
+        model's also holds ``state_slots`` recurrent-state slots (slot 0 the padding sink) of
+        ``state_ring`` entries each (:func:`recurrent_pool_for`), ignored otherwise."""
+        pool = pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
+        if self.config.linear is None:
+            return pool
+        states = recurrent_pool_for(self.config, state_slots, state_ring, pool.k.dtype)
+        return attrs.evolve(pool, recurrent=states.to(pool.k.device))
 
     def forward(
         self, batch: ForwardBatch, pool: KVPool | None, capture_layers: tuple[int, ...] = ()
@@ -819,7 +1019,7 @@ class DecoderModel(nn.Module):
         for n, layer in enumerate(layers):
             out, x = layer.blocks(normed, x, batch, pool, self.inv_freq)
             norm = layers[n + 1].input_layernorm if n + 1 < len(layers) else self.model.norm
-            normed, x = kernels.model_ops.add_rms_norm(out, x, norm.weight, norm.eps)
+            normed, x = kernels.model_ops.add_rms_norm(out, x, norm.scale, norm.eps)
             if n in capture_layers:
                 captured[n] = x
         return normed, tuple(captured[n] for n in capture_layers)

@@ -64,9 +64,13 @@ class StandaloneHead(nn.Module):
         """The draft's own next-token logits."""
         return self.model.logits(hidden)
 
-    def new_pool(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> KVPool:
-        """A KV pool shaped for the draft model, indexed by the target's page ids."""
-        return self.model.new_pool(num_pages, page_size, dtype)
+    def new_pool(
+        self, num_pages: int, page_size: int, dtype: torch.dtype | None = None, **states: int
+    ) -> KVPool:
+        """A KV pool shaped for the draft model, indexed by the target's page ids; a hybrid
+        draft's recurrent ``states`` sizes go to ``DecoderModel.new_pool`` (its slots are
+        indexed by the target's slot ids)."""
+        return self.model.new_pool(num_pages, page_size, dtype, **states)
 
 
 def load_standalone(

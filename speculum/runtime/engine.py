@@ -12,12 +12,13 @@ import attrs
 import torch
 
 from speculum.models.block_draft import load_block_draft
+from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import DecoderModel, fuse_projections_
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
-from speculum.models.standalone import load_standalone
+from speculum.models.standalone import StandaloneHead, load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
 from speculum.pipelines.adaptive import AdaptivePolicy
@@ -412,6 +413,7 @@ def engine_from_model(
         penalties=penalties,
     )
     _check_limits(target, config)
+    _check_hybrid(target, algorithm)
     spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
@@ -438,12 +440,18 @@ def engine_from_model(
         per_request = config.max_pages_per_request(reserved_lookahead(pipeline, config.overlap))
         config = attrs.evolve(config, num_pages=config.max_batch * per_request + 1)
     fix = "lower max_batch, max_context or num_pages"
+    # A hybrid model's recurrent slots: one per request, each keeping more states than a
+    # round (and, overlapped, the round in flight) writes past the committed prefix.
+    states = {
+        "state_slots": config.max_batch + 1,
+        "state_ring": reserved_lookahead(pipeline, config.overlap) + 1,
+    }
     resources = Resources(
         target=target,
         target_pool=_allocate(
             f"the target's KV pool of {config.num_pages} pages",
             fix,
-            lambda: target.new_pool(config.num_pages, config.page_size),
+            lambda: target.new_pool(config.num_pages, config.page_size, **_hybrid(target, states)),
         ),
         draft=draft,
         draft_pool=None
@@ -451,7 +459,7 @@ def engine_from_model(
         else _allocate(
             f"the draft's KV pool of {config.num_pages} pages",
             fix,
-            lambda: draft.new_pool(config.num_pages, config.page_size),
+            lambda: draft.new_pool(config.num_pages, config.page_size, **_hybrid(draft, states)),
         ),
         ngram_store=_ngram_store(algorithm, ngram),
         goodput=Cell(adaptive.new_measurements(policy, len(variants))) if variants else None,
@@ -468,6 +476,45 @@ def engine_from_model(
         tokenizer=tokenizer,
         eos_token_ids=target.config.eos_token_ids,
     )
+
+
+#: Algorithms refused on a hybrid target (gated DeltaNet layers): their drafts read or extend
+#: the target's per-layer K/V (which a hybrid keeps for its attention layers only), or their
+#: draft layers are MTP layers of the target's kind (Qwen3-Next's MTP is not loaded yet); see
+#: docs/hybrid.md.
+HYBRID_REFUSED = frozenset(
+    {"mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp", "dflash", "dspark"}
+)
+
+
+def _check_hybrid(target: Any, algorithm: str) -> None:
+    """Refuse what a hybrid target cannot run yet, naming the reason (before anything is
+    built)."""
+    config = getattr(target, "config", None)
+    if getattr(config, "linear", None) is None:
+        return
+    if algorithm in HYBRID_REFUSED:
+        raise UnsupportedModel(
+            f"algorithm={algorithm!r} is not supported on the hybrid target "
+            f"{config.architecture} (gated DeltaNet layers): MTP layers (mtp, nextn, "
+            "multi_layer_eagle) of Qwen3-Next are not built yet, and frozen-KV and block "
+            "drafters read the target's per-layer K/V, which a hybrid keeps for its attention "
+            "layers only. Use eagle, eagle3, standalone, ngram or plain"
+        )
+    if getattr(target, "tp", SINGLE).size > 1:
+        raise UnsupportedModel(
+            f"tensor parallelism is not supported for the hybrid target {config.architecture}: "
+            "its recurrent states are not sharded; load it with tp=1"
+        )
+
+
+def _hybrid(model: Any, states: dict[str, int]) -> dict[str, int]:
+    """``states`` (the recurrent pool's sizes) for a model with linear-attention layers (a
+    hybrid target, or a standalone draft that is one), else nothing: other models' pools take
+    no such sizes."""
+    decoder = model.model if isinstance(model, StandaloneHead) else model
+    hybrid = isinstance(decoder, DecoderModel) and decoder.config.linear is not None
+    return states if hybrid else {}
 
 
 def _engine_config(*, num_pages: object = None, **limits: Any) -> EngineConfig:

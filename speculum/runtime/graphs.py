@@ -36,6 +36,7 @@ from torch import Tensor
 from speculum.state.batch import batch_size, leading_size, take_rows
 from speculum.state.kv import PADDING_PAGE
 from speculum.state.record import replace
+from speculum.state.recurrent import PADDING_SLOT
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -181,13 +182,14 @@ def pad_batch(state: Any, bucket: int) -> Any:
 
 def without_cache(state: Any, rows: Tensor) -> Any:
     """``state`` with the rows flagged in ``rows`` (bool ``[batch]``) moved onto the padding
-    page with an empty sequence: everything they write lands in the padding sink and nothing
-    they read belongs to a request."""
+    page (and recurrent-state slot) with an empty sequence: everything they write lands in the
+    padding sinks and nothing they read belongs to a request."""
     kv = state.kv
     kv = replace(
         kv,
         page_table=torch.where(rows[:, None], PADDING_PAGE, kv.page_table),
         seq_lens=torch.where(rows, 0, kv.seq_lens),
+        state_slots=torch.where(rows, PADDING_SLOT, kv.state_slots),
     )
     return replace(state, kv=kv)
 

@@ -220,6 +220,8 @@ class Request:
     ``output`` holds every token emitted up to the one that completed a stop string (vLLM's
     ``token_ids`` too); ``include_stop_str_in_output`` says whether the request's text keeps
     the stop string (``generate``'s ``Generation.text`` ends before it unless so).
+    ``state_slot`` is its slot in a hybrid model's recurrent pool, held like its ``pages``
+    while it is admitted (0, the padding slot, otherwise and for models without one).
     """
 
     rid: int
@@ -231,6 +233,7 @@ class Request:
     include_stop_str_in_output: bool = False
     output: tuple[int, ...] = ()
     pages: tuple[int, ...] = ()
+    state_slot: int = 0
     prefilled: int = 0
     num_forwards: int = 0
     round_lengths: tuple[int, ...] = ()
@@ -294,7 +297,8 @@ class SchedulerState:
     overlapped was found unfinished).
 
     ``owner`` is the token of the engine claim this state carries (:func:`new_state`): only a
-    state whose token is the engine's may step it.
+    state whose token is the engine's may step it. ``state_slots`` hands out a hybrid model's
+    recurrent-state slots (one per admitted request; ``None`` for models without them).
     """
 
     waiting: tuple[Request, ...]
@@ -309,6 +313,7 @@ class SchedulerState:
     blocked_seconds: float = 0.0
     hidden_seconds: float = 0.0
     owner: int = 0
+    state_slots: PageAllocator | None = None
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
@@ -316,11 +321,16 @@ class Snapshot:
     """A scheduler state plus the contents of the KV pages it points at, by value, the values
     of the engine's shared cells (the n-gram store, the adaptive measurements; immutable, kept
     by reference) and the shape of the engine it was taken from (``(name, value)`` pairs that
-    :func:`restore` compares with its engine's)."""
+    :func:`restore` compares with its engine's). A hybrid model's recurrent states are
+    overwritten in place by every token (not appended like K/V), so the snapshot copies every
+    ring entry of each slot a live request holds (``slots``, ``pool_states``: conv and
+    delta-rule states per pool, empty without recurrent layers)."""
 
     state: SchedulerState
     pages: torch.Tensor
     pool_pages: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    slots: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
+    pool_states: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     cells: tuple[Any, ...]
     shape: tuple[tuple[str, Any], ...]
 
@@ -342,7 +352,13 @@ def new_state(engine: Engine) -> SchedulerState:
         next_rid=0,
         num_steps=0,
         owner=_claim(engine),
+        state_slots=new_allocator(engine.config.max_batch + 1) if _hybrid(engine) else None,
     )
+
+
+def _hybrid(engine: Engine) -> bool:
+    """Whether the engine's pools hold recurrent state (a hybrid target or draft)."""
+    return any(pool.recurrent is not None for pool in engine.resources.pools)
 
 
 def _claim(engine: Engine) -> int:
@@ -532,15 +548,25 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
         index = next((i for i, r in enumerate(requests) if r.rid == rid), None)
         if index is None:
             continue
-        allocator = _free_pages(state.allocator, [requests[index]])
         state = attrs.evolve(
-            state, **{group: requests[:index] + requests[index + 1 :]}, allocator=allocator
+            state,
+            **{group: requests[:index] + requests[index + 1 :]},
+            **_released(state, [requests[index]]),
         )
         if group == "running":
             batch = _drop_rows(engine, state.batch, len(requests), [index])
             state = attrs.evolve(state, batch=batch)
         return state
     raise KeyError(f"no live request with id {rid}")
+
+
+def _released(state: SchedulerState, requests: list[Request]) -> dict[str, PageAllocator | None]:
+    """The state's allocators with the pages and state slots of ``requests`` freed (a
+    waiting request holds neither)."""
+    slots, held = state.state_slots, [r.state_slot for r in requests if r.state_slot]
+    if slots is not None and held:
+        slots = free(slots, torch.tensor(held, dtype=torch.int64))
+    return {"allocator": _free_pages(state.allocator, requests), "state_slots": slots}
 
 
 def _free_pages(allocator: PageAllocator, requests: list[Request]) -> PageAllocator:
@@ -564,19 +590,24 @@ def _drop_rows(engine: Engine, batch: Any, size: int, drop: list[int]) -> Any:
 
 def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
     """Move waiting requests, first come first served, to prefilling while pages and slots last."""
-    allocator, admitted = state.allocator, []
+    allocator, slots, admitted = state.allocator, state.state_slots, []
     room = engine.config.max_batch - len(state.prefilling) - len(state.running)
     for request in state.waiting:
         need = pages_needed(engine, len(request.prompt), request.max_new_tokens)
         if len(admitted) >= room or need > int(allocator.num_free):
             break
         allocator, pages = allocate(allocator, need)
-        admitted.append(attrs.evolve(request, pages=tuple(pages.tolist())))
+        request = attrs.evolve(request, pages=tuple(pages.tolist()))
+        if slots is not None:  # max_batch bounds the admitted requests: a slot is free
+            slots, slot = allocate(slots, 1)
+            request = attrs.evolve(request, state_slot=int(slot[0]))
+        admitted.append(request)
     return attrs.evolve(
         state,
         waiting=state.waiting[len(admitted) :],
         prefilling=(*state.prefilling, *admitted),
         allocator=allocator,
+        state_slots=slots,
     )
 
 
@@ -655,6 +686,7 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
         page_table=_page_table(engine, chosen),
         seq_lens=torch.tensor([r.prefilled for r in chosen], dtype=torch.int64),
         page_size=engine.config.page_size,
+        state_slots=torch.tensor([r.state_slot for r in chosen], dtype=torch.int64),
     )
     after = [r.prefilled + n for r, n in zip(chosen, sizes)]
     next_tokens = [r.prompt[i] if i < len(r.prompt) else -1 for r, i in zip(chosen, after)]
@@ -896,7 +928,7 @@ def _collect(
             state,
             running=tuple(r for i, r in enumerate(running) if i not in finished),
             batch=_drop_rows(engine, state.batch, len(running), finished),
-            allocator=_free_pages(state.allocator, [running[i] for i in finished]),
+            **_released(state, [running[i] for i in finished]),
         )
     return state, outputs
 
@@ -1002,12 +1034,25 @@ def take_snapshot(engine: Engine, state: SchedulerState) -> Snapshot:
         for pool in engine.resources.pools
     )
     cells = tuple(cell.value for cell in engine.resources.cells)
+    slots = torch.tensor(
+        [r.state_slot for r in (*state.prefilling, *state.running)], dtype=torch.int64
+    )
+    pool_states = tuple(
+        (
+            pool.recurrent.conv[:, slots.to(pool.recurrent.conv.device)].clone(),
+            pool.recurrent.ssm[:, slots.to(pool.recurrent.ssm.device)].clone(),
+        )
+        for pool in engine.resources.pools
+        if pool.recurrent is not None
+    )
     return Snapshot(
         state=snapshot(state),
         pages=pages,
         pool_pages=pool_pages,
         cells=cells,
         shape=_engine_shape(engine),
+        slots=slots,
+        pool_states=pool_states,
     )
 
 
@@ -1032,6 +1077,10 @@ def restore(engine: Engine, snap: Snapshot) -> SchedulerState:
         index = snap.pages.to(pool.k.device)
         pool.k[:, index] = k
         pool.v[:, index] = v
+    hybrid = [pool.recurrent for pool in engine.resources.pools if pool.recurrent is not None]
+    for states, (conv, ssm) in zip(hybrid, snap.pool_states):
+        states.conv[:, snap.slots.to(conv.device)] = conv
+        states.ssm[:, snap.slots.to(ssm.device)] = ssm
     _set_cells(engine, snap.cells)
     # The snapshot's own token: every value of the state it was taken of owns the pages again.
     engine.owner.value = snap.state.owner
@@ -1052,7 +1101,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
     config, resources = engine.config, engine.resources
     # Pools are [layer, page, page_size, kv_head, head_dim]; pages are compared on their own.
     pools = tuple(
-        (name, (pool.k.shape[0], *pool.k.shape[3:], str(pool.k.dtype)))
+        (name, (pool.k.shape[0], *pool.k.shape[3:], str(pool.k.dtype), *_state_shape(pool)))
         for name, pool in zip(("target_pool", "draft_pool"), resources.pools)
     )
     return (
@@ -1068,6 +1117,11 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),
     )
+
+
+def _state_shape(pool: Any) -> tuple[int, ...]:
+    """A pool's recurrent-state shape (nothing for a pool without recurrent layers)."""
+    return () if pool.recurrent is None else (*pool.recurrent.conv.shape, *pool.recurrent.ssm.shape)
 
 
 def _static_items(path: str, value: Any) -> Iterator[tuple[str, Any]]:

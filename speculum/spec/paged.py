@@ -129,4 +129,5 @@ def tail_batch(
         prefix_lens=kv.seq_lens,
         q_lens=q_lens,
         new_mask=new_mask,
+        state_slots=kv.state_slots,
     )

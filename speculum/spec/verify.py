@@ -15,6 +15,7 @@ from torch import Tensor
 
 from speculum.spec.accept import accept
 from speculum.spec.paged import cache_slots, slots_at, tail_batch
+from speculum.spec.recurrent import commit_states
 from speculum.spec.sampling import (
     filtered_probs,
     guard_logits,
@@ -116,13 +117,16 @@ def commit_path(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> PagedKV:
     index ``seq_lens + path[d]`` to ``seq_lens + d`` (the ``speculum::commit_kv`` op). All
     sources are read before any destination is written (a destination can be another node's
     source). The pool is written in place by contract; the returned record counts the root and
-    the accepted nodes, and the rejected slots are simply never pointed at again.
+    the accepted nodes, and the rejected slots are simply never pointed at again. A hybrid
+    model's recurrent state after the accepted path moves the same way
+    (``spec.recurrent.commit_states``).
     """
     valid = accepted.path >= 0
     path_index = kv.seq_lens[:, None] + accepted.path.clamp(min=0)
     source = slots_at(kv.page_table, kv.page_size, path_index, valid)
     destination = cache_slots(kv.page_table, kv.page_size, kv.seq_lens, valid)
     commit_kv(pool.k, pool.v, source, destination)
+    commit_states(pool, kv, accepted)
     return replace(kv, seq_lens=kv.seq_lens + accepted.num_accepted + 1)
 
 

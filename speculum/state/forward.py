@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
@@ -18,7 +20,10 @@ class ForwardBatch:
     written to (padding rows point at the padding sink). Each query sees the whole cached prefix
     of ``prefix_lens`` tokens and the ``tail`` cache indices after it that ``new_mask`` allows
     (see ``spec.attention``): causal over the queries themselves for prefill and decode, the
-    tree mask for verify.
+    tree mask for verify. Query ``i`` sits at tail index ``tail - q + i``.
+
+    ``state_slots`` are the requests' recurrent-state slots (``PagedKV.state_slots``), read and
+    written by linear-attention layers (default: the padding slot 0, for models without them).
     """
 
     input_ids: Int[Tensor, "batch q"]
@@ -28,3 +33,6 @@ class ForwardBatch:
     prefix_lens: Int[Tensor, " batch"]
     q_lens: Int[Tensor, " batch"]
     new_mask: Bool[Tensor, "batch q tail"]
+    state_slots: Int[Tensor, " batch"] = attrs.field(
+        default=attrs.Factory(lambda batch: torch.zeros_like(batch.prefix_lens), takes_self=True)
+    )

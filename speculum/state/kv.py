@@ -17,6 +17,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from speculum.state.record import record, replace, static
+from speculum.state.recurrent import RecurrentPool
 
 __all__ = [
     "PADDING_PAGE",
@@ -49,11 +50,16 @@ class KVPool:
     A multi-head latent attention pool (:meth:`allocate_latent`) keeps one "head" per token in
     ``k``: the compressed latent then the rotary key; its values are the latent, the first
     columns of ``k``, so ``v`` holds nothing (``head_dim`` 0).
+
+    A hybrid model's pool also holds its linear-attention layers' recurrent states
+    (``recurrent``, see ``state.recurrent``); ``k`` and ``v`` then hold only its attention
+    layers. ``None`` for models without recurrent layers.
     """
 
     k: Tensor
     v: Tensor
     page_size: int
+    recurrent: RecurrentPool | None = None
 
     @classmethod
     def allocate(
@@ -192,8 +198,15 @@ class PagedKV:
     request ``b`` (unused entries are the padding sink); ``seq_lens[b]`` counts the tokens whose
     K/V are in the cache. A token's cache index (its slot in the sequence) is distinct from its
     rotary position: tree tokens sit in consecutive slots at depth-based positions.
+
+    ``state_slots[b]`` is request ``b``'s slot in a hybrid model's recurrent pool
+    (``state.recurrent``); the padding slot 0 (the default) for models without recurrent
+    layers. Always a tensor, so that a captured round's records hold nothing else.
     """
 
     page_table: Int[Tensor, "batch max_pages"]
     seq_lens: Int[Tensor, " batch"]
     page_size: int = static()
+    state_slots: Int[Tensor, " batch"] = attrs.field(
+        default=attrs.Factory(lambda kv: torch.zeros_like(kv.seq_lens), takes_self=True)
+    )

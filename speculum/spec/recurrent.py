@@ -1,0 +1,110 @@
+"""Reference gated DeltaNet over the recurrent pool: short causal conv and gated delta rule,
+token by token, each token starting from its parent's state. Pure torch, eager.
+
+The same function runs prefill chunks, decode steps, draft steps and tree verify: a query's
+parent is the latest tail index its mask row allows before itself (its predecessor for causal
+masks, its parent node for tree masks), or the committed prefix when there is none. Each
+query's state is written at its own cache index's ring entry (``state.recurrent``) before the
+next query reads, so candidate states of every draft node are values kept in the pool until
+the round ends, and commit picks the accepted one (:func:`commit_states`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from speculum.state.kv import KVPool, PagedKV
+from speculum.state.recurrent import PADDING_SLOT
+from speculum.state.tree import AcceptResult
+
+__all__ = ["node_parents", "l2norm", "gated_delta_rule", "commit_states"]
+
+
+def node_parents(new_mask: Bool[Tensor, "batch q tail"]) -> Int[Tensor, "batch q"]:
+    """Each query's parent as a tail index: the latest index before its own (query ``i`` sits at
+    tail index ``tail - q + i``) that its mask row allows, -1 when none (its parent is the
+    last committed token)."""
+    q, tail = new_mask.shape[1], new_mask.shape[2]
+    own = (tail - q + torch.arange(q, device=new_mask.device))[:, None]
+    index = torch.arange(tail, device=new_mask.device)[None, :]
+    before = new_mask & (index < own)
+    return torch.where(before, index, -1).amax(-1)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x`` divided by its L2 norm over the last axis (as transformers and FLA compute it)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring head k_dim v_dim"],
+    slots: Int[Tensor, " batch"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    mixed: Float[Tensor, "batch q channels"],
+    conv_weight: Float[Tensor, "channels kernel"],
+    gate: Float[Tensor, "batch q head"],
+    beta: Float[Tensor, "batch q head"],
+    dims: Sequence[int],
+) -> Float[Tensor, "batch q head v_dim"]:
+    """Linear-attention outputs of ``q`` queries of one layer, writing each query's conv and
+    delta-rule states into that layer's ``conv`` and ``ssm`` (``RecurrentPool.conv[layer]``,
+    ``.ssm[layer]``) at its slot and cache index's ring entry, in place.
+
+    ``mixed`` are the conv inputs (queries, keys, values concatenated); ``gate`` is the log
+    decay ``g`` and ``beta`` the write strength per value head; ``dims`` is ``(k_heads, k_dim,
+    v_heads, v_dim)``. Padded queries (``i >= q_lens``) write to the padding slot.
+    """
+    k_heads, k_dim, v_heads, v_dim = dims
+    ring = conv.shape[1]
+    batch, q, _ = mixed.shape
+    tail = new_mask.shape[2]
+    parents = node_parents(new_mask)
+    outputs = []
+    for i in range(q):
+        # The parent's state: its ring entry, or zeros before the first token.
+        parent = prefix_lens + parents[:, i]
+        started = (parent >= 0)[:, None, None]
+        conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
+        state = torch.where(started[..., None], ssm[slots, parent.remainder(ring)], 0.0)
+        window = torch.cat([conv_in, mixed[:, i, :, None].to(conv.dtype)], -1)
+        x = F.silu((window * conv_weight).sum(-1))
+        query, key, value = x.split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], -1)
+        group = v_heads // k_heads
+        query = l2norm(query.view(batch, k_heads, k_dim).float()).repeat_interleave(group, 1)
+        key = l2norm(key.view(batch, k_heads, k_dim).float()).repeat_interleave(group, 1)
+        value = value.view(batch, v_heads, v_dim).float()
+        state = state * gate[:, i].float().exp()[..., None, None]
+        remembered = (state * key[..., None]).sum(-2)
+        delta = (value - remembered) * beta[:, i].float()[..., None]
+        state = state + key[..., None] * delta[..., None, :]
+        outputs.append((state * (query / k_dim**0.5)[..., None]).sum(-2))
+        # Written before the next query reads: a later query may be this one's child.
+        where = prefix_lens + tail - q + i
+        slot = torch.where(i < q_lens, slots, PADDING_SLOT)
+        conv[slot, where.remainder(ring)] = window[..., 1:]
+        ssm[slot, where.remainder(ring)] = state
+    return torch.stack(outputs, 1).to(mixed.dtype)
+
+
+def commit_states(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> None:
+    """Copy the state after the accepted path's last node (at its own cache index) to the
+    entry of the accepted depth, where the next round reads it, in every linear-attention
+    layer, in place (chains: the same entry, a no-op). A rejected node's state stays behind in
+    an entry no record points at."""
+    states = pool.recurrent
+    if states is None:
+        return
+    depth = accepted.num_accepted
+    node = accepted.path.gather(1, depth[:, None])[:, 0]
+    source = (kv.seq_lens + node).remainder(states.ring)
+    destination = (kv.seq_lens + depth).remainder(states.ring)
+    for cache in (states.conv, states.ssm):
+        cache[:, kv.state_slots, destination] = cache[:, kv.state_slots, source]

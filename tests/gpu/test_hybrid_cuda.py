@@ -1,0 +1,78 @@
+"""Hybrid targets (Qwen3-Next's gated DeltaNet) on the GPU: the reference recurrence and its
+state pool inside captured rounds.
+
+- fp32: plain decoding and every pipeline a hybrid runs, as captured rounds over several batch
+  buckets, emit exactly plain eager greedy decoding's tokens (the target drafting for itself
+  too: both pools hold recurrent slots), and overlapped scheduling changes nothing.
+- bf16: captured hybrid rounds run and emit every token asked for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from test_graphs_cuda import CHAIN, PROMPTS, TREE, VOCAB, _tokens
+
+from speculum.models.config import LinearAttentionConfig, MoEConfig
+from speculum.models.draft import random_draft
+from speculum.models.loading import random_model
+from speculum.models.standalone import StandaloneHead
+from speculum.runtime.engine import SpecOptions
+
+pytestmark = pytest.mark.gpu
+
+HYBRID = {
+    "architecture": "Qwen3NextForCausalLM",
+    "qk_norm": True,
+    "partial_rotary_factor": 0.25,
+    "attention_output_gate": True,
+    "norm_offset": 1.0,
+    "linear": LinearAttentionConfig(
+        layer_types=("linear_attention", "full_attention") * 2,
+        num_k_heads=2,
+        num_v_heads=4,
+        k_dim=16,
+        v_dim=16,
+        conv_kernel=4,
+    ),
+    "moe": MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_intermediate_size=32,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=48,
+    ),
+}
+
+
+def _hybrid_target(dtype: torch.dtype = torch.float32):
+    config = tiny_config(vocab_size=VOCAB, num_layers=4, hidden_size=64, head_dim=16, **HYBRID)
+    return random_model(config, seed=5, std=0.3).to("cuda", dtype)
+
+
+def _drafts(target) -> dict:
+    return {
+        "eagle chain": ("eagle", random_draft(target, "eagle", seed=2, std=0.3), CHAIN),
+        "eagle3 tree": ("eagle3", random_draft(target, "eagle3", seed=2, std=0.3), TREE),
+        "standalone self tree": ("standalone", StandaloneHead(target, VOCAB), TREE),
+        "ngram": ("ngram", None, SpecOptions(num_draft_tokens=6)),
+    }
+
+
+@pytest.mark.parametrize("label", ["eagle chain", "eagle3 tree", "standalone self tree", "ngram"])
+def test_fp32_captured_rounds_on_a_hybrid_target_equal_plain(label):
+    target = _hybrid_target()
+    algorithm, draft, spec = _drafts(target)[label]
+    plain = _tokens(target, cuda_graphs=False)
+    assert _tokens(target) == plain
+    options = dict(algorithm=algorithm, draft=draft, spec=spec)
+    assert _tokens(target, **options) == plain
+    assert _tokens(target, overlap=True, **options) == plain
+
+
+def test_bf16_captured_hybrid_rounds_run():
+    target = _hybrid_target(torch.bfloat16)
+    algorithm, draft, spec = _drafts(target)["standalone self tree"]
+    tokens = _tokens(target, algorithm=algorithm, draft=draft, spec=spec)
+    assert [len(t) for t in tokens] == [24] * len(PROMPTS)
