@@ -914,7 +914,9 @@ def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[Re
     that raises changes nothing that could be seen: the engine's shared cells (the n-gram
     store, the adaptive measurements) get back the values they had, the claim stays with
     ``state``, and the KV slots the step may have written lie past what ``state`` counts as
-    written, so retrying the step writes them again.
+    written, so retrying the step writes them again. Cached prefix pages it evicted and
+    wrote are evicted and written again by the retry; a :func:`new_state` made after it
+    starts with an empty prefix cache.
     """
     _check_owner(engine, state, "step")
     entry = tuple(cell.value for cell in engine.resources.cells)
@@ -924,6 +926,9 @@ def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[Re
         # Rounds replace the cells' values as they go (the n-gram round inserts its streams):
         # left behind by a failed step, a retry would insert them again.
         _set_cells(engine, entry)
+        # The step may have evicted cached pages and written into them: a new state must not
+        # trust the cache it would start from (a retry of this step evicts them again).
+        engine.prefix_index.value = PrefixIndex()
         raise
     engine.prefix_index.value = state.prefix
     return attrs.evolve(state, owner=_claim(engine)), outputs

@@ -191,3 +191,30 @@ def test_keys_name_the_whole_prefix():
     ahead = block_keys((1, 2, 3, 4, 5, 6, 7, 8), 4, 1)
     assert len(ahead) == 1 and ahead == block_keys((1, 2, 3, 4, 5, 6, 7, 8, 9), 4, 1)[:1]
     assert block_keys((1, 2, 3, 4, 9), 4, 1) != block_keys((1, 2, 3, 4, 5), 4, 1)
+
+
+def test_after_a_failed_step_a_new_state_trusts_no_cached_page(monkeypatch):
+    """A step that fails after admission (which may have evicted cached pages for a request's
+    own and written them) leaves the engine no cache for a new state to start from; retrying
+    the step gives the tokens of an engine without the cache."""
+    prompts = [list(range(1, 14)), list(range(1, 14)) + [2]]
+    limits = {"page_size": 4, "max_context": 32}
+    reference = generate(prompts, engine=engine("plain", False, prefix_cache=False, **limits))
+    eng = engine("plain", False, **limits)
+    state = scheduler.new_state(eng)
+    state, _ = scheduler.add_request(eng, state, prompts[0])
+    state, _ = run_to_completion(eng, state)
+    state, rid = scheduler.add_request(eng, state, prompts[1])
+    assert state.prefix.cached and eng.prefix_index.value.cached
+
+    def failing(engine, state):
+        raise RuntimeError("injected fault")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(scheduler, "_launch_prefill", failing)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            scheduler.step(eng, state)
+    assert not eng.prefix_index.value.cached  # where a new state would start from
+    _, finished = run_to_completion(eng, state)
+    assert finished[rid].output == reference[1].token_ids
+    assert finished[rid].cached_tokens == 12
