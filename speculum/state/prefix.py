@@ -99,11 +99,13 @@ def release(index: PrefixIndex, pages: Iterable[int]) -> tuple[PrefixIndex, tupl
 
 
 def _counted(index: PrefixIndex, pages: Iterable[int], change: int) -> PrefixIndex:
+    """``index`` with ``change`` holders for each cached page of ``pages``, dated in order."""
+    pages = [p for p in pages if p in index.cached]
+    if not pages:  # most steps: nothing cached is taken or let go of, and nothing is copied
+        return index
     cached, clock = dict(index.cached), index.clock
     for page in pages:
-        entry = cached.get(page)
-        if entry is None:
-            continue
+        entry = cached[page]
         if entry.refs + change < 0:
             raise ValueError(f"cached page {page} released more often than it was acquired")
         clock += 1

@@ -7,15 +7,20 @@ restore."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import max_new_tokens, page_sizes, prefill_budgets, shared_prefix_batches
+from test_cli import run_cli
 from test_eagle import TARGET, VOCAB
 from test_overlap import PIPELINES, SMALL, engine, outcome
 
 from speculum.models.draft import random_draft
+from speculum.models.loading import random_model, save_model
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
@@ -218,3 +223,24 @@ def test_after_a_failed_step_a_new_state_trusts_no_cached_page(monkeypatch):
     _, finished = run_to_completion(eng, state)
     assert finished[rid].output == reference[1].token_ids
     assert finished[rid].cached_tokens == 12
+
+
+def test_the_command_line_reports_cached_tokens_unless_told_not_to_cache(capsys, tmp_path):
+    """``--prompts-file`` with one prompt twice, one at a time: the second reuses the first's
+    full pages (``stats.cached_tokens``) and emits the same tokens; ``--no-prefix-cache``
+    computes both afresh."""
+    folder = save_model(random_model(tiny_config(), seed=1, std=0.3), tmp_path / "m")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": list(range(1, 12))}) + "\n" * 2)
+    prompts.write_text(prompts.read_text() * 2)
+    args = ["--model", str(folder), "--prompts-file", str(prompts), "--max-new-tokens", "4"]
+    args += ["--page-size", "4", "--max-batch", "1"]
+    rows = {}
+    for flags in ((), ("--no-prefix-cache",)):
+        status, out, _ = run_cli(capsys, *args, *flags)
+        assert status == 0
+        rows[flags] = [json.loads(line) for line in out.splitlines()]
+    cached, fresh = rows[()], rows[("--no-prefix-cache",)]
+    assert [r["stats"]["cached_tokens"] for r in cached] == [0, 8]
+    assert [r["stats"]["cached_tokens"] for r in fresh] == [0, 0]
+    assert [r["token_ids"] for r in cached] == [r["token_ids"] for r in fresh]
