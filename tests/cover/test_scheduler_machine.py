@@ -23,9 +23,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.runtime import scheduler
-from speculum.runtime.engine import engine_from_model
+from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
 from speculum.state import tree_equal
 from speculum.state.kv import allocated_pages
@@ -44,11 +45,14 @@ PROMPTS = [
 _alone_cache: dict = {}
 
 
-def alone(prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling) -> tuple[int, ...]:
-    """What a request yields when it is the only one (the model's ground truth)."""
-    key = (prompt, max_new, sampling)
+def alone(
+    prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling, options: tuple = ()
+) -> tuple[int, ...]:
+    """What a request yields when it is the only one, on an engine without the prefix cache
+    built with ``options`` (``(name, value)`` pairs): the model's ground truth."""
+    key = (prompt, max_new, sampling, options)
     if key not in _alone_cache:
-        engine = engine_from_model(MODEL, prefix_cache=False, **LIMITS)
+        engine = engine_from_model(MODEL, prefix_cache=False, **LIMITS, **dict(options))
         state, _ = scheduler.add_request(
             engine, scheduler.new_state(engine), prompt, sampling=sampling, max_new_tokens=max_new
         )
@@ -71,10 +75,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Drives one engine and compares it with the model after every rule."""
 
     snapshots = Bundle("snapshots")
+    #: The engine's pipeline, as ``engine_from_model``'s ``(name, value)`` pairs (plain here).
+    options: tuple = ()
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS)
+        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS, **dict(self.options))
         self.state = scheduler.new_state(self.engine)
         self.model: dict[int, Expected] = {}
         # The state value the last step replaced (its pages have been written since).
@@ -96,7 +102,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state, rid = scheduler.add_request(
             self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
         )
-        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling))
+        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling, self.options))
 
     def cached_contents(self):
         """Each cached page's registration and K/V (target and draft pools)."""
@@ -198,6 +204,32 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+class EagleMachine(SchedulerMachine):
+    """The machine on an EAGLE chain, whose draft pool shares the target's page ids: a hit
+    reuses the draft's cached entries too, and no cached page of either pool is written."""
+
+    options = (
+        ("algorithm", "eagle"),
+        ("draft", random_draft(MODEL, "eagle", seed=7, std=0.3)),
+        ("spec", SpecOptions(num_steps=2)),
+    )
+
+    @invariant()
+    def batch_rows_follow_the_running_requests(self):
+        """An EAGLE row's committed cache and its root (the last token emitted)."""
+        running = self.state.running
+        if not running:
+            assert self.state.batch is None
+            return
+        lengths = [len(r.prompt) + len(r.output) - 1 for r in running]
+        assert self.state.batch.kv.seq_lens.tolist() == lengths
+        assert self.state.batch.root_tokens.tolist() == [r.output[-1] for r in running]
+
+
+EagleMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
+test_eagle_state_machine = EagleMachine.TestCase
 
 
 def test_model_ground_truth_is_not_degenerate():
