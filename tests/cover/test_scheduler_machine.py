@@ -228,7 +228,7 @@ class EagleMachine(SchedulerMachine):
         assert self.state.batch.root_tokens.tolist() == [r.output[-1] for r in running]
 
 
-EagleMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
+EagleMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 test_eagle_state_machine = EagleMachine.TestCase
 
 
