@@ -20,3 +20,16 @@ def prompt_batches(vocab: int, max_batch: int = 8) -> st.SearchStrategy[list[lis
 def stop_token_sets(vocab: int) -> st.SearchStrategy[tuple[int, ...]]:
     """Up to two stop token ids (they often fire in the middle of a speculative round)."""
     return st.sets(st.integers(0, vocab - 1), max_size=2).map(tuple)
+
+
+def shared_prefix_batches(vocab: int, max_batch: int = 5) -> st.SearchStrategy[list[list[int]]]:
+    """Batches of 1 to ``max_batch`` prompts, each one of two shared prefixes of up to 14 token
+    ids followed by up to 5 of its own (at least one token in all): prefix caching hits."""
+    tokens = st.lists(st.integers(0, vocab - 1), max_size=14)
+    own = st.lists(st.integers(0, vocab - 1), max_size=5)
+
+    def batches(prefixes: list[list[int]]) -> st.SearchStrategy[list[list[int]]]:
+        prompt = st.tuples(st.sampled_from(prefixes), own).map(lambda p: p[0] + p[1])
+        return st.lists(prompt.filter(len), min_size=1, max_size=max_batch)
+
+    return st.lists(tokens, min_size=1, max_size=2).flatmap(batches)

@@ -437,6 +437,13 @@ def parser() -> argparse.ArgumentParser:
         help="overlap scheduling: prepare each step on the host while the device runs the "
         "previous one (same tokens)",
     )
+    gen.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="compute every prompt's KV afresh instead of reusing the pages of prompt prefixes "
+        "earlier requests computed (see docs/prefix_cache.md)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument(
         "--no-stream",
@@ -476,6 +483,7 @@ _ENGINE_DESTS = (
     "dtype",
     "cuda_graphs",
     "overlap",
+    "prefix_cache",
     "tp",
 )
 
@@ -1200,6 +1208,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         overlap=args.overlap,
+        prefix_cache=args.prefix_cache,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),
         **options,
     )

@@ -27,6 +27,7 @@ from speculum.runtime import checks
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
 from speculum.state.parallel import SINGLE, TensorParallel
+from speculum.state.prefix import PrefixIndex
 
 T = TypeVar("T")
 
@@ -81,6 +82,9 @@ class EngineConfig:
     the vocabulary on the device (6 bytes per token: 0.9 MB at a 150k vocabulary), read by
     every distribution and updated by every round (``pipelines.base.counting``); False, the
     default, stores and applies nothing.
+    ``prefix_cache`` (on by default) lets requests reuse the KV pages of prompt prefixes
+    earlier requests computed (``docs/prefix_cache.md``; :attr:`Engine.prefix_lookahead` says
+    for which pipelines).
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -98,6 +102,7 @@ class EngineConfig:
     max_logprobs: int = attrs.field(default=0, converter=_count(0))
     logit_bias: bool = attrs.field(default=False, converter=_FLAG)
     penalties: bool = attrs.field(default=False, converter=_FLAG)
+    prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -111,7 +116,9 @@ class Engine:
     ``owner`` holds the token of the one scheduler state that may step the engine next (the
     pools hold one state's pages; ``scheduler.new_state`` and ``scheduler.restore`` claim
     them, each step hands the claim on to the state it returns). An engine derived with
-    ``attrs.evolve`` shares its resources and so its owner cell.
+    ``attrs.evolve`` shares its resources and so its owner cell. ``prefix_index`` holds the
+    prefix cache (``state.prefix.PrefixIndex``) of that owner, from which a new scheduler
+    state starts: the cache outlives the states that fill it.
     """
 
     pipeline: Pipeline
@@ -120,6 +127,7 @@ class Engine:
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     owner: Cell = attrs.field(factory=lambda: Cell(None))
+    prefix_index: Cell = attrs.field(factory=lambda: Cell(PrefixIndex()))
 
     @property
     def device(self) -> torch.device:
@@ -132,10 +140,43 @@ class Engine:
         return reserved_lookahead(self.pipeline, self.config.overlap)
 
     @property
+    def prefix_lookahead(self) -> int | None:
+        """How many tokens past a page its cached contents depend on, or ``None`` where
+        prefix caching is off (``EngineConfig.prefix_cache``) or cannot be exact for the
+        pipeline (``docs/prefix_cache.md``).
+
+        The target's K/V at a position depend on the tokens up to it, and so do the caches
+        of n-gram, frozen-KV MTP (it has none), DFLASH/DSPARK (injected context) and
+        standalone drafts (entry ``i`` holds token ``i``): 0. An EAGLE-family head's entry
+        ``i`` pairs the target's hidden state ``i`` with token ``i + 1``: 1. Multi-layer EAGLE's
+        later layers pair entries with tokens further on, near a chunk's end with their own
+        predictions, which depend on how the prompt was chunked: not cached. Nor is any
+        pipeline this list does not know. Nor a model with recurrent state (hybrid targets or
+        drafts): a shared page holds K/V, not the recurrent state at its end, so caching is off
+        for them until that state is cached at page boundaries."""
+        recurrent = any(pool.recurrent is not None for pool in self.resources.pools)
+        if not self.config.prefix_cache or recurrent:
+            return None
+        name = self.pipeline.name
+        if name in _PREFIX_EXACT:
+            return 0
+        if name in _PREFIX_PAIRED:
+            return 1 - self.resources.draft.ahead
+        return None
+
+    @property
     def tp(self) -> TensorParallel:
         """The tensor-parallel group the target is sharded over (``SINGLE``: one process, also
         for a target of another kind than ``DecoderModel``, which knows no sharding)."""
         return getattr(self.resources.target, "tp", SINGLE)
+
+
+#: Pipelines whose caches at a position depend only on the tokens up to it
+#: (:attr:`Engine.prefix_lookahead`).
+_PREFIX_EXACT = frozenset({"plain", "ngram", "frozen_kv_mtp", "dflash", "dspark"})
+#: The EAGLE family and STANDALONE (adaptive included): their heads pair entry ``i`` with token
+#: ``i + 1 - ahead``.
+_PREFIX_PAIRED = frozenset({"eagle", "eagle3", "mtp", "nextn", "standalone", "adaptive"})
 
 
 def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
@@ -375,6 +416,7 @@ def engine_from_model(
     max_logprobs: int = 0,
     logit_bias: bool = False,
     penalties: bool = False,
+    prefix_cache: bool = True,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -386,7 +428,8 @@ def engine_from_model(
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
-    requests carry a logit bias, ``penalties`` penalties and ``min_tokens``
+    requests carry a logit bias, ``penalties`` penalties and ``min_tokens``, ``prefix_cache``
+    lets requests reuse cached prompt prefixes
     (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
@@ -411,6 +454,7 @@ def engine_from_model(
         max_logprobs=max_logprobs,
         logit_bias=logit_bias,
         penalties=penalties,
+        prefix_cache=prefix_cache,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)

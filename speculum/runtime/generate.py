@@ -42,7 +42,8 @@ class Generation:
     (tokens emitted per decoding round, bonus token included; 1.0 for plain decoding),
     ``tokens_per_second``, the scheduler's ``host_ms_per_step``, ``hidden_host_ms_per_step``
     and ``blocked_ms_per_step`` (``scheduler.host_stats``, over the whole call) and
-    ``finish_reason``; a ``length`` finish adds ``length_limit``: ``max_new_tokens``, or
+    ``finish_reason``, ``cached_tokens`` (prompt tokens whose KV came from the prefix cache,
+    their prefill skipped); a ``length`` finish adds ``length_limit``: ``max_new_tokens``, or
     ``max_context`` (with ``max_context``, the engine's) when the prompt and the budget did not
     fit the context, which cut the budget short. A prompt the engine could not decode (its
     logits turned NaN, say) ends with ``finish_reason == "error"``, the tokens decoded before
@@ -154,6 +155,7 @@ def generate(
     dtype: str | None = None,
     cuda_graphs: bool = True,
     overlap: bool = False,
+    prefix_cache: bool = True,
     tp: int = 1,
     draft_tp: int | None = None,
     speculative_config: Mapping[str, Any] | None = None,
@@ -210,7 +212,10 @@ def generate(
     ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
     ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
-    device runs the previous one (same tokens; see ``docs/overlap.md``).
+    device runs the previous one (same tokens; see ``docs/overlap.md``). ``prefix_cache``
+    (on by default) lets a prompt reuse the KV pages of the prompt prefixes earlier prompts
+    computed, in this call and, with an ``engine`` given, in earlier calls on it (same tokens;
+    ``stats["cached_tokens"]`` counts the prompt tokens reused; ``docs/prefix_cache.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
     that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
@@ -334,6 +339,7 @@ def _engine(
         ngram=a["ngram"],
         cuda_graphs=a["cuda_graphs"],
         overlap=a["overlap"],
+        prefix_cache=a["prefix_cache"],
         tp=distributed.tensor_parallel(a["tp"], a["device"]),
         draft_tp=a["draft_tp"],
         max_context=a["max_context"],
@@ -591,6 +597,7 @@ def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]
         finish_reason=finish_reason,
         stats={
             "num_forward_steps": request.num_forwards,
+            "cached_tokens": request.cached_tokens,
             **shared,
             "finish_reason": finish_reason,
             **_length_limit(engine, request, finish_reason),

@@ -8,7 +8,9 @@ pages, one state value at a time owns the engine and may step it (:func:`new_sta
 Requests wait until pages for their whole budget (prompt + max_new_tokens + the pipeline's
 lookahead) are free, are prefilled in chunks within a token budget per step, decode together, and
 leave on a stop token, a stop string, ``max_new_tokens`` or the context limit, freeing their
-pages.
+pages. With the prefix cache (``EngineConfig.prefix_cache``), a request whose prompt starts with
+full pages an earlier prompt filled points its page table at them and is prefilled from there;
+a finished request's cached pages stay in the index, reclaimable (``docs/prefix_cache.md``).
 
 A step launches device work (a decoding round, a prefill chunk) and collects what it emitted:
 the host reads the tokens, checks stop conditions and retires finished requests. Synchronously,
@@ -47,6 +49,17 @@ from speculum.state.kv import (
     allocate,
     free,
     new_allocator,
+)
+from speculum.state.prefix import (
+    PrefixIndex,
+    acquire,
+    block_keys,
+    evict,
+    forget_holders,
+    lookup,
+    reclaimable,
+    register,
+    release,
 )
 from speculum.state.record import record, snapshot, tree_map_tensors
 from speculum.state.sampling import Penalties, SamplingParams
@@ -222,6 +235,8 @@ class Request:
     the stop string (``generate``'s ``Generation.text`` ends before it unless so).
     ``state_slot`` is its slot in a hybrid model's recurrent pool, held like its ``pages``
     while it is admitted (0, the padding slot, otherwise and for models without one).
+    ``cached_tokens`` counts the prompt tokens whose KV pages came from the prefix cache
+    (their prefill was skipped).
     """
 
     rid: int
@@ -235,6 +250,7 @@ class Request:
     pages: tuple[int, ...] = ()
     state_slot: int = 0
     prefilled: int = 0
+    cached_tokens: int = 0
     num_forwards: int = 0
     round_lengths: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -299,6 +315,10 @@ class SchedulerState:
     ``owner`` is the token of the engine claim this state carries (:func:`new_state`): only a
     state whose token is the engine's may step it. ``state_slots`` hands out a hybrid model's
     recurrent-state slots (one per admitted request; ``None`` for models without them).
+    state whose token is the engine's may step it.
+
+    ``prefix`` is the prefix cache: the cached pages (never on the allocator's free stack) and
+    how many live requests hold each (``state.prefix``).
     """
 
     waiting: tuple[Request, ...]
@@ -314,6 +334,7 @@ class SchedulerState:
     hidden_seconds: float = 0.0
     owner: int = 0
     state_slots: PageAllocator | None = None
+    prefix: PrefixIndex = attrs.field(factory=PrefixIndex)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
@@ -336,24 +357,32 @@ class Snapshot:
 
 
 def new_state(engine: Engine) -> SchedulerState:
-    """An empty scheduler state with every KV page free.
+    """An empty scheduler state with every KV page free but those of the engine's prefix
+    cache, which the state keeps, reclaimable (the cache of the state that owned the engine
+    last, see ``Engine.prefix_index``; empty with the cache off).
 
     The state claims the engine: its pools hold one state's pages, so a state made earlier
     (and every value derived from it) can no longer step it. A step hands the claim on to the
     state it returns; :func:`add_request` and :func:`cancel` keep it; :func:`restore` claims
     the engine for the snapshot's state.
     """
-    return SchedulerState(
+    index = forget_holders(engine.prefix_index.value)
+    if engine.prefix_lookahead is None:
+        index = PrefixIndex()
+    state = SchedulerState(
         waiting=(),
         prefilling=(),
         running=(),
         batch=None,
-        allocator=new_allocator(engine.config.num_pages),
+        allocator=new_allocator(engine.config.num_pages, index.cached),
         next_rid=0,
         num_steps=0,
         owner=_claim(engine),
         state_slots=new_allocator(engine.config.max_batch + 1) if _hybrid(engine) else None,
+        prefix=index,
     )
+    engine.prefix_index.value = index
+    return state
 
 
 def _hybrid(engine: Engine) -> bool:
@@ -548,11 +577,8 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
         index = next((i for i, r in enumerate(requests) if r.rid == rid), None)
         if index is None:
             continue
-        state = attrs.evolve(
-            state,
-            **{group: requests[:index] + requests[index + 1 :]},
-            **_released(state, [requests[index]]),
-        )
+        state = _release_pages(state, [requests[index]])
+        state = attrs.evolve(state, **{group: requests[:index] + requests[index + 1 :]})
         if group == "running":
             batch = _drop_rows(engine, state.batch, len(requests), [index])
             state = attrs.evolve(state, batch=batch)
@@ -560,19 +586,38 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
     raise KeyError(f"no live request with id {rid}")
 
 
-def _released(state: SchedulerState, requests: list[Request]) -> dict[str, PageAllocator | None]:
-    """The state's allocators with the pages and state slots of ``requests`` freed (a
-    waiting request holds neither)."""
+def _release_pages(state: SchedulerState, requests: list[Request]) -> SchedulerState:
+    """``state`` with every page and state slot of ``requests`` let go of: cached pages lose a
+    holder and stay cached (``state.prefix.release``), the others are freed in one call (a call
+    scans the free stack once); a hybrid model's state slots are freed (a waiting request holds
+    neither)."""
+    index, private = release(state.prefix, [p for request in requests for p in request.pages])
+    allocator = free(state.allocator, torch.tensor(private, dtype=torch.int64))
     slots, held = state.state_slots, [r.state_slot for r in requests if r.state_slot]
     if slots is not None and held:
         slots = free(slots, torch.tensor(held, dtype=torch.int64))
-    return {"allocator": _free_pages(state.allocator, requests), "state_slots": slots}
+    return attrs.evolve(state, allocator=allocator, prefix=index, state_slots=slots)
 
 
-def _free_pages(allocator: PageAllocator, requests: list[Request]) -> PageAllocator:
-    """Free every page of ``requests`` in one call (a call scans the free stack once)."""
-    pages = [p for request in requests for p in request.pages]
-    return free(allocator, torch.tensor(pages, dtype=torch.int64))
+def _cached_prefix(engine: Engine, index: PrefixIndex, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The cached pages ``prompt`` starts with (none with the cache off), leaving at least its
+    last token to prefill: that token's logits decide the first generated one."""
+    lookahead, page_size = engine.prefix_lookahead, engine.config.page_size
+    if lookahead is None:
+        return ()
+    keys = block_keys(prompt, page_size, lookahead)
+    return lookup(index, keys[: (len(prompt) - 1) // page_size])
+
+
+def _register_prefilled(engine: Engine, index: PrefixIndex, request: Request) -> PrefixIndex:
+    """``index`` with the prompt pages ``request``'s prefill has filled so far (nothing with
+    the cache off). A page is cached once its K/V, the target's and the draft's, are all
+    written: the chunk that writes a page's last token is given the token after it."""
+    lookahead, page_size = engine.prefix_lookahead, engine.config.page_size
+    if lookahead is None:
+        return index
+    keys = block_keys(request.prompt, page_size, lookahead)[: request.prefilled // page_size]
+    return register(index, keys, request.pages)
 
 
 def _rows(engine: Engine, rows: list[int]) -> torch.Tensor:
@@ -589,15 +634,32 @@ def _drop_rows(engine: Engine, batch: Any, size: int, drop: list[int]) -> Any:
 
 
 def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
-    """Move waiting requests, first come first served, to prefilling while pages and slots last."""
-    allocator, slots, admitted = state.allocator, state.state_slots, []
+    """Move waiting requests, first come first served, to prefilling while pages and slots last.
+
+    A request whose prompt starts with cached pages shares them (its page table points at them)
+    and is prefilled after them; it is given pages of its own for the rest. Cached pages no
+    request holds count as room: the least recently used are evicted when free pages run out.
+    """
+    allocator, index, slots, admitted = state.allocator, state.prefix, state.state_slots, []
     room = engine.config.max_batch - len(state.prefilling) - len(state.running)
     for request in state.waiting:
-        need = pages_needed(engine, len(request.prompt), request.max_new_tokens)
-        if len(admitted) >= room or need > int(allocator.num_free):
+        shared = _cached_prefix(engine, index, request.prompt)
+        need = pages_needed(engine, len(request.prompt), request.max_new_tokens) - len(shared)
+        held = acquire(index, shared)  # first, so the eviction below spares them
+        free_now = int(allocator.num_free)
+        if len(admitted) >= room or need > free_now + reclaimable(held):
             break
+        index, evicted = evict(held, need - free_now)
+        if evicted:
+            allocator = free(allocator, torch.tensor(evicted, dtype=torch.int64))
         allocator, pages = allocate(allocator, need)
-        request = attrs.evolve(request, pages=tuple(pages.tolist()))
+        cached = len(shared) * engine.config.page_size
+        request = attrs.evolve(
+            request,
+            pages=shared + tuple(pages.tolist()),
+            prefilled=cached,
+            cached_tokens=cached,
+        )
         if slots is not None:  # max_batch bounds the admitted requests: a slot is free
             slots, slot = allocate(slots, 1)
             request = attrs.evolve(request, state_slot=int(slot[0]))
@@ -608,6 +670,7 @@ def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
         prefilling=(*state.prefilling, *admitted),
         allocator=allocator,
         state_slots=slots,
+        prefix=index,
     )
 
 
@@ -868,7 +931,7 @@ def _launch_prefill(
         return state, ()
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
-    prefilling, joined, joined_rows = [], [], []
+    prefilling, joined, joined_rows, cache = [], [], [], state.prefix
     for index, request in enumerate(state.prefilling):
         if index < len(sizes):
             request = attrs.evolve(
@@ -876,12 +939,13 @@ def _launch_prefill(
                 prefilled=request.prefilled + sizes[index],
                 num_forwards=request.num_forwards + 1,
             )
+            cache = _register_prefilled(engine, cache, request)
         if request.prefilled < len(request.prompt):
             prefilling.append(request)
         else:
             joined.append(request)
             joined_rows.append(index)
-    state = attrs.evolve(state, prefilling=tuple(prefilling))
+    state = attrs.evolve(state, prefilling=tuple(prefilling), prefix=cache)
     if not joined:
         return state, ()
     index = _rows(engine, joined_rows)
@@ -928,8 +992,8 @@ def _collect(
             state,
             running=tuple(r for i, r in enumerate(running) if i not in finished),
             batch=_drop_rows(engine, state.batch, len(running), finished),
-            **_released(state, [running[i] for i in finished]),
         )
+        state = _release_pages(state, [running[i] for i in finished])
     return state, outputs
 
 
@@ -962,7 +1026,9 @@ def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[Re
     that raises changes nothing that could be seen: the engine's shared cells (the n-gram
     store, the adaptive measurements) get back the values they had, the claim stays with
     ``state``, and the KV slots the step may have written lie past what ``state`` counts as
-    written, so retrying the step writes them again.
+    written, so retrying the step writes them again. Cached prefix pages it evicted and
+    wrote are evicted and written again by the retry; a :func:`new_state` made after it
+    starts with an empty prefix cache.
     """
     _check_owner(engine, state, "step")
     entry = tuple(cell.value for cell in engine.resources.cells)
@@ -972,7 +1038,11 @@ def step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[Re
         # Rounds replace the cells' values as they go (the n-gram round inserts its streams):
         # left behind by a failed step, a retry would insert them again.
         _set_cells(engine, entry)
+        # The step may have evicted cached pages and written into them: a new state must not
+        # trust the cache it would start from (a retry of this step evicts them again).
+        engine.prefix_index.value = PrefixIndex()
         raise
+    engine.prefix_index.value = state.prefix
     return attrs.evolve(state, owner=_claim(engine)), outputs
 
 
@@ -1019,14 +1089,16 @@ def is_idle(state: SchedulerState) -> bool:
 
 
 def _held_pages(state: SchedulerState) -> torch.Tensor:
+    """Every page the state's requests or its prefix cache hold, once each."""
     pages = [p for r in (*state.prefilling, *state.running) for p in r.pages]
-    return torch.tensor(pages, dtype=torch.int64)
+    return torch.tensor(sorted({*pages, *state.prefix.cached}), dtype=torch.int64)
 
 
 def take_snapshot(engine: Engine, state: SchedulerState) -> Snapshot:
-    """The state by value: cloned tensors, a copy of every KV page a live request holds, the
-    shared cells' values and the engine's shape. ``state`` must own the engine (the pages of a
-    state that no longer does may hold another state's tokens): a ``ValueError`` says so."""
+    """The state by value: cloned tensors, a copy of every KV page a live request or the prefix
+    cache holds, the shared cells' values and the engine's shape. ``state`` must own the engine
+    (the pages of a state that no longer does may hold another state's tokens): a
+    ``ValueError`` says so."""
     _check_owner(engine, state, "snapshot")
     pages = _held_pages(state)
     pool_pages = tuple(
@@ -1082,6 +1154,7 @@ def restore(engine: Engine, snap: Snapshot) -> SchedulerState:
         states.conv[:, snap.slots.to(conv.device)] = conv
         states.ssm[:, snap.slots.to(ssm.device)] = ssm
     _set_cells(engine, snap.cells)
+    engine.prefix_index.value = snap.state.prefix
     # The snapshot's own token: every value of the state it was taken of owns the pages again.
     engine.owner.value = snap.state.owner
     return snapshot(snap.state)
@@ -1113,6 +1186,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("overlap", config.overlap),
         ("max_logprobs", config.max_logprobs),
         ("penalties", config.penalties),
+        ("prefix_lookahead", engine.prefix_lookahead),
         *pools,
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),

@@ -222,6 +222,8 @@ class EngineLoop:
             if entry is None:  # cancelled meanwhile
                 continue
             if output.new_token_ids:
+                if not entry.last_token_at:  # its first token: its prefill is done
+                    self.metrics.observe_prefill(output.request)
                 since = entry.last_token_at or entry.ticket.arrived
                 (self.metrics.itl if entry.last_token_at else self.metrics.ttft).observe(
                     now - since

@@ -19,6 +19,7 @@ from prometheus_client import (
 )
 
 from speculum.runtime import scheduler
+from speculum.state.prefix import reclaimable
 
 __all__ = ["Metrics"]
 
@@ -62,6 +63,21 @@ class Metrics:
         )
         self.prompt_tokens = Counter(
             "speculum:prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.prefix_queries = Counter(
+            "speculum:prefix_cache_queries",
+            "Prompt tokens of prefilled requests, each looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "speculum:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their prefill skipped).",
+            registry=r,
+        )
+        self.prefix_pages = Gauge(
+            "speculum:prefix_cache_pages",
+            "KV pages the prefix cache holds, reclaimable ones included.",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "speculum:generation_tokens", "Tokens generated.", registry=r
@@ -128,12 +144,19 @@ class Metrics:
         self._rounds = self._emitted = 0
 
     def observe_state(self, state: scheduler.SchedulerState) -> None:
-        """The gauges of a state: requests running and waiting, KV pages in use."""
+        """The gauges of a state: requests running and waiting, KV pages in use (cached pages
+        no request holds are reclaimable, so not in use), pages the prefix cache holds."""
         self.running.set(len(state.running) + len(state.prefilling))
         self.waiting.set(len(state.waiting))
-        used = self._num_pages - int(state.allocator.num_free)
+        used = self._num_pages - int(state.allocator.num_free) - reclaimable(state.prefix)
         self.pages_used.set(used)
         self.usage.set(used / max(self._num_pages, 1))
+        self.prefix_pages.set(len(state.prefix.cached))
+
+    def observe_prefill(self, request: scheduler.Request) -> None:
+        """Count a request whose prefill is done in the prefix cache's queries and hits."""
+        self.prefix_queries.inc(len(request.prompt))
+        self.prefix_hits.inc(request.cached_tokens)
 
     def observe_rounds(self, before: Sequence[int], after: Sequence[int]) -> None:
         """Count the decoding rounds one step added to a request's acceptance-length histogram

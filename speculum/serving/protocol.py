@@ -605,8 +605,9 @@ class ResponseBuilder:
         return [c.request.error for c in self.choices if c.request and c.request.error]
 
     def usage(self) -> dict[str, Any]:
-        """Token counts, and the speculative statistics in the ``speculative`` extension:
-        ``accept_length_mean`` (tokens per decoding round, bonus included),
+        """Token counts (``prompt_tokens_details.cached_tokens``: prompt tokens found in the
+        prefix cache, as OpenAI's), and the speculative statistics in the ``speculative``
+        extension: ``accept_length_mean`` (tokens per decoding round, bonus included),
         ``accepted_draft_tokens`` and ``num_rounds``."""
         requests = [c.request for c in self.choices if c.request is not None]
         prompt = sum(len(r.prompt) for r in requests)
@@ -617,6 +618,7 @@ class ResponseBuilder:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
             "speculative": {
                 "algorithm": self.engine.pipeline.name,
                 "num_rounds": stats["num_rounds"],

@@ -11,6 +11,8 @@ never handed out, so padding can never overwrite a live token.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import attrs
 import torch
 from jaxtyping import Int
@@ -137,15 +139,18 @@ class PageAllocator:
     num_pages: int = static()
 
 
-def new_allocator(num_pages: int) -> PageAllocator:
-    """Allocator over pages ``1 .. num_pages - 1`` (page 0 is the padding sink).
+def new_allocator(num_pages: int, held: Collection[int] = ()) -> PageAllocator:
+    """Allocator over pages ``1 .. num_pages - 1`` (page 0 is the padding sink), all free but
+    those in ``held`` (kept by a prefix cache).
 
     Pages are handed out in increasing order from a fresh allocator.
     """
-    stack = torch.arange(num_pages - 1, 0, -1, dtype=torch.int64)
-    padded = torch.cat([stack, torch.zeros(1, dtype=torch.int64)])
+    taken = set(held)
+    free_now = [p for p in range(num_pages - 1, 0, -1) if p not in taken]
+    stack = torch.zeros(num_pages, dtype=torch.int64)
+    stack[: len(free_now)] = torch.tensor(free_now, dtype=torch.int64)
     return PageAllocator(
-        free_pages=padded, num_free=torch.tensor(num_pages - 1), num_pages=num_pages
+        free_pages=stack, num_free=torch.tensor(len(free_now)), num_pages=num_pages
     )
 
 

@@ -289,6 +289,18 @@ def test_cancel_frees_the_state_slot() -> None:
     assert finished[third].output == alone[0].token_ids
 
 
+def test_the_prefix_cache_is_off_for_a_hybrid_target() -> None:
+    """A shared page holds K/V, not the recurrent state at its end: a repeated prompt is
+    prefilled afresh (no cached tokens) and decodes as the first time."""
+    engine = hybrid_engine("plain")
+    assert engine.prefix_lookahead is None
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    first = generate([prompt], engine=engine, max_new_tokens=6)[0]
+    again = generate([prompt], engine=engine, max_new_tokens=6)[0]
+    assert again.token_ids == first.token_ids
+    assert again.stats["cached_tokens"] == 0
+
+
 @pytest.mark.parametrize("algorithm", ["dflash", "mtp", "multi_layer_eagle", "frozen_kv_mtp"])
 def test_unsupported_algorithms_are_refused_on_a_hybrid_target(algorithm) -> None:
     """Algorithms whose drafts read the target's per-layer K/V, or Qwen3-Next's MTP layers,

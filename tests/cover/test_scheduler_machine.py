@@ -1,11 +1,16 @@
 """The scheduler as a state machine: add / step / cancel / snapshot / restore, checked after every
-rule against a plain Python model of what each request must produce; a state value a later step
-replaced is refused, and trying it changes nothing."""
+rule against a plain Python model of what each request must produce (an engine without the prefix
+cache, alone); a state value a later step replaced is refused, and trying it changes nothing.
+Prompts share prefixes, so the prefix cache hits, fills and evicts: no page is freed while a
+request holds it, no cached page is written, and an idle engine's pages are all reclaimable."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 import pytest
+import torch
 from conftest import tiny_config
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -18,24 +23,36 @@ from hypothesis.stateful import (
     rule,
 )
 
+from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.runtime import scheduler
-from speculum.runtime.engine import engine_from_model
+from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
 from speculum.state import tree_equal
 from speculum.state.kv import allocated_pages
 
 MODEL = random_model(tiny_config(), seed=0, std=0.3)
 LIMITS = {"page_size": 4, "max_context": 40, "prefill_budget": 6, "max_batch": 3}
-PROMPTS = [(1, 2, 3), (7,) * 9, (5, 9, 11, 13, 2), tuple(range(20, 32))]
+#: Two prefixes of several pages (page size 4), whole and extended: prompts hit their pages.
+PROMPTS = [
+    (1, 2, 3),
+    (7,) * 9,
+    (5, 9, 11, 13, 2),
+    tuple(range(20, 32)),
+    tuple(range(20, 29)) + (3, 4),
+    (7,) * 8 + (1, 2),
+]
 _alone_cache: dict = {}
 
 
-def alone(prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling) -> tuple[int, ...]:
-    """What a request yields when it is the only one (the model's ground truth)."""
-    key = (prompt, max_new, sampling)
+def alone(
+    prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling, options: tuple = ()
+) -> tuple[int, ...]:
+    """What a request yields when it is the only one, on an engine without the prefix cache
+    built with ``options`` (``(name, value)`` pairs): the model's ground truth."""
+    key = (prompt, max_new, sampling, options)
     if key not in _alone_cache:
-        engine = engine_from_model(MODEL, **LIMITS)
+        engine = engine_from_model(MODEL, prefix_cache=False, **LIMITS, **dict(options))
         state, _ = scheduler.add_request(
             engine, scheduler.new_state(engine), prompt, sampling=sampling, max_new_tokens=max_new
         )
@@ -58,10 +75,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Drives one engine and compares it with the model after every rule."""
 
     snapshots = Bundle("snapshots")
+    #: The engine's pipeline, as ``engine_from_model``'s ``(name, value)`` pairs (plain here).
+    options: tuple = ()
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS)
+        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS, **dict(self.options))
         self.state = scheduler.new_state(self.engine)
         self.model: dict[int, Expected] = {}
         # The state value the last step replaced (its pages have been written since).
@@ -83,12 +102,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state, rid = scheduler.add_request(
             self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
         )
-        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling))
+        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling, self.options))
+
+    def cached_contents(self):
+        """Each cached page's registration and K/V (target and draft pools)."""
+        pools = self.engine.resources.pools
+        return {
+            page: (
+                entry.since,
+                [(pool.k[:, page].clone(), pool.v[:, page].clone()) for pool in pools],
+            )
+            for page, entry in self.state.prefix.cached.items()
+        }
 
     @rule()
     def step(self):
         self.replaced = self.state
+        before = self.cached_contents()
         self.state, outputs = scheduler.step(self.engine, self.state)
+        for page, (since, contents) in self.cached_contents().items():
+            if page in before and before[page][0] == since:  # cached all along
+                for (k, v), (k0, v0) in zip(contents, before[page][1]):
+                    assert torch.equal(k, k0) and torch.equal(v, v0), f"cached page {page} written"
         for out in outputs:
             expected = self.model[out.rid]
             expected.output += out.new_token_ids
@@ -129,12 +164,20 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_are_neither_leaked_nor_shared(self):
-        held = [p for r in self.state.prefilling + self.state.running for p in r.pages]
-        assert len(held) == len(set(held)), "a page is held by two requests"
-        assert set(held) == allocated_pages(self.state.allocator), "a page leaked"
+        """A page is a live request's own, or cached (shared by the requests that hold it, as
+        many as its count says), or free; none is freed while held."""
+        live = self.state.prefilling + self.state.running
+        cached = self.state.prefix.cached
+        own = [p for r in live for p in r.pages if p not in cached]
+        assert len(own) == len(set(own)), "a page not cached is held by two requests"
+        assert set(own) | set(cached) == allocated_pages(self.state.allocator), "a page leaked"
+        holders = Counter(p for r in live for p in r.pages if p in cached)
+        assert holders == Counter({p: e.refs for p, e in cached.items() if e.refs})
         assert all(not r.pages for r in self.state.waiting)
         free = self.state.allocator.free_pages[: int(self.state.allocator.num_free)].tolist()
         assert len(free) == len(set(free)) and 0 not in free
+        if scheduler.is_idle(self.state):
+            assert all(e.refs == 0 for e in cached.values()), "idle, yet a page is held"
 
     @invariant()
     def live_requests_match_the_model(self):
@@ -161,6 +204,32 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+class EagleMachine(SchedulerMachine):
+    """The machine on an EAGLE chain, whose draft pool shares the target's page ids: a hit
+    reuses the draft's cached entries too, and no cached page of either pool is written."""
+
+    options = (
+        ("algorithm", "eagle"),
+        ("draft", random_draft(MODEL, "eagle", seed=7, std=0.3)),
+        ("spec", SpecOptions(num_steps=2)),
+    )
+
+    @invariant()
+    def batch_rows_follow_the_running_requests(self):
+        """An EAGLE row's committed cache and its root (the last token emitted)."""
+        running = self.state.running
+        if not running:
+            assert self.state.batch is None
+            return
+        lengths = [len(r.prompt) + len(r.output) - 1 for r in running]
+        assert self.state.batch.kv.seq_lens.tolist() == lengths
+        assert self.state.batch.root_tokens.tolist() == [r.output[-1] for r in running]
+
+
+EagleMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+test_eagle_state_machine = EagleMachine.TestCase
 
 
 def test_model_ground_truth_is_not_degenerate():

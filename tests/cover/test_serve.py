@@ -372,6 +372,31 @@ def test_metrics_parse_and_count_what_was_generated(main_url) -> None:
     assert after[("speculum:spec_accept_length", (("algorithm", "standalone"),))] > 1.0
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(main_url) -> None:
+    """The second of two identical long prompts reports its cached tokens in the usage (as
+    OpenAI's ``prompt_tokens_details``), the same tokens as the first, and the hit counters
+    move by them; an idle server holds no page (cached pages are reclaimable)."""
+    prompt = "".join(PROMPTS[:6])  # several full pages of 16 tokens
+    wait_for(lambda: idle(main_url))
+    before = metrics(main_url)
+    runs = [
+        client(main_url).completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0
+        )
+        for _ in range(2)
+    ]
+    wait_for(lambda: idle(main_url))
+    after = metrics(main_url)
+    cached = runs[1].usage.prompt_tokens_details.cached_tokens
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    assert 0 < cached < runs[1].usage.prompt_tokens and cached % 16 == 0
+    hits = ("speculum:prefix_cache_hits_total", ())
+    queries = ("speculum:prefix_cache_queries_total", ())
+    assert after[hits] - before.get(hits, 0.0) >= cached
+    assert after[queries] - before.get(queries, 0.0) == 2 * runs[1].usage.prompt_tokens
+    assert after[("speculum:prefix_cache_pages", ())] > 0
+
+
 def test_models_and_health(main_url) -> None:
     models = client(main_url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
