@@ -455,6 +455,12 @@ def _tiles(num_q: int, group: int, head_dim: int, v_dim: int, dtype: torch.dtype
         # one batch still tile alike. Not yet measured on a GPU.
         block_m = max(triton.next_power_of_2(group), min(block_m, 32))
         block_n = 32
+        if item * block_d > 2048:
+            # float32 latent rows: a 32-row Q tile and one 32-key stage (320 KB) overflowed an
+            # H200's shared memory ("out of shared memory", tests/gpu latent float32 case);
+            # 16-row and 16-key tiles need 160 KB. Not yet re-run on a GPU.
+            block_m = max(triton.next_power_of_2(group), 16)
+            block_n = 16
     # Pipeline depth: as many K/V stages as fit beside the Q tile.
     stage_bytes = block_n * (block_d + block_dv) * item
     stages = max(1, min(3, (_SMEM_BUDGET - block_m * block_d * item) // stage_bytes))
