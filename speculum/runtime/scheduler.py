@@ -35,6 +35,7 @@ import torch
 
 from speculum.pipelines.base import Pipeline, PrefillChunk, StepOutput
 from speculum.runtime import checks
+from speculum.runtime import grammar as structured
 from speculum.runtime.engine import Engine
 from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
@@ -152,6 +153,13 @@ class Sampling:
     and before the temperature, at every tree node and draft position as plain decoding
     would apply them to the same prefix (``docs/request_controls.md``); the engine must be
     built with ``penalties=True`` unless they are off.
+
+    ``json_schema`` (a JSON string or a dict), ``regex`` or ``grammar`` (xgrammar's EBNF), at
+    most one, constrain the output to that language (``runtime.grammar``): at each position
+    the tokens the grammar forbids get ``-inf`` before anything reads the logits, and the
+    request ends once the grammar has accepted EOS. Checked when built (``ValueError`` naming
+    the field and the parser's reason); the engine must be a plain, non-overlapped one built
+    with ``logit_bias=True`` (``docs/request_controls.md`` says why).
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -185,6 +193,30 @@ class Sampling:
         converter=checks.converter(checks.real, low=-MAX_PENALTY, high=MAX_PENALTY),
     )
     min_tokens: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+    json_schema: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "json_schema")
+    )
+    regex: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "regex")
+    )
+    grammar: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "grammar")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        given = [f for f in structured.GRAMMAR_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} are all set: a request follows one grammar; keep one"
+            )
+
+    @property
+    def constrained(self) -> tuple[str, str] | None:
+        """The request's grammar as ``(field, text)`` (``json_schema``, ``regex`` or
+        ``grammar``), or None when its output is free."""
+        return next(
+            ((f, getattr(self, f)) for f in structured.GRAMMAR_FIELDS if getattr(self, f)), None
+        )
 
     @property
     def penalized(self) -> bool:
@@ -220,6 +252,8 @@ class Request:
     ``output`` holds every token emitted up to the one that completed a stop string (vLLM's
     ``token_ids`` too); ``include_stop_str_in_output`` says whether the request's text keeps
     the stop string (``generate``'s ``Generation.text`` ends before it unless so).
+    ``constraint`` is the request's grammar compiled for the engine (``Sampling.json_schema``,
+    ``regex``, ``grammar``), or None.
     """
 
     rid: int
@@ -237,6 +271,7 @@ class Request:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    constraint: structured.Constraint | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -460,6 +495,24 @@ def _check_penalties(engine: Engine, sampling: Sampling, max_new_tokens: int) ->
         )
 
 
+def _constraint(engine: Engine, sampling: Sampling) -> structured.Constraint | None:
+    """The request's grammar compiled for the engine, refused where the engine cannot apply
+    it: the mask of a round's root only is known before the round (``docs/request_controls.md``),
+    so only plain, non-overlapped rounds with logit-bias rows apply it exactly."""
+    if sampling.constrained is None:
+        return None
+    field, source = sampling.constrained
+    if engine.pipeline.name != "plain" or engine.config.overlap or not engine.config.logit_bias:
+        raise ValueError(
+            f"{field}: structured output runs on a plain engine, not overlapped, built with "
+            f"logit_bias=True (this one: algorithm {engine.pipeline.name!r}, overlap "
+            f"{engine.config.overlap}, logit_bias {engine.config.logit_bias}); build one so "
+            "(generate does when a request has a grammar)"
+        )
+    vocab = engine.resources.target.config.vocab_size
+    return structured.constraint(field, source, engine.tokenizer, vocab, engine.eos_token_ids)
+
+
 def add_request(
     engine: Engine,
     state: SchedulerState,
@@ -505,6 +558,7 @@ def add_request(
     _check_logprobs(engine, sampling)
     _check_logit_bias(engine, sampling, vocab)
     _check_penalties(engine, sampling, max_new_tokens)
+    constraint = _constraint(engine, sampling)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
@@ -517,6 +571,7 @@ def add_request(
         stop_token_ids=stops,
         stop_strings=stop_strings,
         include_stop_str_in_output=include_stop,
+        constraint=constraint,
     )
     new = attrs.evolve(state, waiting=(*state.waiting, request), next_rid=state.next_rid + 1)
     return new, request.rid
@@ -596,10 +651,6 @@ def _sampling_params(
     penalty rows over ``penalty_vocab`` tokens (:func:`_penalties`). The bias is always a
     tensor: a captured round's records may hold nothing else."""
     s = [r.sampling for r in requests]
-    bias = torch.zeros(len(s), bias_vocab, dtype=torch.float32)
-    for row, x in enumerate(s if bias_vocab else ()):
-        for token, value in x.logit_bias:
-            bias[row, token] = value
     return SamplingParams(
         temperature=torch.tensor([x.temperature for x in s], dtype=torch.float32),
         top_k=torch.tensor([x.top_k for x in s], dtype=torch.int64),
@@ -607,9 +658,33 @@ def _sampling_params(
         min_p=torch.tensor([x.min_p for x in s], dtype=torch.float32),
         seed=torch.tensor([x.seed for x in s], dtype=torch.int64),
         num_logprobs=num_logprobs,
-        logit_bias=bias,
+        logit_bias=_bias_rows(requests, bias_vocab),
         penalties=_penalties(requests, penalty_vocab),
     )
+
+
+def _bias_rows(requests: tuple[Request, ...], bias_vocab: int) -> torch.Tensor:
+    """Each request's logit-bias row over ``bias_vocab`` tokens (zeros without a bias; no
+    columns when ``bias_vocab`` is 0), with ``-inf`` at the tokens its grammar forbids after
+    its output so far (``runtime.grammar.allowed``): the next token's mask."""
+    bias = torch.zeros(len(requests), bias_vocab, dtype=torch.float32)
+    for row, request in enumerate(requests if bias_vocab else ()):
+        for token, value in request.sampling.logit_bias:
+            bias[row, token] = value
+        if request.constraint is not None:
+            allowed = structured.allowed(request.constraint, request.output)
+            bias[row] = bias[row].masked_fill(~allowed, -math.inf)
+    return bias
+
+
+def _masked(engine: Engine, state: SchedulerState) -> Any:
+    """The batch with each running request's bias row made anew for its next token, when a
+    request has a grammar (its mask follows its output); the batch as it is otherwise."""
+    if all(r.constraint is None for r in state.running):
+        return state.batch
+    bias = to_device(_bias_rows(state.running, _bias_vocab(engine)), engine.device)
+    sampling = attrs.evolve(state.batch.sampling, logit_bias=bias)
+    return attrs.evolve(state.batch, sampling=sampling)
 
 
 def _penalties(requests: tuple[Request, ...], vocab: int) -> Penalties:
@@ -798,6 +873,8 @@ def _failed(request: Request, faults: int) -> Request:
 
 
 def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str | None:
+    if request.constraint is not None and structured.finished(request.constraint, tuple(output)):
+        return "stop"  # the grammar accepted EOS (which ignore_eos does not make a stop token)
     # Nothing stops a request before its min_tokens (vLLM's rule; its stop tokens are banned
     # from the distributions until then anyway).
     stoppable = len(output) >= request.sampling.min_tokens
@@ -822,7 +899,7 @@ def _launch_decode(
     """Launch a decoding round for every running request; the batch moves one round on."""
     if not state.running:
         return state, ()
-    batch, output = engine.pipeline.decode(engine.resources, state.batch)
+    batch, output = engine.pipeline.decode(engine.resources, _masked(engine, state))
     launched = _launched(state, state.running, output, decode=True)
     return attrs.evolve(state, batch=batch), (launched,)
 
