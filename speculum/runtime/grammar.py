@@ -139,28 +139,38 @@ def constraint(
 
 
 def _matcher(c: Constraint, output: tuple[int, ...]) -> Any:
-    """A matcher that has accepted ``output`` (the cached one advanced when ``output`` extends
-    what it accepted, else a new one); None when ``output`` leaves the grammar."""
+    """A matcher that has accepted ``output``, or None when ``output`` leaves the grammar.
+
+    The cached matcher is rolled back to where ``output`` parts from the tokens it accepted
+    and advanced over the rest: a round walks every tree path this way, from the output
+    before the round, so each path costs its own tokens, not the whole output."""
     cache = c.cache
-    if cache.inner is None or output[: len(cache.accepted)] != cache.accepted:
+    if cache.inner is None:
         cache.inner, cache.accepted = _xgrammar().GrammarMatcher(c.compiled), ()
-    for token in output[len(cache.accepted) :]:
+    common = 0
+    for mine, theirs in zip(cache.accepted, output):
+        if mine != theirs:
+            break
+        common += 1
+    if common < len(cache.accepted):
+        cache.inner.rollback(len(cache.accepted) - common)
+        cache.accepted = cache.accepted[:common]
+    for token in output[common:]:
         if cache.inner.is_terminated() or not cache.inner.accept_token(token):
-            cache.inner = None  # the next call starts over
             return None
         cache.accepted += (token,)
     return cache.inner
 
 
 def allowed(c: Constraint, output: tuple[int, ...]) -> torch.Tensor:
-    """Which tokens may follow ``output`` under the grammar, as a bool ``[vocab]`` row (all
-    False once the grammar has ended). Raises ``ValueError`` if ``output`` itself breaks the
-    grammar (it cannot, when every token was drawn under these masks)."""
+    """Which tokens may follow ``output`` under the grammar, as a bool ``[vocab]`` row. All
+    True where nothing may follow: past the grammar's end (its EOS accepted: the request ends
+    there) or after a token the grammar forbids (a draft token the masked target can never
+    accept, so what follows it is never emitted); a row of no allowed token would read as a
+    fault."""
     matcher = _matcher(c, output)
-    if matcher is None:
-        raise ValueError(f"{c.field}: the output {list(output)} breaks the request's grammar")
-    if matcher.is_terminated():
-        return torch.zeros(c.vocab, dtype=torch.bool)
+    if matcher is None or matcher.is_terminated():
+        return torch.ones(c.vocab, dtype=torch.bool)
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(1, c.vocab)
     matcher.fill_next_token_bitmask(bitmask)

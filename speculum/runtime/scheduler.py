@@ -49,7 +49,7 @@ from speculum.state.kv import (
     free,
     new_allocator,
 )
-from speculum.state.record import record, snapshot, tree_map_tensors
+from speculum.state.record import record, replace, snapshot, tree_map_tensors
 from speculum.state.sampling import Penalties, SamplingParams
 
 #: Owner tokens (:func:`new_state`): unique in the process, so a state can only ever match the
@@ -496,18 +496,16 @@ def _check_penalties(engine: Engine, sampling: Sampling, max_new_tokens: int) ->
 
 
 def _constraint(engine: Engine, sampling: Sampling) -> structured.Constraint | None:
-    """The request's grammar compiled for the engine, refused where the engine cannot apply
-    it: the mask of a round's root only is known before the round (``docs/request_controls.md``),
-    so only plain, non-overlapped rounds with logit-bias rows apply it exactly."""
+    """The request's grammar compiled for the engine, refused on an overlapped engine: a
+    round's masks follow the request's output so far, which an overlapped round's host does
+    not know yet (``docs/request_controls.md``)."""
     if sampling.constrained is None:
         return None
     field, source = sampling.constrained
-    if engine.pipeline.name != "plain" or engine.config.overlap or not engine.config.logit_bias:
+    if engine.config.overlap:
         raise ValueError(
-            f"{field}: structured output runs on a plain engine, not overlapped, built with "
-            f"logit_bias=True (this one: algorithm {engine.pipeline.name!r}, overlap "
-            f"{engine.config.overlap}, logit_bias {engine.config.logit_bias}); build one so "
-            "(generate does when a request has a grammar)"
+            f"{field}: structured output needs each round's masks from the output before it, "
+            "and this engine overlaps rounds (overlap=True); build it with overlap=False"
         )
     vocab = engine.resources.target.config.vocab_size
     return structured.constraint(field, source, engine.tokenizer, vocab, engine.eos_token_ids)
@@ -651,6 +649,10 @@ def _sampling_params(
     penalty rows over ``penalty_vocab`` tokens (:func:`_penalties`). The bias is always a
     tensor: a captured round's records may hold nothing else."""
     s = [r.sampling for r in requests]
+    bias = torch.zeros(len(s), bias_vocab, dtype=torch.float32)
+    for row, x in enumerate(s if bias_vocab else ()):
+        for token, value in x.logit_bias:
+            bias[row, token] = value
     return SamplingParams(
         temperature=torch.tensor([x.temperature for x in s], dtype=torch.float32),
         top_k=torch.tensor([x.top_k for x in s], dtype=torch.int64),
@@ -658,33 +660,52 @@ def _sampling_params(
         min_p=torch.tensor([x.min_p for x in s], dtype=torch.float32),
         seed=torch.tensor([x.seed for x in s], dtype=torch.int64),
         num_logprobs=num_logprobs,
-        logit_bias=_bias_rows(requests, bias_vocab),
+        logit_bias=bias,
         penalties=_penalties(requests, penalty_vocab),
     )
 
 
-def _bias_rows(requests: tuple[Request, ...], bias_vocab: int) -> torch.Tensor:
-    """Each request's logit-bias row over ``bias_vocab`` tokens (zeros without a bias; no
-    columns when ``bias_vocab`` is 0), with ``-inf`` at the tokens its grammar forbids after
-    its output so far (``runtime.grammar.allowed``): the next token's mask."""
-    bias = torch.zeros(len(requests), bias_vocab, dtype=torch.float32)
-    for row, request in enumerate(requests if bias_vocab else ()):
-        for token, value in request.sampling.logit_bias:
-            bias[row, token] = value
-        if request.constraint is not None:
-            allowed = structured.allowed(request.constraint, request.output)
-            bias[row] = bias[row].masked_fill(~allowed, -math.inf)
-    return bias
+def _constrained(
+    engine: Engine, requests: tuple[Request, ...], sampling: SamplingParams
+) -> SamplingParams:
+    """``sampling`` (the rows of ``requests``) with a grammar callback when a request has a
+    grammar (``SamplingParams.grammar``, :func:`_allowed`), as it is otherwise."""
+    if all(r.constraint is None for r in requests):
+        return sampling
+    vocab = engine.resources.target.config.vocab_size
+    allowed = functools.partial(_allowed, requests, vocab, engine.device)
+    return replace(sampling, grammar=allowed)
 
 
-def _masked(engine: Engine, state: SchedulerState) -> Any:
-    """The batch with each running request's bias row made anew for its next token, when a
-    request has a grammar (its mask follows its output); the batch as it is otherwise."""
-    if all(r.constraint is None for r in state.running):
-        return state.batch
-    bias = to_device(_bias_rows(state.running, _bias_vocab(engine)), engine.device)
-    sampling = attrs.evolve(state.batch.sampling, logit_bias=bias)
-    return attrs.evolve(state.batch, sampling=sampling)
+def _allowed(
+    requests: tuple[Request, ...], vocab: int, device: torch.device, paths: torch.Tensor
+) -> torch.Tensor:
+    """Which tokens each request's grammar allows after its output so far followed by each of
+    its ``paths`` (``paths[b, ..., :]``: row ``b``'s draft tokens on a tree path, padding -1),
+    as bools ``[batch, ..., vocab]`` on ``device``; all True for a request without a grammar.
+    The host work of a round with a grammar (``docs/request_controls.md``)."""
+    host = paths.cpu()
+    allowed = torch.ones(*host.shape[:-1], vocab, dtype=torch.bool)
+    for b, request in enumerate(requests):
+        if request.constraint is None:
+            continue
+        flat = host[b].reshape(math.prod(host.shape[1:-1]), host.shape[-1])
+        rows = [structured.allowed(request.constraint, request.output + _path(p)) for p in flat]
+        allowed[b] = torch.stack(rows).reshape(*host.shape[1:-1], vocab)
+    return to_device(allowed, device)
+
+
+def _path(tokens: torch.Tensor) -> tuple[int, ...]:
+    """A path's tokens, padding (-1) dropped."""
+    return tuple(t for t in tokens.tolist() if t >= 0)
+
+
+def _unconstrained(batch: Any) -> Any:
+    """``batch`` with its round's grammar callback dropped: rows of batches with and without
+    one then join, and snapshots keep no callback of a past round."""
+    if batch is None or batch.sampling.grammar is None:
+        return batch
+    return replace(batch, sampling=replace(batch.sampling, grammar=None))
 
 
 def _penalties(requests: tuple[Request, ...], vocab: int) -> Penalties:
@@ -899,9 +920,10 @@ def _launch_decode(
     """Launch a decoding round for every running request; the batch moves one round on."""
     if not state.running:
         return state, ()
-    batch, output = engine.pipeline.decode(engine.resources, _masked(engine, state))
+    batch = replace(state.batch, sampling=_constrained(engine, state.running, state.batch.sampling))
+    batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
-    return attrs.evolve(state, batch=batch), (launched,)
+    return attrs.evolve(state, batch=_unconstrained(batch)), (launched,)
 
 
 def _launch_prefill(
@@ -912,7 +934,10 @@ def _launch_prefill(
     if not state.prefilling:
         return state, ()
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
+    chosen = state.prefilling[: chunk.tokens.shape[0]]  # the chunk's rows: the first ones
+    chunk = replace(chunk, sampling=_constrained(engine, chosen, chunk.sampling))
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
+    rows = _unconstrained(rows)
     prefilling, joined, joined_rows = [], [], []
     for index, request in enumerate(state.prefilling):
         if index < len(sizes):
