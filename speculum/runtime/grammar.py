@@ -25,6 +25,9 @@ __all__ = ["GRAMMAR_FIELDS", "Constraint", "check", "constraint", "allowed", "fi
 
 #: The request fields that constrain output, at most one per request (vLLM's names).
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
+#: How JSON is written under a schema: compact, without whitespace (``{"a":1,"b":[2,3]}``), so
+#: that a model cannot loop on whitespace and no vocabulary needs a space token.
+_COMPACT = {"any_whitespace": False, "separators": (",", ":")}
 
 
 def _xgrammar() -> Any:
@@ -53,7 +56,7 @@ def _grammar(field: str, source: str) -> Any:
     """The tokenizer-free xgrammar ``Grammar`` of a field's text."""
     xgr = _xgrammar()
     if field == "json_schema":
-        return xgr.Grammar.from_json_schema(source, any_whitespace=False)
+        return xgr.Grammar.from_json_schema(source, **_COMPACT)
     if field == "regex":
         return xgr.Grammar.from_regex(source)
     return xgr.Grammar.from_ebnf(source)
@@ -130,7 +133,7 @@ def constraint(
         )
     compiler = _compiler(tokenizer, vocab, tuple(sorted(stop_ids)))
     if field == "json_schema":
-        compiled = compiler.compile_json_schema(source, any_whitespace=False)
+        compiled = compiler.compile_json_schema(source, **_COMPACT)
     elif field == "regex":
         compiled = compiler.compile_regex(source)
     else:
