@@ -206,15 +206,18 @@ def plain_round(
         hidden, captured = resources.target(
             extend_batch(kv, token[:, None], ones), resources.target_pool, capture
         )
-        # Penalties count the tokens this round drew before the step (plain decoding's
-        # output would hold them already).
-        drawn = torch.stack(tokens, dim=1) if tokens and penalizing(penalties) else None
+        # Penalties and the grammar count the tokens this round drew before the step (plain
+        # decoding's output would hold them already).
+        grammar = state.sampling.grammar
+        path = tokens and (penalizing(penalties) or grammar is not None)
+        drawn = torch.stack(tokens, dim=1) if path else None
         logits, fault = guard_logits(
             resources.target.logits(hidden[:, 0]),
             state.sampling.temperature,
             state.sampling.logit_bias,
             penalties,
             drawn,
+            grammar,
         )
         token = sample(logits, state.sampling, kv.seq_lens + 1)
         tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]

@@ -65,6 +65,7 @@ def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOut
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
+        grammar=sampling.grammar,
     )
     tokens = sample(logits, state.sampling, seq_lens)
     new_state = replace(state, kv=replace(state.kv, seq_lens=seq_lens), next_tokens=tokens)

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,6 +27,7 @@ from speculum.runtime.generate import (
     engine_for,
     generate,
 )
+from speculum.runtime.grammar import GRAMMAR_FIELDS
 
 __all__ = ["main", "parser"]
 
@@ -107,6 +108,20 @@ def _logit_bias(text: str) -> dict[int, float]:
             f"[-100, 100], e.g. '{{\"5\": -100}}' ({err})"
         ) from err
     return dict(bias)
+
+
+def _constraint(field: str, flag: str, from_file: bool) -> Callable[[str], str]:
+    """An argparse type for a grammar flag: its text (read from the file it names when
+    ``from_file``), checked as ``scheduler.Sampling`` checks ``field``."""
+
+    def parse(value: str) -> str:
+        try:
+            text = Path(value).read_text() if from_file else value
+            return getattr(scheduler.Sampling(**{field: text}), field)
+        except (OSError, TypeError, ValueError, ImportError) as err:
+            raise argparse.ArgumentTypeError(f"{flag} {value}: {err}") from err
+
+    return parse
 
 
 def _stop_text(text: str) -> str:
@@ -377,6 +392,26 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="no EOS, stop token or stop string ends a completion before N tokens (<= "
         "--max-new-tokens)",
+    )
+    gen.add_argument(
+        "--json-schema",
+        type=_constraint("json_schema", "--json-schema", from_file=True),
+        metavar="FILE",
+        help="constrain the output to JSON valid under the JSON schema in FILE (xgrammar; "
+        "exact under speculation, see docs/request_controls.md)",
+    )
+    gen.add_argument(
+        "--regex",
+        type=_constraint("regex", "--regex", from_file=False),
+        metavar="REGEX",
+        help="constrain the output to the regular expression REGEX",
+    )
+    gen.add_argument(
+        "--grammar",
+        type=_constraint("grammar", "--grammar", from_file=True),
+        metavar="FILE",
+        help="constrain the output to the EBNF grammar in FILE (xgrammar's GBNF dialect, "
+        "rule root)",
     )
     gen.add_argument(
         "--n",
@@ -829,11 +864,12 @@ def _prompt_object(line: str, where: str) -> dict:
         values = [value] if isinstance(value, kind) else value
         if not isinstance(values, list) or not all(type(v) is kind for v in values):
             raise ValueError(f"{where}: {name} takes one {kind.__name__} or a list of them")
-    if "logit_bias" in raw:
-        try:
-            scheduler.Sampling(logit_bias=raw["logit_bias"])
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{where}: {err}") from err
+    for name in ("logit_bias", *GRAMMAR_FIELDS):
+        if name in raw:
+            try:
+                scheduler.Sampling(**{name: raw[name]})
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{where}: {err}") from err
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if type(raw.get(name, False)) is not bool:
             raise ValueError(f"{where}: {name} takes true or false")
@@ -1178,6 +1214,9 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens,
+        json_schema=args.json_schema,
+        regex=args.regex,
+        grammar=args.grammar,
         n=args.n,
         stop_strings=tuple(args.stop or ()),
         include_stop_str_in_output=args.include_stop_str_in_output,

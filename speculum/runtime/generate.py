@@ -143,6 +143,9 @@ def generate(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     min_tokens: int = 0,
+    json_schema: str | Mapping[str, Any] | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
     n: int = 1,
     stop_token_ids: int | Sequence[int] = (),
     stop_strings: str | Sequence[str] = (),
@@ -194,12 +197,18 @@ def generate(
     ``max_new_tokens``) keeps EOS, ``stop_token_ids`` and ``stop_strings`` from ending a
     request before it has generated that many tokens (vLLM's ``SamplingParams``; an engine
     built here applies them when asked; one given must have been built with
-    ``penalties=True``). ``n`` (an int >= 1) asks for ``n`` completions of every prompt: the
-    results then hold ``n`` per prompt, prompt after prompt (completion ``j`` of prompt ``i``
-    at ``i * n + j``), each decoded with its own random streams, seeded by
-    :func:`completion_seed` from the prompt's seed (the first completion keeps it), so a call
-    always returns the same completions; greedy completions are all alike. Each completion is
-    a request of its own and prefills its own copy of the prompt (no sharing yet).
+    ``penalties=True``). ``json_schema`` (JSON text or a dict), ``regex`` or ``grammar``
+    (xgrammar's EBNF), at most one, constrain the output to that language: every
+    distribution that decides a token, at every tree node, is masked to the tokens the
+    grammar allows after the output and the node's path, so every pipeline emits plain
+    constrained decoding's tokens (``docs/request_controls.md``; needs ``pip install
+    'speculum[grammar]'`` and an engine that does not overlap). ``n`` (an int >= 1) asks
+    for ``n`` completions of every prompt: the results then hold ``n`` per prompt, prompt
+    after prompt (completion ``j`` of prompt ``i`` at ``i * n + j``), each decoded with its
+    own random streams, seeded by :func:`completion_seed` from the prompt's seed (the first
+    completion keeps it), so a call always returns the same completions; greedy completions
+    are all alike. Each completion is a request of its own and prefills its own copy of the
+    prompt (no sharing yet).
     A request stops at ``max_new_tokens``, at the end of the context, at EOS (unless
     ``ignore_eos``) or at any of ``stop_token_ids`` or ``stop_strings`` (each a single id or
     string, or a sequence of them). A stop string ends the request at the token that completes
@@ -518,6 +527,9 @@ _SAMPLING = (
     "logprobs",
     "logit_bias",
     *_PENALTIES,
+    "json_schema",
+    "regex",
+    "grammar",
 )
 
 #: The settings a prompt given as a mapping may hold for itself (``generate``'s arguments).
@@ -531,6 +543,9 @@ REQUEST_SETTINGS = (
     "logprobs",
     "logit_bias",
     *_PENALTIES,
+    "json_schema",
+    "regex",
+    "grammar",
     "stop_token_ids",
     "stop_strings",
     "ignore_eos",

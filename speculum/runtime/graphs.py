@@ -211,7 +211,11 @@ class GraphedDecode:
 
     def __call__(self, resources: Any, state: Any) -> tuple[Any, Any]:
         """One decoding round of the wrapped pipeline over ``state`` (any batch up to the
-        largest bucket); the returned records are fresh tensors, safe to keep."""
+        largest bucket); the returned records are fresh tensors, safe to keep. A round whose
+        requests have a grammar (``SamplingParams.grammar``) asks the host for its masks in
+        the middle, so it runs eagerly."""
+        if state.sampling.grammar is not None:
+            return self.decode(resources, state)
         # Flattened once per round (again only when padded): this is host work on every
         # round, and the lookup key is the check replay() would repeat.
         leaves, spec = pytree.tree_flatten((state,))

@@ -37,6 +37,7 @@ import torch
 
 from speculum.pipelines.base import Pipeline, PrefillChunk, StepOutput
 from speculum.runtime import checks
+from speculum.runtime import grammar as structured
 from speculum.runtime.engine import Engine
 from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
@@ -61,7 +62,7 @@ from speculum.state.prefix import (
     register,
     release,
 )
-from speculum.state.record import record, snapshot, tree_map_tensors
+from speculum.state.record import record, replace, snapshot, tree_map_tensors
 from speculum.state.sampling import Penalties, SamplingParams
 
 #: Owner tokens (:func:`new_state`): unique in the process, so a state can only ever match the
@@ -165,6 +166,13 @@ class Sampling:
     and before the temperature, at every tree node and draft position as plain decoding
     would apply them to the same prefix (``docs/request_controls.md``); the engine must be
     built with ``penalties=True`` unless they are off.
+
+    ``json_schema`` (a JSON string or a dict), ``regex`` or ``grammar`` (xgrammar's EBNF), at
+    most one, constrain the output to that language (``runtime.grammar``): at each position
+    the tokens the grammar forbids get ``-inf`` before anything reads the logits, and the
+    request ends once the grammar has accepted EOS. Checked when built (``ValueError`` naming
+    the field and the parser's reason); the engine must be a plain, non-overlapped one built
+    with ``logit_bias=True`` (``docs/request_controls.md`` says why).
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -198,6 +206,30 @@ class Sampling:
         converter=checks.converter(checks.real, low=-MAX_PENALTY, high=MAX_PENALTY),
     )
     min_tokens: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+    json_schema: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "json_schema")
+    )
+    regex: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "regex")
+    )
+    grammar: str | None = attrs.field(
+        default=None, converter=functools.partial(structured.check, "grammar")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        given = [f for f in structured.GRAMMAR_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} are all set: a request follows one grammar; keep one"
+            )
+
+    @property
+    def constrained(self) -> tuple[str, str] | None:
+        """The request's grammar as ``(field, text)`` (``json_schema``, ``regex`` or
+        ``grammar``), or None when its output is free."""
+        return next(
+            ((f, getattr(self, f)) for f in structured.GRAMMAR_FIELDS if getattr(self, f)), None
+        )
 
     @property
     def penalized(self) -> bool:
@@ -237,6 +269,8 @@ class Request:
     while it is admitted (0, the padding slot, otherwise and for models without one).
     ``cached_tokens`` counts the prompt tokens whose KV pages came from the prefix cache
     (their prefill was skipped).
+    ``constraint`` is the request's grammar compiled for the engine (``Sampling.json_schema``,
+    ``regex``, ``grammar``), or None.
     """
 
     rid: int
@@ -256,6 +290,7 @@ class Request:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    constraint: structured.Constraint | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -505,6 +540,22 @@ def _check_penalties(engine: Engine, sampling: Sampling, max_new_tokens: int) ->
         )
 
 
+def _constraint(engine: Engine, sampling: Sampling) -> structured.Constraint | None:
+    """The request's grammar compiled for the engine, refused on an overlapped engine: a
+    round's masks follow the request's output so far, which an overlapped round's host does
+    not know yet (``docs/request_controls.md``)."""
+    if sampling.constrained is None:
+        return None
+    field, source = sampling.constrained
+    if engine.config.overlap:
+        raise ValueError(
+            f"{field}: structured output needs each round's masks from the output before it, "
+            "and this engine overlaps rounds (overlap=True); build it with overlap=False"
+        )
+    vocab = engine.resources.target.config.vocab_size
+    return structured.constraint(field, source, engine.tokenizer, vocab, engine.eos_token_ids)
+
+
 def add_request(
     engine: Engine,
     state: SchedulerState,
@@ -550,6 +601,7 @@ def add_request(
     _check_logprobs(engine, sampling)
     _check_logit_bias(engine, sampling, vocab)
     _check_penalties(engine, sampling, max_new_tokens)
+    constraint = _constraint(engine, sampling)
     if stop_strings and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the engine was built without one")
     sampling = attrs.evolve(sampling, top_k=min(sampling.top_k, vocab))
@@ -562,6 +614,7 @@ def add_request(
         stop_token_ids=stops,
         stop_strings=stop_strings,
         include_stop_str_in_output=include_stop,
+        constraint=constraint,
     )
     new = attrs.evolve(state, waiting=(*state.waiting, request), next_rid=state.next_rid + 1)
     return new, request.rid
@@ -704,6 +757,49 @@ def _sampling_params(
         logit_bias=bias,
         penalties=_penalties(requests, penalty_vocab),
     )
+
+
+def _constrained(
+    engine: Engine, requests: tuple[Request, ...], sampling: SamplingParams
+) -> SamplingParams:
+    """``sampling`` (the rows of ``requests``) with a grammar callback when a request has a
+    grammar (``SamplingParams.grammar``, :func:`_allowed`), as it is otherwise."""
+    if all(r.constraint is None for r in requests):
+        return sampling
+    vocab = engine.resources.target.config.vocab_size
+    allowed = functools.partial(_allowed, requests, vocab, engine.device)
+    return replace(sampling, grammar=allowed)
+
+
+def _allowed(
+    requests: tuple[Request, ...], vocab: int, device: torch.device, paths: torch.Tensor
+) -> torch.Tensor:
+    """Which tokens each request's grammar allows after its output so far followed by each of
+    its ``paths`` (``paths[b, ..., :]``: row ``b``'s draft tokens on a tree path, padding -1),
+    as bools ``[batch, ..., vocab]`` on ``device``; all True for a request without a grammar.
+    The host work of a round with a grammar (``docs/request_controls.md``)."""
+    host = paths.cpu()
+    allowed = torch.ones(*host.shape[:-1], vocab, dtype=torch.bool)
+    for b, request in enumerate(requests):
+        if request.constraint is None:
+            continue
+        flat = host[b].reshape(math.prod(host.shape[1:-1]), host.shape[-1])
+        rows = [structured.allowed(request.constraint, request.output + _path(p)) for p in flat]
+        allowed[b] = torch.stack(rows).reshape(*host.shape[1:-1], vocab)
+    return to_device(allowed, device)
+
+
+def _path(tokens: torch.Tensor) -> tuple[int, ...]:
+    """A path's tokens, padding (-1) dropped."""
+    return tuple(t for t in tokens.tolist() if t >= 0)
+
+
+def _unconstrained(batch: Any) -> Any:
+    """``batch`` with its round's grammar callback dropped: rows of batches with and without
+    one then join, and snapshots keep no callback of a past round."""
+    if batch is None or batch.sampling.grammar is None:
+        return batch
+    return replace(batch, sampling=replace(batch.sampling, grammar=None))
 
 
 def _penalties(requests: tuple[Request, ...], vocab: int) -> Penalties:
@@ -893,6 +989,8 @@ def _failed(request: Request, faults: int) -> Request:
 
 
 def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str | None:
+    if request.constraint is not None and structured.finished(request.constraint, tuple(output)):
+        return "stop"  # the grammar accepted EOS (which ignore_eos does not make a stop token)
     # Nothing stops a request before its min_tokens (vLLM's rule; its stop tokens are banned
     # from the distributions until then anyway).
     stoppable = len(output) >= request.sampling.min_tokens
@@ -917,9 +1015,10 @@ def _launch_decode(
     """Launch a decoding round for every running request; the batch moves one round on."""
     if not state.running:
         return state, ()
-    batch, output = engine.pipeline.decode(engine.resources, state.batch)
+    batch = replace(state.batch, sampling=_constrained(engine, state.running, state.batch.sampling))
+    batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
-    return attrs.evolve(state, batch=batch), (launched,)
+    return attrs.evolve(state, batch=_unconstrained(batch)), (launched,)
 
 
 def _launch_prefill(
@@ -930,7 +1029,10 @@ def _launch_prefill(
     if not state.prefilling:
         return state, ()
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
+    chosen = state.prefilling[: chunk.tokens.shape[0]]  # the chunk's rows: the first ones
+    chunk = replace(chunk, sampling=_constrained(engine, chosen, chunk.sampling))
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
+    rows = _unconstrained(rows)
     prefilling, joined, joined_rows, cache = [], [], [], state.prefix
     for index, request in enumerate(state.prefilling):
         if index < len(sizes):

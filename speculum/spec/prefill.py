@@ -60,6 +60,7 @@ def prefill_target(
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
+        grammar=sampling.grammar,
     )
     first_tokens = sample(logits, sampling, seq_lens)
     return make(

@@ -15,6 +15,8 @@ Every step is a bijection of each word, so inputs that differ in one word never 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ __all__ = [
     "penalized_logits",
     "path_token_counts",
     "count_emitted",
+    "grammar_logits",
     "guard_logits",
     "token_logprobs",
     "no_logprobs",
@@ -228,16 +231,36 @@ def count_emitted(
     return replace(penalties, counts=counts, num_output=penalties.num_output + emitted.sum(1))
 
 
+def grammar_logits(
+    logits: Float[Tensor, "batch *rows vocab"],
+    grammar: Callable[[Tensor], Tensor] | None,
+    path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+) -> Float[Tensor, "batch *rows vocab"]:
+    """``logits`` with ``-inf`` at every token the requests' grammars forbid after their
+    output and each row's ``path_tokens`` (``SamplingParams.grammar``; None: no path, the
+    output alone), in float32; ``grammar`` None returns them as they are. The mask comes
+    from the host (a grammar matcher walks each path), so this is the one host round trip
+    of a round with a grammar."""
+    if grammar is None:
+        return logits
+    if path_tokens is None:
+        path_tokens = torch.full((*logits.shape[:-1], 0), -1, device=logits.device)
+    allowed = grammar(path_tokens)[..., : logits.shape[-1]]
+    return logits.float().masked_fill(~allowed, -math.inf)
+
+
 def guard_logits(
     logits: Float[Tensor, "batch *rows vocab"],
     temperature: Float[Tensor, " batch"] | None = None,
     bias: Float[Tensor, "batch vocab"] | None = None,
     penalties: Penalties | None = None,
     path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+    grammar: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Float[Tensor, "batch *rows vocab"], Int[Tensor, " batch *rows"]]:
     """``logits`` (plus ``bias``, :func:`biased_logits`, then ``penalties`` over the output
-    so far and each row's ``path_tokens``, :func:`penalized_logits`, so that everything read
-    from them sees both) with every faulty row replaced by zeros, and each row's faults.
+    so far and each row's ``path_tokens``, :func:`penalized_logits`, then the ``grammar``'s
+    mask after the same tokens, :func:`grammar_logits`, so that everything read from them sees
+    all three) with every faulty row replaced by zeros, and each row's faults.
 
     A faulty row becomes a uniform distribution, so everything computed from it (draws, trees,
     acceptance) stays finite and defined; what it decides is meaningless, and its faults say
@@ -245,6 +268,7 @@ def guard_logits(
     token with a broken embedding row, say) spoils only what that node decides.
     """
     logits = penalized_logits(biased_logits(logits, bias), penalties, path_tokens)
+    logits = grammar_logits(logits, grammar, path_tokens)
     faults = logit_faults(logits, temperature)
     return logits.masked_fill((faults != 0)[..., None], 0.0), faults
 

@@ -70,7 +70,10 @@ def verify_tree(
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
-        tree_path_tokens(tree, ancestors) if penalizing(sampling.penalties) else None,
+        tree_path_tokens(tree, ancestors)
+        if penalizing(sampling.penalties) or sampling.grammar is not None
+        else None,
+        sampling.grammar,
     )
     target_probs = filtered_probs(logits, sampling)
     accepted = accept(

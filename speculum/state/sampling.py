@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
@@ -63,6 +65,14 @@ class SamplingParams:
     ``penalties`` are the requests' repetition, presence and frequency penalties and
     ``min_tokens`` (:class:`Penalties`), applied after the bias; ``None``, or with no columns,
     applies none.
+
+    ``grammar``, when a request of the batch has one (structured output), is a host function:
+    given path tokens ``[batch, *rows, length]`` (padding -1; each row's tokens added to its
+    request's output before the round, as ``spec.tree.tree_path_tokens`` gives them per tree
+    node), it returns which tokens each row's grammar allows next, bools ``[batch, *rows,
+    vocab]`` (all True for requests without one). Every target distribution applies it
+    (``spec.sampling.guard_logits``); a static field, so a round with one is a round of its
+    own kind, run eagerly (host work inside the round).
     """
 
     temperature: Float[Tensor, " batch"]
@@ -73,6 +83,7 @@ class SamplingParams:
     num_logprobs: int = static(default=0)
     logit_bias: Float[Tensor, "batch bias_vocab"] | None = None
     penalties: Penalties | None = None
+    grammar: Callable[[Tensor], Tensor] | None = static(default=None)
 
 
 @record

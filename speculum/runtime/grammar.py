@@ -1,0 +1,187 @@
+"""Structured output: a request's JSON schema, regex or EBNF grammar as a token mask.
+
+The grammar engine is xgrammar (``pip install 'speculum[grammar]'``): maintained, the engine
+vLLM and SGLang use by default, with token bitmasks, rollback and forks. A request's grammar
+is checked when its :class:`~speculum.runtime.scheduler.Sampling` is built (tokenizer-free,
+:func:`check`), compiled against the engine's tokenizer when it is added
+(:func:`constraint`), and read by the scheduler before each round as the set of tokens
+allowed after the request's output so far (:func:`allowed`), which enters the round as
+``-inf`` in the request's logit-bias row (``docs/request_controls.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from speculum.models.tokenizer import Tokenizer
+
+__all__ = ["GRAMMAR_FIELDS", "Constraint", "check", "constraint", "allowed", "finished"]
+
+#: The request fields that constrain output, at most one per request (vLLM's names).
+GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
+#: How JSON is written under a schema: compact, without whitespace (``{"a":1,"b":[2,3]}``), so
+#: that a model cannot loop on whitespace and no vocabulary needs a space token.
+_COMPACT = {"any_whitespace": False, "separators": (",", ":")}
+
+
+def _xgrammar() -> Any:
+    """The xgrammar module, or an ImportError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as err:
+        raise ImportError(
+            "structured output (json_schema, regex, grammar) needs xgrammar; install it with "
+            "pip install 'speculum[grammar]' (or pip install xgrammar)"
+        ) from err
+    return xgrammar
+
+
+def _source(field: str, value: object) -> str:
+    """A grammar field's text: a JSON schema may be a mapping (dumped to JSON) or its text."""
+    if field == "json_schema" and isinstance(value, Mapping):
+        return json.dumps(value)
+    if not isinstance(value, str):
+        kinds = "a JSON string or a dict" if field == "json_schema" else "a string"
+        raise TypeError(f"{field}={value!r}: must be {kinds}, not {type(value).__name__}")
+    return value
+
+
+def _grammar(field: str, source: str) -> Any:
+    """The tokenizer-free xgrammar ``Grammar`` of a field's text."""
+    xgr = _xgrammar()
+    if field == "json_schema":
+        return xgr.Grammar.from_json_schema(source, **_COMPACT)
+    if field == "regex":
+        return xgr.Grammar.from_regex(source)
+    return xgr.Grammar.from_ebnf(source)
+
+
+def check(field: str, value: object) -> str | None:
+    """``value`` of the grammar field ``field`` checked and as text (a JSON schema given as a
+    dict dumped to JSON); None stays None. Raises ``TypeError`` for a value of the wrong kind
+    and ``ValueError`` naming the field and xgrammar's reason for one it cannot parse."""
+    if value is None:
+        return None
+    source = _source(field, value)
+    try:
+        _grammar(field, source)
+    except (RuntimeError, ValueError) as err:  # xgrammar raises RuntimeError from C++
+        reason = str(err).strip().split("\n")[0]
+        raise ValueError(
+            f"{field}={source[:200]!r} is not a valid {_KINDS[field]}: {reason}; fix it, or "
+            "leave the field unset"
+        ) from err
+    return source
+
+
+_KINDS = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}
+
+
+@attrs.define(slots=True, eq=False)
+class _Matcher:
+    """An xgrammar matcher and the tokens it has accepted: a cache of what
+    :func:`allowed` would compute from scratch (it is rebuilt whenever the output it is asked
+    about does not extend those tokens, so a kept state value reads its own)."""
+
+    inner: Any
+    accepted: tuple[int, ...]
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
+class Constraint:
+    """A request's grammar compiled against the engine's tokenizer: ``field`` names its kind
+    (:data:`GRAMMAR_FIELDS`), ``compiled`` is xgrammar's ``CompiledGrammar`` and ``vocab`` the
+    target's vocabulary size. ``cache`` holds a matcher advanced over the output it last read
+    (a cache only: every answer depends on the output asked about alone)."""
+
+    field: str
+    compiled: Any
+    vocab: int
+    cache: _Matcher = attrs.field(factory=lambda: _Matcher(inner=None, accepted=()))
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler(tokenizer: Tokenizer, vocab: int, stop_ids: tuple[int, ...]) -> Any:
+    """xgrammar's compiler for one engine's tokenizer: each token id's bytes (special tokens
+    give none), with ``stop_ids`` (the model's EOS) ending the grammar."""
+    xgr = _xgrammar()
+    encoded = [tokenizer.token_bytes(i) if i < tokenizer.vocab_size else b"" for i in range(vocab)]
+    info = xgr.TokenizerInfo(
+        encoded, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=list(stop_ids)
+    )
+    return xgr.GrammarCompiler(info)
+
+
+def constraint(
+    field: str, source: str, tokenizer: Tokenizer | None, vocab: int, stop_ids: tuple[int, ...]
+) -> Constraint:
+    """``source``, the text of grammar field ``field``, compiled for an engine with
+    ``tokenizer``, a ``vocab``-token target and the stop tokens ``stop_ids`` that end a
+    complete output (at least one is needed: a grammar ends its output with one)."""
+    if tokenizer is None:
+        raise ValueError(f"{field}: structured output needs a tokenizer; the engine has none")
+    if not stop_ids:
+        raise ValueError(
+            f"{field}: structured output ends its output with an EOS token, and the model "
+            "declares none; give the engine a model with eos_token_ids"
+        )
+    compiler = _compiler(tokenizer, vocab, tuple(sorted(stop_ids)))
+    if field == "json_schema":
+        compiled = compiler.compile_json_schema(source, **_COMPACT)
+    elif field == "regex":
+        compiled = compiler.compile_regex(source)
+    else:
+        compiled = compiler.compile_grammar(source)
+    return Constraint(field=field, compiled=compiled, vocab=vocab)
+
+
+def _matcher(c: Constraint, output: tuple[int, ...]) -> Any:
+    """A matcher that has accepted ``output``, or None when ``output`` leaves the grammar.
+
+    The cached matcher is rolled back to where ``output`` parts from the tokens it accepted
+    and advanced over the rest: a round walks every tree path this way, from the output
+    before the round, so each path costs its own tokens, not the whole output."""
+    cache = c.cache
+    if cache.inner is None:
+        cache.inner, cache.accepted = _xgrammar().GrammarMatcher(c.compiled), ()
+    common = 0
+    for mine, theirs in zip(cache.accepted, output):
+        if mine != theirs:
+            break
+        common += 1
+    if common < len(cache.accepted):
+        cache.inner.rollback(len(cache.accepted) - common)
+        cache.accepted = cache.accepted[:common]
+    for token in output[common:]:
+        if cache.inner.is_terminated() or not cache.inner.accept_token(token):
+            return None
+        cache.accepted += (token,)
+    return cache.inner
+
+
+def allowed(c: Constraint, output: tuple[int, ...]) -> torch.Tensor:
+    """Which tokens may follow ``output`` under the grammar, as a bool ``[vocab]`` row. All
+    True where nothing may follow: past the grammar's end (its EOS accepted: the request ends
+    there) or after a token the grammar forbids (a draft token the masked target can never
+    accept, so what follows it is never emitted); a row of no allowed token would read as a
+    fault."""
+    matcher = _matcher(c, output)
+    if matcher is None or matcher.is_terminated():
+        return torch.ones(c.vocab, dtype=torch.bool)
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(1, c.vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.bool().flatten()[: c.vocab]
+
+
+def finished(c: Constraint, output: tuple[int, ...]) -> bool:
+    """Whether ``output`` has ended the grammar (its stop token accepted)."""
+    matcher = _matcher(c, output)
+    return matcher is not None and matcher.is_terminated()

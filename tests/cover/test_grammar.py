@@ -1,0 +1,226 @@
+"""Structured output under speculation (issue 25, item 5): a request's JSON schema, regex or
+EBNF grammar masks every distribution that decides one of its tokens, at every tree node
+after the node's path, so every pipeline, chains, trees and adaptive, emits plain constrained
+decoding's tokens (greedy) and only outputs the grammar accepts (sampled too); JSON-schema
+outputs parse and validate; a bad schema or regex is refused naming the field, the state
+unchanged; the command line takes ``--json-schema``, ``--regex`` and ``--grammar``."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import tokenizers
+import torch
+from conftest import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cli import parse_one_object, run_cli
+from test_eagle import VOCAB
+from test_overlap import PIPELINES, engine
+from tokenizers import decoders, models
+
+from speculum.models.draft import random_draft
+from speculum.models.loading import random_model
+from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
+from speculum.runtime import scheduler
+from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.generate import generate
+
+pytest.importorskip("xgrammar")
+
+#: The Markov target's 16 tokens as characters (EOS is the last): enough for JSON arrays of
+#: integers, arithmetic and short words.
+CHARS = "0123456789[],-ab"
+EOS = VOCAB - 1
+
+
+def char_tokenizer() -> Tokenizer:
+    """One token per character of :data:`CHARS` but the last, which is EOS."""
+    vocab = {c: i for i, c in enumerate(CHARS[:EOS])}
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.decoder = decoders.Fuse()
+    inner.add_special_tokens(["</s>"])
+    assert inner.token_to_id("</s>") == EOS
+    return Tokenizer(inner)
+
+
+def grammar_engine(name: str, **limits):
+    """Pipeline ``name`` of ``test_overlap`` over the Markov target, with the character
+    tokenizer and EOS (the target itself declares none)."""
+    return attrs.evolve(
+        engine(name, False, **limits), tokenizer=char_tokenizer(), eos_token_ids=(EOS,)
+    )
+
+
+def text(token_ids) -> str:
+    return "".join(CHARS[t] for t in token_ids if t != EOS)
+
+
+SCHEMA = {"type": "array", "items": {"enum": [1, 23, -4]}, "minItems": 1, "maxItems": 3}
+#: One of each kind, each bounded so that greedy outputs end within 16 tokens.
+GRAMMARS = [
+    {"json_schema": SCHEMA},
+    {"regex": "(1|22|-3)(,[0-9]{1,2}){0,4}"},
+    {"grammar": 'root ::= "[" item ("," item)? ("," item)? "]"\nitem ::= [0-9] | "a" [0-9] "b"'},
+]
+PROMPTS = [[1, 2, 3], [5], [9, 4, 12, 0, 7], [3, 3, 3]]
+
+
+def constrained(prompts, grammars):
+    return [{"prompt_ids": p, **g} for p, g in zip(prompts, grammars)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    """Greedy plain constrained decoding of every prompt under every grammar."""
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    return generate(mix, engine=grammar_engine("plain"), max_new_tokens=16)
+
+
+def test_plain_constrained_outputs_follow_their_grammar(plain_outputs):
+    import re
+
+    for index, result in enumerate(plain_outputs):
+        kind = GRAMMARS[index // len(PROMPTS)]
+        assert result.finish_reason == "stop" and result.token_ids[-1] == EOS, result
+        if "json_schema" in kind:
+            value = json.loads(text(result.token_ids))
+            assert 1 <= len(value) <= 3 and set(value) <= {1, 23, -4}
+        elif "regex" in kind:
+            assert re.fullmatch(kind["regex"], text(result.token_ids))
+        else:
+            assert re.fullmatch(r"\[(a?[0-9]b?)(,a?[0-9]b?){0,2}\]", text(result.token_ids))
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_every_pipeline_emits_plain_constrained_decodings_tokens(name, plain_outputs):
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    results = generate(mix, engine=grammar_engine(name), max_new_tokens=16)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
+
+
+@pytest.mark.parametrize("name", ["eagle tree", "dflash", "ngram"])
+@settings(max_examples=3, deadline=None)
+@given(data=st.data(), prefill_budget=st.integers(2, 8))
+def test_any_mix_of_constrained_and_free_requests_decodes_as_plain_decoding(
+    name, data, prefill_budget
+):
+    """Greedy, requests with and without a grammar in one batch, prompts prefilled in chunks:
+    every request gets plain decoding's tokens and finish reason."""
+    prompts = data.draw(
+        st.lists(st.lists(st.integers(0, EOS - 1), min_size=1, max_size=6), min_size=1, max_size=4)
+    )
+    kinds = [data.draw(st.sampled_from([{}, *GRAMMARS])) for _ in prompts]
+    mix = constrained(prompts, kinds)
+    plain = generate(mix, engine=grammar_engine("plain"), max_new_tokens=12)
+    built = grammar_engine(name, prefill_budget=prefill_budget)
+    results = generate(mix, engine=built, max_new_tokens=12)
+    outcome = [(r.token_ids, r.finish_reason) for r in results]
+    assert outcome == [(r.token_ids, r.finish_reason) for r in plain]
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle tree", "eagle3 sampled drafts"])
+def test_sampled_constrained_outputs_always_validate(name):
+    """Seeded sampling at temperature 1 (the target then often prefers a forbidden token):
+    every output is a JSON array of the schema's items, ended by EOS."""
+    prompts = [{"prompt_ids": [s % EOS], "seed": s, "json_schema": SCHEMA} for s in range(12)]
+    results = generate(prompts, engine=grammar_engine(name), temperature=1.0, max_new_tokens=16)
+    for result in results:
+        value = json.loads(text(result.token_ids))
+        assert 1 <= len(value) <= 3 and set(value) <= {1, 23, -4}, result.token_ids
+
+
+def test_a_byte_level_model_writes_json_its_schema_validates():
+    """The default model's kind (byte-level tokenizer, EOS 257), plain and an EAGLE-3 tree:
+    the same greedy object, which parses and validates."""
+    config = tiny_config(vocab_size=258, eos_token_ids=(257,))
+    target = random_model(config, seed=3, std=0.3)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    tokenizer = Tokenizer(byte_level_tokenizer())
+    plain = engine_from_model(target, tokenizer=tokenizer, page_size=4, max_context=64)
+    tree = engine_from_model(
+        target,
+        algorithm="eagle3",
+        draft=random_draft(target, "eagle3", seed=2, std=0.3),
+        spec=SpecOptions(num_steps=3, topk=2, num_draft_tokens=6),
+        tokenizer=tokenizer,
+        page_size=4,
+        max_context=64,
+    )
+    options = {"json_schema": json.dumps(schema), "max_new_tokens": 40}
+    (expected,) = generate(["Answer: "], engine=plain, **options)
+    (result,) = generate(["Answer: "], engine=tree, **options)
+    assert result.token_ids == expected.token_ids
+    value = json.loads(result.text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "words"),
+    [
+        ({"json_schema": '{"type": 5}'}, ValueError, ["json_schema=", "not a valid JSON schema"]),
+        ({"json_schema": "{not json"}, ValueError, ["json_schema=", "JSON schema"]),
+        ({"json_schema": 5}, TypeError, ["json_schema=5", "a JSON string or a dict"]),
+        ({"regex": "a(b"}, ValueError, ["regex='a(b'", "not a valid regular expression"]),
+        ({"grammar": "root ::= x"}, ValueError, ["grammar=", "not a valid EBNF grammar"]),
+        ({"regex": "a", "grammar": 'root ::= "a"'}, ValueError, ["regex and grammar", "one"]),
+    ],
+)
+def test_bad_grammars_are_refused_naming_the_field(setting, error, words):
+    with pytest.raises(error) as raised:
+        scheduler.Sampling(**setting)
+    assert all(w in str(raised.value) for w in words), raised.value
+
+
+def test_refused_requests_leave_the_state_unchanged():
+    """An overlapped engine cannot mask a round by the output before it: ``add_request``
+    refuses, naming the field and the fix, and the state handed in stays as it was."""
+    built = attrs.evolve(engine("plain", True), tokenizer=char_tokenizer(), eos_token_ids=(EOS,))
+    state = scheduler.new_state(built)
+    with pytest.raises(ValueError, match="regex: .*overlap=False"):
+        scheduler.add_request(built, state, [1], sampling=scheduler.Sampling(regex="[0-9]"))
+    assert state.waiting == () and state.next_rid == 0
+    bare = attrs.evolve(engine("plain", False), eos_token_ids=(EOS,))
+    with pytest.raises(ValueError, match="regex: .*tokenizer"):
+        scheduler.add_request(bare, state, [1], sampling=scheduler.Sampling(regex="[0-9]"))
+
+
+def test_a_constrained_round_asks_the_grammar_along_every_tree_path():
+    """The round's masks are the grammar's after each node's path: a tree of two branches
+    under the root, ``1`` then ``2`` and ``-``, gets three different rows."""
+    built = grammar_engine("plain")
+    state = scheduler.new_state(built)
+    sampling = scheduler.Sampling(regex="1(2|-3)")
+    state, rid = scheduler.add_request(built, state, [1], sampling=sampling)
+    (request,) = state.waiting
+    paths = torch.tensor([[[-1, -1], [1, -1], [1, 2]]])  # root, "1", "12"
+    allowed = scheduler._allowed((request,), VOCAB, torch.device("cpu"), paths)
+    assert allowed[0, 0].nonzero().flatten().tolist() == [1]
+    assert allowed[0, 1].nonzero().flatten().tolist() == [2, 13]  # "2" or "-"
+    assert allowed[0, 2].nonzero().flatten().tolist() == [EOS]
+
+
+def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+    common = ["--prompt", "Answer:", "--algorithm", "plain", "--max-new-tokens", "24", "--json"]
+    status, out, _ = run_cli(capsys, *common, "--json-schema", str(schema))
+    assert status == 0
+    value = json.loads(parse_one_object(out)["text"])
+    assert isinstance(value, dict) and set(value) <= {"ok"}
+    status, out, _ = run_cli(capsys, *common, "--regex", "(yes|no)")
+    assert status == 0 and parse_one_object(out)["text"] in ("yes", "no")
+    for flag, bad, words in [
+        ("--json-schema", str(tmp_path / "missing.json"), "No such file"),
+        ("--regex", "a(b", "not a valid regular expression"),
+        ("--grammar", str(schema), "not a valid EBNF grammar"),
+    ]:
+        status, out, err = run_cli(capsys, *common, flag, bad)
+        assert status == 2 and out == "" and flag in err and words in err, err
