@@ -11,6 +11,7 @@ from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.runtime import scheduler
+from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
 
 
@@ -92,18 +93,36 @@ def draw_correction_biases_(model, seed: int) -> None:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3, generator=generator)
 
 
-def assert_sampled_snapshot_replays(engine) -> None:
-    """A snapshot of three seeded sampled requests taken after three steps on ``engine``,
+def pipeline_engine(target, pipeline: tuple, tree: tuple[int, int, int], **limits):
+    """An engine over ``target`` for ``pipeline`` = ``(algorithm, draft, spec)``, where
+    ``spec`` is ``SpecOptions`` fields or ``"tree"`` for the drawn ``(num_steps, topk,
+    num_draft_tokens)``; n-gram stores nothing across requests; ``limits`` are
+    ``engine_from_model``'s other options (``max_context`` 48 unless given)."""
+    algorithm, draft, spec = pipeline
+    if spec == "tree":
+        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
+    return engine_from_model(
+        target,
+        algorithm=algorithm,
+        draft=draft,
+        spec=SpecOptions(**spec),
+        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
+        **({"max_context": 48} | limits),
+    )
+
+
+def assert_sampled_snapshot_replays(engine, steps: int = 3, max_new_tokens: int = 16) -> None:
+    """A snapshot of three seeded sampled requests taken after ``steps`` steps on ``engine``,
     restored, replays bit for bit what the original state went on to emit."""
     state = scheduler.new_state(engine)
     rids = []
     for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
         sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
         state, rid = scheduler.add_request(
-            engine, state, prompt, sampling=sampling, max_new_tokens=16
+            engine, state, prompt, sampling=sampling, max_new_tokens=max_new_tokens
         )
         rids.append(rid)
-    for _ in range(3):
+    for _ in range(steps):
         state, _ = scheduler.step(engine, state)
     snap = scheduler.take_snapshot(engine, state)
     _, finished = run_to_completion(engine, state)

@@ -17,6 +17,7 @@ from heads import (
     assert_sampled_snapshot_replays,
     draw_correction_biases_,
     markov_target,
+    pipeline_engine,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,7 +41,7 @@ from speculum.models.multi_layer_eagle import (
 )
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
+from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
 from speculum.spec.paged import causal_mask
 from speculum.state.parallel import TensorParallel
@@ -335,17 +336,7 @@ TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
 
 
 def mla_engine(name: str, tree: tuple[int, int, int], **limits):
-    algorithm, draft, spec = PIPELINES[name]
-    if spec == "tree":
-        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
-    return engine_from_model(
-        TARGET,
-        algorithm=algorithm,
-        draft=draft,
-        spec=SpecOptions(**spec),
-        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
-        **({"max_context": 48} | limits),
-    )
+    return pipeline_engine(TARGET, PIPELINES[name], tree, **limits)
 
 
 @pytest.mark.parametrize("name", sorted(set(PIPELINES) - {"plain"}))

@@ -15,6 +15,7 @@ from heads import (
     assert_sampled_snapshot_replays,
     draw_correction_biases_,
     markov_target,
+    pipeline_engine,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,7 +47,7 @@ from speculum.models.multi_layer_eagle import (
 )
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
+from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import acceptance_stats, generate
 from speculum.state.parallel import TensorParallel
 
@@ -376,17 +377,7 @@ TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
 
 def moe_engine(name: str, tree: tuple[int, int, int], family: str = "qwen2-moe", **limits):
     target, pipes = TARGETS[family]
-    algorithm, draft, spec = pipes[name]
-    if spec == "tree":
-        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
-    return engine_from_model(
-        target,
-        algorithm=algorithm,
-        draft=draft,
-        spec=SpecOptions(**spec),
-        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
-        **({"max_context": 48} | limits),
-    )
+    return pipeline_engine(target, pipes[name], tree, **limits)
 
 
 @pytest.mark.parametrize("family", sorted(TARGETS))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, markov_target
+from heads import agreeing_head, assert_sampled_snapshot_replays, markov_target, pipeline_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
@@ -34,7 +34,7 @@ from speculum.models.loading import load_model, random_model, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
-from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
+from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
 from speculum.spec.paged import causal_mask, extend_batch
@@ -181,17 +181,7 @@ TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
 
 
 def hybrid_engine(name: str, tree: tuple[int, int, int] = (3, 2, 6), **limits):
-    algorithm, draft, spec = PIPELINES[name]
-    if spec == "tree":
-        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
-    return engine_from_model(
-        TARGET,
-        algorithm=algorithm,
-        draft=draft,
-        spec=SpecOptions(**spec),
-        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
-        **({"max_context": 48, "page_size": 4} | limits),
-    )
+    return pipeline_engine(TARGET, PIPELINES[name], tree, **({"page_size": 4} | limits))
 
 
 @pytest.mark.parametrize("name", sorted(set(PIPELINES) - {"plain"}))
@@ -252,21 +242,7 @@ def test_snapshot_restore_of_a_hybrid_batch_replays_exactly() -> None:
     """A snapshot of a sampled batch on the hybrid target (its pages and its recurrent slots,
     and the self-draft's), restored after the states were overwritten, replays bit for bit."""
     engine = hybrid_engine("standalone self tree", (3, 2, 6))
-    state = scheduler.new_state(engine)
-    rids = []
-    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
-        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
-        state, rid = scheduler.add_request(
-            engine, state, prompt, sampling=sampling, max_new_tokens=16
-        )
-        rids.append(rid)
-    for _ in range(3):
-        state, _ = scheduler.step(engine, state)
-    snap = scheduler.take_snapshot(engine, state)
-    _, finished = run_to_completion(engine, state)
-    first = [finished[rid].output for rid in rids]
-    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
-    assert [finished[rid].output for rid in rids] == first
+    assert_sampled_snapshot_replays(engine)
 
 
 def test_cancel_frees_the_state_slot() -> None:

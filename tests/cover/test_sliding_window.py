@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, markov_target
+from heads import agreeing_head, assert_sampled_snapshot_replays, markov_target, pipeline_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import page_sizes, prefill_budgets, prompt_batches
@@ -27,9 +27,8 @@ from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import load_model, random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime import scheduler
-from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
-from speculum.runtime.generate import generate, run_to_completion
+from speculum.runtime.engine import engine_from_model
+from speculum.runtime.generate import generate
 from speculum.spec.attention import visible_keys
 from speculum.spec.paged import causal_mask, extend_batch
 from speculum.state.kv import PagedKV
@@ -347,17 +346,7 @@ TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8), (5, 1, 6)])
 
 def windowed_engine(target: str, name: str, tree: tuple[int, int, int], **limits):
     model, pipes = TARGETS[target]
-    algorithm, draft, spec = pipes[name]
-    if spec == "tree":
-        spec = dict(zip(("num_steps", "topk", "num_draft_tokens"), tree, strict=True))
-    return engine_from_model(
-        model,
-        algorithm=algorithm,
-        draft=draft,
-        spec=SpecOptions(**spec),
-        ngram=NgramOptions(store_tokens=0) if algorithm == "ngram" else None,
-        **({"max_context": 64} | limits),
-    )
+    return pipeline_engine(model, pipes[name], tree, **({"max_context": 64} | limits))
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -441,18 +430,4 @@ def test_snapshot_restore_of_a_windowed_batch_replays_exactly() -> None:
     """A snapshot of a sampled batch on the windowed target, taken once its requests have
     decoded past the window, restored, replays bit for bit (every page is still held)."""
     engine = windowed_engine("markov", "mtp", (3, 2, 6), page_size=4)
-    state = scheduler.new_state(engine)
-    rids = []
-    for seed, prompt in enumerate([[4, 2, 8], [1] * 7, [15, 3, 3, 9]]):
-        sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=seed)
-        state, rid = scheduler.add_request(
-            engine, state, prompt, sampling=sampling, max_new_tokens=24
-        )
-        rids.append(rid)
-    for _ in range(4):
-        state, _ = scheduler.step(engine, state)
-    snap = scheduler.take_snapshot(engine, state)
-    _, finished = run_to_completion(engine, state)
-    first = [finished[rid].output for rid in rids]
-    _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
-    assert [finished[rid].output for rid in rids] == first
+    assert_sampled_snapshot_replays(engine, steps=4, max_new_tokens=24)
