@@ -23,7 +23,19 @@ from torch import Tensor
 
 from speculum.kernels import model_ops
 
-__all__ = ["grouped_experts", "grouped_mm_supported", "moe_cuda", "register"]
+#: Whether Triton can be imported (the pairwise kernel is Triton's): looked up once, not in
+#: every MoE layer of every eager step.
+_TRITON = importlib.util.find_spec("triton") is not None
+
+__all__ = [
+    "ascending_pairs",
+    "few_pairs",
+    "grouped_experts",
+    "grouped_mm_supported",
+    "moe_cuda",
+    "register",
+    "weighted_sum",
+]
 
 
 def grouped_mm_supported(x: Tensor, experts_down: Tensor) -> bool:
@@ -126,15 +138,10 @@ def moe_cuda(
     rows = x.reshape(-1, x.shape[-1])
     weights = model_ops.moe_row_weights(rows, router, top_k, renormalize, *routing)
     routed_by = grouped_experts
-    if few_pairs(rows.shape[0] * top_k, experts_down.shape[0]) and _triton_installed():
+    if few_pairs(rows.shape[0] * top_k, experts_down.shape[0]) and _TRITON:
         from speculum.kernels.triton_moe import pairwise_experts as routed_by
     routed = routed_by(rows, *weights.topk(top_k), experts_gate_up, experts_down)
     return routed.view(x.shape)
-
-
-def _triton_installed() -> bool:
-    """Whether Triton can be imported (the pairwise kernel is Triton's)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def register() -> None:
