@@ -154,12 +154,15 @@ def launched(flags: str):
     command = [sys.executable, "-m", "speculum", "serve", *shlex.split(flags), "--port", "0"]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
+        said = []  # the server's log so far: it says why, when the server exits instead
         for line in process.stderr:
+            said.append(line)
             found = re.search(r"Uvicorn running on (http://\S+)", line)
             if found:
                 break
         else:
-            raise RuntimeError(f"speculum serve {flags} exited with {process.wait()}")
+            log = "".join(said[-20:])
+            raise RuntimeError(f"speculum serve {flags} exited with {process.wait()}:\n{log}")
         yield found.group(1)
     finally:
         process.terminate()
