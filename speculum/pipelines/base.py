@@ -132,7 +132,9 @@ class Pipeline:
     ``max_tokens_per_step`` bounds ``output.num_tokens`` and ``kv_lookahead`` is how many cache
     slots past the emitted tokens a round may write (the scheduler reserves them).
     ``host_work`` marks a decode that runs host code between device stages (n-gram lookups);
-    such a round cannot be captured into one CUDA graph.
+    such a round cannot be captured into one CUDA graph. Its part that runs on the device
+    alone may be given as ``device_round(resources, inputs)``: ``decode`` then accepts a
+    ``device_round`` keyword, through which the engine passes a captured version of it.
     """
 
     name: str = static()
@@ -141,6 +143,7 @@ class Pipeline:
     max_tokens_per_step: int = static()
     kv_lookahead: int = static()
     host_work: bool = static(default=False)
+    device_round: Callable[[Resources, Any], Any] | None = static(default=None)
 
 
 def one_token_output(
@@ -190,11 +193,15 @@ def counting(pipeline: Pipeline) -> Pipeline:
 
 
 def _counted(
-    resources: Resources, inputs: Any, *, run: Callable[[Resources, Any], tuple[Any, StepOutput]]
+    resources: Resources,
+    inputs: Any,
+    *,
+    run: Callable[..., tuple[Any, StepOutput]],
+    **options: Any,
 ) -> tuple[Any, StepOutput]:
-    """``run(resources, inputs)``, with the tokens it emitted counted in its state's
-    penalties."""
-    state, output = run(resources, inputs)
+    """``run(resources, inputs, **options)``, with the tokens it emitted counted in its
+    state's penalties (``options``: a host-work round's ``device_round``)."""
+    state, output = run(resources, inputs, **options)
     sampling = state.sampling
     if not penalizing(sampling.penalties):
         return state, output

@@ -14,6 +14,13 @@ One round:
 4. ``record``: the emitted tokens are appended to the history (one device-to-host copy), and
    the history's new stretches are inserted into the shared store (``store_accepted``).
 
+Steps 2 and 3 are the round's device part, :func:`verified_round`: a pure function of the cache,
+the sampling state and the drafted trees (:class:`NgramRound`, every leaf on the device), which
+``decode`` takes as its ``device_round`` keyword. On CUDA the engine passes a captured version
+(``Pipeline.device_round``, ``runtime.graphs.GraphedDecode``), so only the matcher and the
+history bookkeeping run from Python: the target's forward, acceptance and the commit replay as
+one graph per batch bucket.
+
 The batch state carries each request's history as a fixed-width host tensor (every tensor leaf
 leads with the batch axis, so the scheduler moves rows generically). The store is not batch
 state: it is shared by every request and lives in ``Resources.ngram_store``, a cell holding an
@@ -39,6 +46,7 @@ outputs that depend on the request alone.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from jaxtyping import Int
@@ -66,14 +74,16 @@ from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace, static, tree_map_tensors
 from speculum.state.sampling import SamplingParams
-from speculum.state.tree import Verified
+from speculum.state.tree import DraftTree, Verified
 
 __all__ = [
     "NgramState",
     "NgramPipelineConfig",
+    "NgramRound",
     "prefill",
     "draft",
     "verify",
+    "verified_round",
     "store_accepted",
     "decode",
     "pipeline",
@@ -170,19 +180,40 @@ def draft(
     return tree_map_tensors(lambda x: x.to(device, non_blocking=True), drafted)
 
 
-def verify(
-    resources: Resources, state: NgramState, drafted: NgramDraft, config: NgramPipelineConfig
-) -> Verified:
+@record
+class NgramRound:
+    """The device part of a round's input: the target cache, the sampling state and the
+    drafted trees (every leaf on the device, batch first, so a round can be padded to a
+    CUDA-graph bucket and captured)."""
+
+    kv: PagedKV
+    sampling: SamplingParams
+    tree: DraftTree
+
+
+def verify(resources: Resources, round_: NgramRound, config: NgramPipelineConfig) -> Verified:
     """One target forward over the tree, then acceptance with one-hot draft distributions."""
     return verify_tree(
         resources.target,
         resources.target_pool,
-        state.kv,
-        drafted.tree,
-        state.sampling,
+        round_.kv,
+        round_.tree,
+        round_.sampling,
         max_depth=config.tree_depth,
         max_children=config.max_children,
     )
+
+
+def verified_round(
+    resources: Resources, round_: NgramRound, *, config: NgramPipelineConfig
+) -> tuple[PagedKV, Int[Tensor, " batch"], StepOutput]:
+    """Verify, accept and commit: the committed cache, each row's bonus token (the next root)
+    and what the round emits. No host work, so it can run as a CUDA graph."""
+    verified = verify(resources, round_, config)
+    acc = verified.accepted
+    kv = commit_path(resources.target_pool, round_.kv, acc)
+    bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
+    return kv, bonus, verified_output(verified)
 
 
 def _append(
@@ -228,17 +259,19 @@ def decode(
     *,
     config: NgramPipelineConfig,
     corpus: CorpusIndex | None = None,
+    device_round: Callable[[Resources, NgramRound], tuple[PagedKV, Tensor, StepOutput]]
+    | None = None,
 ) -> tuple[NgramState, StepOutput]:
-    """One round: match, verify, accept, commit, record the emitted tokens."""
+    """One round: match (host), verify, accept, commit (``device_round``, by default
+    :func:`verified_round`), record the emitted tokens (host)."""
     drafted = draft(resources, state, config, corpus)
-    verified = verify(resources, state, drafted, config)
-    acc = verified.accepted
-    kv = commit_path(resources.target_pool, state.kv, acc)
-    bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
-    packed = torch.cat([acc.num_accepted[:, None], acc.emitted], dim=1).cpu()  # one copy
-    history, history_len = _append(
-        state.history, state.history_len, packed[:, 1:], packed[:, 0] + 1
-    )
+    round_ = make(NgramRound, kv=state.kv, sampling=state.sampling, tree=drafted.tree)
+    run = functools.partial(verified_round, config=config) if device_round is None else device_round
+    kv, bonus, output = run(resources, round_)
+    # A faulty row emits fewer tokens than it accepted; it is finished with an error, so its
+    # history no longer matters.
+    packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1).cpu()  # one copy
+    history, history_len = _append(state.history, state.history_len, packed[:, 1:], packed[:, 0])
     stored_len = state.stored_len
     cell = resources.ngram_store
     if cell is not None:
@@ -253,7 +286,7 @@ def decode(
         history_len=history_len,
         stored_len=stored_len,
     )
-    return new_state, verified_output(verified)
+    return new_state, output
 
 
 def pipeline(
@@ -293,4 +326,5 @@ def pipeline(
         max_tokens_per_step=depth + 1,
         kv_lookahead=num_draft_tokens,
         host_work=True,
+        device_round=functools.partial(verified_round, config=config),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -372,14 +373,22 @@ def _counted(pipeline: Pipeline, config: EngineConfig) -> Pipeline:
 
 def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> Pipeline:
     """``pipeline`` with its decoding round captured per batch bucket, where that applies: on
-    CUDA, with graphs switched on, for rounds without host work between stages."""
-    if device.type != "cuda" or not config.cuda_graphs or pipeline.host_work:
+    CUDA, with graphs switched on; a round with host work between stages has its device part
+    (``Pipeline.device_round``, when it names one) captured instead."""
+    if device.type != "cuda" or not config.cuda_graphs:
+        return pipeline
+    if pipeline.host_work and pipeline.device_round is None:
         return pipeline
     if config.max_batch > max(config.graph_buckets):
         raise ValueError(
             f"max_batch={config.max_batch} exceeds the largest CUDA-graph bucket "
             f"{max(config.graph_buckets)}: add a larger bucket to graph_buckets, lower max_batch, "
             "or pass cuda_graphs=False"
+        )
+    if pipeline.host_work:
+        graphed = GraphedDecode(pipeline.device_round, config.graph_buckets)
+        return attrs.evolve(
+            pipeline, decode=functools.partial(pipeline.decode, device_round=graphed)
         )
     return attrs.evolve(pipeline, decode=GraphedDecode(pipeline.decode, config.graph_buckets))
 

@@ -199,7 +199,9 @@ class GraphedDecode:
     """A pipeline's ``decode(resources, state)`` run as one CUDA graph per batch bucket.
 
     A drop-in value for ``Pipeline.decode``: same call, same results (the graph runs the same
-    kernels on the same inputs). Graphs are captured on first use of a bucket and shape.
+    kernels on the same inputs). Graphs are captured on first use of a bucket and shape. It
+    wraps a host-work round's ``Pipeline.device_round`` the same way: any pure stage whose
+    input record holds the batch's ``kv`` and ``sampling``, every leaf on the device.
     """
 
     decode: Callable[[Any, Any], tuple[Any, Any]]

@@ -112,8 +112,9 @@ def test_padding_rows_change_nothing_real_rows_emit_or_own(algorithm, topk, prom
 
 
 def test_engines_capture_rounds_only_on_cuda_and_without_host_work():
-    """Which pipelines a CUDA engine graphs: every one but n-gram (host work between device
-    stages), and only with graphs switched on and a batch limit the buckets hold."""
+    """Which pipelines a CUDA engine graphs: every round whole but n-gram's (host work between
+    device stages), whose device part (verify, accept, commit) is captured instead; and only
+    with graphs switched on and a batch limit the buckets hold."""
     from speculum.pipelines import get_pipeline
     from speculum.runtime.engine import EngineConfig, _graphed
     from speculum.runtime.graphs import GraphedDecode
@@ -124,7 +125,10 @@ def test_engines_capture_rounds_only_on_cuda_and_without_host_work():
     config = EngineConfig(max_batch=8, graph_buckets=(1, 8))
     assert isinstance(_graphed(plain, config, cuda).decode, GraphedDecode)
     assert _graphed(plain, config, cpu) is plain
-    assert _graphed(ngram, config, cuda) is ngram
+    graphed_ngram = _graphed(ngram, config, cuda)
+    assert graphed_ngram.decode.keywords["device_round"].decode is ngram.device_round
+    assert isinstance(graphed_ngram.decode.keywords["device_round"], GraphedDecode)
+    assert _graphed(ngram, config, cpu) is ngram
     off = EngineConfig(max_batch=8, cuda_graphs=False)
     assert _graphed(plain, off, cuda) is plain
     with pytest.raises(ValueError, match="exceeds the largest CUDA-graph bucket 8"):

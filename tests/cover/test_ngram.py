@@ -4,6 +4,7 @@ changing store, a 2-token chi-square, and the command line."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -457,6 +458,41 @@ def test_drafts_from_history_are_accepted_several_tokens_deep():
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 7, 3, 9, 7, 7, 3]]
     results = generate(prompts, engine=engine, max_new_tokens=40)
     assert all(r.stats["accept_length_mean"] > 2.0 for r in results)
+
+
+def test_the_engine_hands_decode_its_device_round_through_penalty_counting():
+    """``decode`` runs the verify-accept-commit part through its ``device_round`` keyword (where
+    a CUDA engine passes the captured one), also under penalty counting, with the tokens of the
+    default round."""
+    engine = ngram_engine(max_depth=6, max_breadth=3, num_draft_tokens=8, max_batch=2)
+    counted = engine_from_model(
+        TARGET,
+        algorithm="ngram",
+        spec=SpecOptions(num_draft_tokens=8),
+        ngram=NgramOptions(max_depth=6, max_breadth=3),
+        page_size=4,
+        max_context=48,
+        max_batch=2,
+        penalties=True,
+    )
+    calls = []
+
+    def device_round(resources, round_):
+        calls.append(round_.tree.tokens.shape)
+        return counted.pipeline.device_round(resources, round_)
+
+    rounds = functools.partial(counted.pipeline.decode, device_round=device_round)
+    wrapped = attrs.evolve(counted, pipeline=attrs.evolve(counted.pipeline, decode=rounds))
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 7, 3, 9, 7, 7, 3]]
+    options = dict(max_new_tokens=20, temperature=0.9, seed=4, frequency_penalty=0.7)
+    results = generate(prompts, engine=wrapped, **options)
+    assert [r.token_ids for r in results] == [
+        r.token_ids for r in generate(prompts, engine=counted, **options)
+    ]
+    assert calls and all(shape[1] == 8 for shape in calls)
+    # The penalties were counted: without them the same seed draws other tokens.
+    unpenalized = generate(prompts, engine=engine, max_new_tokens=20, temperature=0.9, seed=4)
+    assert [r.token_ids for r in unpenalized] != [r.token_ids for r in results]
 
 
 alphabets = st.sampled_from([[1, 2, 3], [4, 9, 11, 15], list(range(VOCAB))])

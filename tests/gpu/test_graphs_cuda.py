@@ -106,6 +106,41 @@ def test_fp32_captured_rounds_equal_plain_and_eager(label):
     check_captured_rounds_equal_plain_and_eager(_target(), label)
 
 
+def test_ngram_captured_device_rounds_equal_eager_ones_sampled_and_penalized():
+    """n-gram's device part (verify, accept, commit) replayed as graphs draws exactly the
+    tokens its eager rounds draw, with sampling, penalties and logprobs; its graphs are
+    captured per bucket like any round's."""
+    target = _target()
+    engine = engine_from_model(
+        target,
+        algorithm="ngram",
+        page_size=4,
+        max_context=96,
+        max_batch=8,
+        penalties=True,
+        max_logprobs=2,
+        spec=SpecOptions(num_draft_tokens=6),
+    )
+    eager = engine_from_model(
+        target,
+        algorithm="ngram",
+        page_size=4,
+        max_context=96,
+        max_batch=8,
+        penalties=True,
+        max_logprobs=2,
+        spec=SpecOptions(num_draft_tokens=6),
+        cuda_graphs=False,
+    )
+    options = dict(max_new_tokens=24, temperature=0.8, seed=3, presence_penalty=0.5, logprobs=2)
+    captured = generate(PROMPTS, engine=engine, **options)
+    reference = generate(PROMPTS, engine=eager, **options)
+    assert [r.token_ids for r in captured] == [r.token_ids for r in reference]
+    assert [r.logprobs for r in captured] == [r.logprobs for r in reference]
+    graphed = engine.pipeline.decode.keywords["device_round"]
+    assert sorted(c.inputs[0].shape[0] for _, _, c in graphed.graphs) == [4, 8]
+
+
 def _logit_gap(target, ids: list[int]) -> float:
     """Top-1 minus top-2 logit of the target after ``ids`` (one forward on a fresh pool)."""
     page_size = 4
