@@ -138,7 +138,9 @@ def test_ngram_captured_device_rounds_equal_eager_ones_sampled_and_penalized():
     assert [r.token_ids for r in captured] == [r.token_ids for r in reference]
     assert [r.logprobs for r in captured] == [r.logprobs for r in reference]
     graphed = engine.pipeline.decode.keywords["device_round"]
-    assert sorted(c.inputs[0].shape[0] for _, _, c in graphed.graphs) == [4, 8]
+    # Requests finish at different rounds, so the batch shrinks through the smaller buckets.
+    buckets = {c.inputs[0].shape[0] for _, _, c in graphed.graphs}
+    assert 8 in buckets and buckets <= set(engine.config.graph_buckets)
 
 
 def _logit_gap(target, ids: list[int]) -> float:
