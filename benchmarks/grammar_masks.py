@@ -25,13 +25,15 @@ CASES = {
 }
 
 
-def vocabulary() -> list[bytes]:
-    """256 single bytes, then random printable strings up to ``VOCAB`` ids."""
+def vocabulary(size: int = VOCAB) -> list[bytes]:
+    """256 single bytes, then distinct random printable strings of 2 to 8 bytes, then an empty
+    last id (EOS): ``size`` ids (``benchmarks/request_controls.py`` builds its tokenizer from
+    them)."""
     rng = random.Random(0)
-    words = [bytes([b]) for b in range(256)]
-    while len(words) < VOCAB - 1:
-        words.append(bytes(rng.randrange(33, 127) for _ in range(rng.randint(2, 8))))
-    return words + [b""]  # the last id: EOS
+    words = dict.fromkeys(bytes([b]) for b in range(256))
+    while len(words) < size - 1:
+        words[bytes(rng.randrange(33, 127) for _ in range(rng.randint(2, 8)))] = None
+    return [*words, b""]
 
 
 def time_case(compiler: xgr.GrammarCompiler, kind: str, source: str, text: str) -> list[float]:
