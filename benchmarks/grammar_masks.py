@@ -11,8 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-
-import xgrammar as xgr
+from typing import Any
 
 VOCAB = 151_936
 CASES = {
@@ -36,8 +35,11 @@ def vocabulary(size: int = VOCAB) -> list[bytes]:
     return [*words, b""]
 
 
-def time_case(compiler: xgr.GrammarCompiler, kind: str, source: str, text: str) -> list[float]:
-    """Seconds per token of mask + accept over ``text``, one byte token at a time."""
+def time_case(compiler: Any, kind: str, source: str, text: str) -> list[float]:
+    """Seconds per token of mask + accept over ``text``, one byte token at a time
+    (``compiler``: an xgrammar ``GrammarCompiler``)."""
+    import xgrammar as xgr  # here, not at the top: request_controls.py imports this module
+
     compiled = (
         compiler.compile_json_schema(source, any_whitespace=False, separators=(",", ":"))
         if kind == "json_schema"
@@ -55,6 +57,8 @@ def time_case(compiler: xgr.GrammarCompiler, kind: str, source: str, text: str) 
 
 
 def main() -> None:
+    import xgrammar as xgr
+
     info = xgr.TokenizerInfo(vocabulary(), xgr.VocabType.RAW, stop_token_ids=[VOCAB - 1])
     compiler = xgr.GrammarCompiler(info)
     print(f"| grammar | tokens | median ms/token | p90 ms/token |  (vocab {VOCAB})")
