@@ -110,6 +110,17 @@ def test_every_pipeline_reports_plain_decodings_prompt_logprobs(name):
             assert a["logprob"] == pytest.approx(b["logprob"], **TOLERANCE)
 
 
+def test_overlapped_scheduling_reports_the_same_entries():
+    """Overlapped, a chunk that asks waits for its own values: the entries are the same."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 4]]
+    options = {"max_new_tokens": 3, "prompt_logprobs": 1}
+    runs = [
+        generate(prompts, engine=engine("eagle tree", overlap, prefill_budget=3), **options)
+        for overlap in (False, True)
+    ]
+    assert [r.prompt_logprobs for r in runs[1]] == [r.prompt_logprobs for r in runs[0]]
+
+
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         scheduler.Sampling(prompt_logprobs=-1)
