@@ -1085,7 +1085,7 @@ def _chunk_logprobs(
     requests: tuple[Request, ...], sizes: list[int], logprobs: TokenLogprobs | None
 ) -> list[tuple[TokenLogprob | None, ...]]:
     """The prompt log-probabilities a prefill chunk adds to each of its ``requests`` (its
-    rows, of ``sizes`` tokens), from the chunk's ``StepOutput.prompt_logprobs``: a request
+    rows, of ``sizes`` tokens), from the chunk's ``PrefillOutput.prompt_logprobs``: a request
     that asked for them gets None for its prompt's first token (in its first chunk) and an
     entry for each prompt token that follows one of its chunk's, each with its own number of
     alternatives; the others get nothing. Read to the host at once (one copy, waited for)."""
