@@ -11,8 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-
-import xgrammar as xgr
+from typing import Any
 
 VOCAB = 151_936
 CASES = {
@@ -25,17 +24,22 @@ CASES = {
 }
 
 
-def vocabulary() -> list[bytes]:
-    """256 single bytes, then random printable strings up to ``VOCAB`` ids."""
+def vocabulary(size: int = VOCAB) -> list[bytes]:
+    """256 single bytes, then distinct random printable strings of 2 to 8 bytes, then an empty
+    last id (EOS): ``size`` ids (``benchmarks/request_controls.py`` builds its tokenizer from
+    them)."""
     rng = random.Random(0)
-    words = [bytes([b]) for b in range(256)]
-    while len(words) < VOCAB - 1:
-        words.append(bytes(rng.randrange(33, 127) for _ in range(rng.randint(2, 8))))
-    return words + [b""]  # the last id: EOS
+    words = dict.fromkeys(bytes([b]) for b in range(256))
+    while len(words) < size - 1:
+        words[bytes(rng.randrange(33, 127) for _ in range(rng.randint(2, 8)))] = None
+    return [*words, b""]
 
 
-def time_case(compiler: xgr.GrammarCompiler, kind: str, source: str, text: str) -> list[float]:
-    """Seconds per token of mask + accept over ``text``, one byte token at a time."""
+def time_case(compiler: Any, kind: str, source: str, text: str) -> list[float]:
+    """Seconds per token of mask + accept over ``text``, one byte token at a time
+    (``compiler``: an xgrammar ``GrammarCompiler``)."""
+    import xgrammar as xgr  # here, not at the top: request_controls.py imports this module
+
     compiled = (
         compiler.compile_json_schema(source, any_whitespace=False, separators=(",", ":"))
         if kind == "json_schema"
@@ -53,6 +57,8 @@ def time_case(compiler: xgr.GrammarCompiler, kind: str, source: str, text: str) 
 
 
 def main() -> None:
+    import xgrammar as xgr
+
     info = xgr.TokenizerInfo(vocabulary(), xgr.VocabType.RAW, stop_token_ids=[VOCAB - 1])
     compiler = xgr.GrammarCompiler(info)
     print(f"| grammar | tokens | median ms/token | p90 ms/token |  (vocab {VOCAB})")

@@ -29,8 +29,10 @@ __all__ = [
     "Resources",
     "PrefillChunk",
     "StepOutput",
+    "PrefillOutput",
     "Pipeline",
     "one_token_output",
+    "prefill_output",
     "verified_output",
     "counting",
     "prefill",
@@ -99,6 +101,7 @@ class PrefillChunk:
     next_tokens: Int[Tensor, " batch"]
     sampling: SamplingParams
     prefix_tokens: Int[Tensor, "batch prefix"] | None = None
+    prompt_logprobs: int | None = static(default=None)
 
 
 @record
@@ -121,6 +124,17 @@ class StepOutput:
     faults: Int[Tensor, " batch"]
     plain_steps: bool = static(default=False)
     logprobs: TokenLogprobs | None = None
+
+
+@record
+class PrefillOutput(StepOutput):
+    """A prefill chunk's :class:`StepOutput` (each row's first token), with the chunk's
+    ``prompt_logprobs`` when it asked for them (``PrefillChunk.prompt_logprobs``): entry
+    ``[b, i]`` is the prompt token after chunk token ``i`` (``spec.prefill.chunk_logprobs``);
+    otherwise None. A class of its own so that decoding rounds, whose outputs a CUDA graph
+    captures, hold tensors alone."""
+
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @record
@@ -157,6 +171,25 @@ def one_token_output(
     num_tokens, faults = first_fault(faults[:, None], torch.ones_like(tokens))
     return make(
         StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults, logprobs=logprobs
+    )
+
+
+def prefill_output(
+    tokens: Int[Tensor, " batch"],
+    faults: Int[Tensor, " batch"],
+    logprobs: TokenLogprobs,
+    prompt_logprobs: TokenLogprobs | None,
+) -> PrefillOutput:
+    """A prefill chunk's output: :func:`one_token_output` of its first tokens, with the
+    chunk's prompt log-probabilities (None when not asked for)."""
+    out = one_token_output(tokens, faults, logprobs)
+    return make(
+        PrefillOutput,
+        tokens=out.tokens,
+        num_tokens=out.num_tokens,
+        faults=out.faults,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

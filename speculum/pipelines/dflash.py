@@ -33,7 +33,7 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    one_token_output,
+    prefill_output,
     verified_output,
 )
 from speculum.spec.block import plan_verify, propose_block, write_accepted_context
@@ -74,6 +74,8 @@ def prefill(
         chunk.q_lens,
         chunk.sampling,
         resources.draft.capture_layers,
+        next_tokens=chunk.next_tokens,
+        num_prompt_logprobs=chunk.prompt_logprobs,
     )
     batch = extend_batch(chunk.kv, chunk.tokens, chunk.q_lens)
     resources.draft.write_context(batch, resources.draft_pool, out.captured)
@@ -82,7 +84,7 @@ def prefill(
     state = make(
         BlockState, kv=out.kv, root_tokens=first, survival=survival, sampling=chunk.sampling
     )
-    return state, one_token_output(first, out.faults, out.logprobs)
+    return state, prefill_output(first, out.faults, out.logprobs, out.prompt_logprobs)
 
 
 def decode(

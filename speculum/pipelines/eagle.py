@@ -43,7 +43,7 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    one_token_output,
+    prefill_output,
     verified_output,
 )
 from speculum.spec.draft import draft_extend, extend_draft, propose
@@ -98,6 +98,8 @@ def prefill(
         chunk.q_lens,
         chunk.sampling,
         resources.draft.capture_layers,
+        next_tokens=chunk.next_tokens,
+        num_prompt_logprobs=chunk.prompt_logprobs,
     )
     first = out.first_tokens
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
@@ -117,7 +119,7 @@ def prefill(
     state = make(
         EagleState, kv=out.kv, root_tokens=first, prediction=prediction, sampling=chunk.sampling
     )
-    return state, one_token_output(first, out.faults, out.logprobs)
+    return state, prefill_output(first, out.faults, out.logprobs, out.prompt_logprobs)
 
 
 def verify(

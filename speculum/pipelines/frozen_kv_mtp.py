@@ -38,7 +38,7 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    one_token_output,
+    prefill_output,
     verified_output,
 )
 from speculum.spec import draft as spec_draft
@@ -113,6 +113,8 @@ def prefill(
         chunk.q_lens,
         chunk.sampling,
         resources.draft.capture_layers,
+        next_tokens=chunk.next_tokens,
+        num_prompt_logprobs=chunk.prompt_logprobs,
     )
     last = (chunk.q_lens - 1).clamp(min=0)
     state = make(
@@ -121,7 +123,7 @@ def prefill(
         seed=_seed(resources, out.first_tokens, out.hidden, out.captured, last),
         sampling=chunk.sampling,
     )
-    return state, one_token_output(out.first_tokens, out.faults, out.logprobs)
+    return state, prefill_output(out.first_tokens, out.faults, out.logprobs, out.prompt_logprobs)
 
 
 def seed_forward(resources: Resources, state: FrozenKVState, topk: int) -> DraftPrediction:

@@ -50,7 +50,7 @@ from speculum.pipelines.base import (
     PrefillChunk,
     Resources,
     StepOutput,
-    one_token_output,
+    prefill_output,
     verified_output,
 )
 from speculum.spec.draft import gather_nodes, last_valid
@@ -177,9 +177,11 @@ def prefill(
         chunk.tokens,
         chunk.q_lens,
         chunk.sampling,
+        next_tokens=chunk.next_tokens,
+        num_prompt_logprobs=chunk.prompt_logprobs,
     )
     hidden, first, seq_lens = out.hidden, out.first_tokens, out.kv.seq_lens
-    faults, logprobs = out.faults, out.logprobs
+    faults, logprobs, prompt_logprobs = out.faults, out.logprobs, out.prompt_logprobs
     q, width = chunk.q_lens, chunk.tokens.shape[1]
     following = torch.where(chunk.next_tokens >= 0, chunk.next_tokens, first)
     # stream[:, i] = t_{S + i}: the chunk, the token after it, then d_1, d_2, ...
@@ -209,7 +211,7 @@ def prefill(
         carried=carried,
         sampling=chunk.sampling,
     )
-    return state, one_token_output(first, faults, logprobs)
+    return state, prefill_output(first, faults, logprobs, prompt_logprobs)
 
 
 def draft(state: MultiLayerState) -> DraftTree:

@@ -15,6 +15,7 @@ from speculum.pipelines.base import (
     Resources,
     StepOutput,
     one_token_output,
+    prefill_output,
 )
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target, step_logprobs
@@ -48,9 +49,11 @@ def prefill(resources: Resources, chunk: PrefillChunk) -> tuple[PlainState, Step
         chunk.tokens,
         chunk.q_lens,
         chunk.sampling,
+        next_tokens=chunk.next_tokens,
+        num_prompt_logprobs=chunk.prompt_logprobs,
     )
     state = make(PlainState, kv=out.kv, next_tokens=out.first_tokens, sampling=chunk.sampling)
-    return state, one_token_output(out.first_tokens, out.faults, out.logprobs)
+    return state, prefill_output(out.first_tokens, out.faults, out.logprobs, out.prompt_logprobs)
 
 
 def decode(resources: Resources, state: PlainState) -> tuple[PlainState, StepOutput]:

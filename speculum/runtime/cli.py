@@ -175,6 +175,7 @@ _SETTINGS = {
     "min_p": _number("--min-p", float, 0.0, 1.0),
     "seed": _number("--seed", int, 0),
     "logprobs": _number("--logprobs", int, 0),
+    "prompt_logprobs": _number("--prompt-logprobs", int, 0),
     "repetition_penalty": _number("--repetition-penalty", float, 0.0, above=True),
     "presence_penalty": _number("--presence-penalty", float, -2.0, 2.0),
     "frequency_penalty": _number("--frequency-penalty", float, -2.0, 2.0),
@@ -357,6 +358,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="report each generated token's log-probability and its N most likely alternatives "
         '(--json\'s "logprobs"; see docs/request_controls.md); 0 = off',
+    )
+    gen.add_argument(
+        "--prompt-logprobs",
+        type=_SETTINGS["prompt_logprobs"],
+        metavar="N",
+        help="report each prompt token's log-probability given the tokens before it and the N "
+        "most likely tokens there (--json's \"prompt_logprobs\"; 0 = the token's own alone; "
+        "the prompt is then prefilled in full, not from the prefix cache)",
     )
     gen.add_argument(
         "--logit-bias",
@@ -893,7 +902,13 @@ def _payload(result) -> dict:
         **_error_field(result),
         "stats": result.stats,
         **({} if result.logprobs is None else {"logprobs": result.logprobs}),
+        **_prompt_logprobs(result),
     }
+
+
+def _prompt_logprobs(result) -> dict:
+    """``--json``'s ``"prompt_logprobs"`` field of a result, when asked for."""
+    return {} if result.prompt_logprobs is None else {"prompt_logprobs": result.prompt_logprobs}
 
 
 def _report_completions(args: argparse.Namespace, results: list) -> int:
@@ -926,6 +941,7 @@ def _report_batch(args: argparse.Namespace, results: list) -> int:
                 **_error_field(r),
                 "stats": r.stats,
                 **({} if r.logprobs is None else {"logprobs": r.logprobs}),
+                **_prompt_logprobs(r),
             }
         )
         for i, r in enumerate(results)
@@ -1209,6 +1225,7 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
         min_p=args.min_p,
         seed=args.seed,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         logit_bias=args.logit_bias,
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,

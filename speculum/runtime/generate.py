@@ -53,7 +53,10 @@ class Generation:
     ``{"token_id": int, "logprob": float, "top_logprobs": [{"token_id": int, "logprob":
     float}, ...]}``, the token's log-probability under the target's distribution that decided
     it and that distribution's most likely tokens, most likely first
-    (``scheduler.Sampling.logprobs``, ``docs/request_controls.md``).
+    (``scheduler.Sampling.logprobs``, ``docs/request_controls.md``). ``prompt_logprobs``
+    (``None`` unless asked for) holds one per prompt token: ``None`` for the first, then
+    entries of the same shape, each token's log-probability given the tokens before it under
+    the target's raw distribution (``scheduler.Sampling.prompt_logprobs``).
     """
 
     token_ids: tuple[int, ...]
@@ -62,6 +65,7 @@ class Generation:
     stats: dict[str, float | int | str]
     error: str | None = None
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def run_to_completion(
@@ -138,6 +142,7 @@ def generate(
     min_p: float = 0.0,
     seed: int = 0,
     logprobs: int = 0,
+    prompt_logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     repetition_penalty: float = 1.0,
     presence_penalty: float = 0.0,
@@ -218,6 +223,9 @@ def generate(
     (vLLM's ``token_ids`` too). ``logprobs`` N > 0 returns each generated token's
     log-probability and its N most likely alternatives (``Generation.logprobs``); an engine
     built here computes N, one given must have been built with ``max_logprobs >= N``.
+    ``prompt_logprobs`` N (None: off) returns each prompt token's log-probability given the
+    tokens before it and the N most likely tokens there (``Generation.prompt_logprobs``; such
+    a prompt is prefilled in full, never from the prefix cache).
     ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
     ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
@@ -525,6 +533,7 @@ _SAMPLING = (
     "min_p",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "logit_bias",
     *_PENALTIES,
     "json_schema",
@@ -541,6 +550,7 @@ REQUEST_SETTINGS = (
     "min_p",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "logit_bias",
     *_PENALTIES,
     "json_schema",
@@ -619,20 +629,20 @@ def _result(engine: Engine, request: scheduler.Request, shared: dict[str, float]
             **acceptance_stats(request.round_lengths),
         },
         error=request.error,
-        logprobs=_logprobs(request) if request.sampling.logprobs else None,
+        logprobs=[_logprob(e) for e in request.logprobs] if request.sampling.logprobs else None,
+        prompt_logprobs=None
+        if request.sampling.prompt_logprobs is None
+        else [e and _logprob(e) for e in request.prompt_logprobs],
     )
 
 
-def _logprobs(request: scheduler.Request) -> list[dict]:
-    """``request``'s token log-probabilities in :class:`Generation`'s (JSON) shape."""
-    return [
-        {
-            "token_id": entry.token_id,
-            "logprob": entry.logprob,
-            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in entry.top_logprobs],
-        }
-        for entry in request.logprobs
-    ]
+def _logprob(entry: scheduler.TokenLogprob) -> dict:
+    """One token's log-probabilities in :class:`Generation`'s (JSON) shape."""
+    return {
+        "token_id": entry.token_id,
+        "logprob": entry.logprob,
+        "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in entry.top_logprobs],
+    }
 
 
 def _length_limit(

@@ -63,7 +63,7 @@ from speculum.state.prefix import (
     release,
 )
 from speculum.state.record import record, replace, snapshot, tree_map_tensors
-from speculum.state.sampling import Penalties, SamplingParams
+from speculum.state.sampling import Penalties, SamplingParams, TokenLogprobs
 
 #: Owner tokens (:func:`new_state`): unique in the process, so a state can only ever match the
 #: engine whose latest claim it carries.
@@ -129,6 +129,11 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _prompt_logprobs(value: object) -> int | None:
+    """A checked ``prompt_logprobs``: None (none asked for) or an integer >= 0."""
+    return None if value is None else checks.integer("prompt_logprobs", value, minimum=0)
+
+
 #: The largest presence or frequency penalty, either way (OpenAI's and vLLM's range).
 MAX_PENALTY = 2.0
 
@@ -167,6 +172,12 @@ class Sampling:
     would apply them to the same prefix (``docs/request_controls.md``); the engine must be
     built with ``penalties=True`` unless they are off.
 
+    ``prompt_logprobs`` N (vLLM's; None, the default, asks for none) returns, for each prompt
+    token but the first, its log-probability given the tokens before it and the N most likely
+    tokens there (``Request.prompt_logprobs``; 0: the token's own value alone), under the
+    target's raw distribution (no temperature, bias, penalty or grammar), from the prefill's
+    logits; such a request is prefilled in full, never from the prefix cache.
+
     ``json_schema`` (a JSON string or a dict), ``regex`` or ``grammar`` (xgrammar's EBNF), at
     most one, constrain the output to that language (``runtime.grammar``): at each position
     the tokens the grammar forbids get ``-inf`` before anything reads the logits, and the
@@ -193,6 +204,7 @@ class Sampling:
         ),
     )
     logprobs: int = attrs.field(default=0, converter=checks.converter(checks.integer, minimum=0))
+    prompt_logprobs: int | None = attrs.field(default=None, converter=_prompt_logprobs)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
     repetition_penalty: float = attrs.field(
         default=1.0, converter=checks.converter(checks.real, low=0.0, open_low=True)
@@ -270,7 +282,9 @@ class Request:
     ``cached_tokens`` counts the prompt tokens whose KV pages came from the prefix cache
     (their prefill was skipped).
     ``constraint`` is the request's grammar compiled for the engine (``Sampling.json_schema``,
-    ``regex``, ``grammar``), or None.
+    ``regex``, ``grammar``), or None. ``prompt_logprobs`` holds, when the request asked for
+    them (``Sampling.prompt_logprobs``), one entry per prompt token prefilled so far: None for
+    the first, then each token's :class:`TokenLogprob` given the tokens before it.
     """
 
     rid: int
@@ -288,6 +302,7 @@ class Request:
     num_forwards: int = 0
     round_lengths: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
     constraint: structured.Constraint | None = None
@@ -652,11 +667,13 @@ def _release_pages(state: SchedulerState, requests: list[Request]) -> SchedulerS
     return attrs.evolve(state, allocator=allocator, prefix=index, state_slots=slots)
 
 
-def _cached_prefix(engine: Engine, index: PrefixIndex, prompt: tuple[int, ...]) -> tuple[int, ...]:
-    """The cached pages ``prompt`` starts with (none with the cache off), leaving at least its
-    last token to prefill: that token's logits decide the first generated one."""
-    lookahead, page_size = engine.prefix_lookahead, engine.config.page_size
-    if lookahead is None:
+def _cached_prefix(engine: Engine, index: PrefixIndex, request: Request) -> tuple[int, ...]:
+    """The cached pages ``request``'s prompt starts with (none with the cache off), leaving at
+    least its last token to prefill: that token's logits decide the first generated one. A
+    request asking for prompt log-probabilities uses none: a cached page's tokens have no
+    logits to read them from, so its whole prompt is prefilled again."""
+    lookahead, page_size, prompt = engine.prefix_lookahead, engine.config.page_size, request.prompt
+    if lookahead is None or request.sampling.prompt_logprobs is not None:
         return ()
     keys = block_keys(prompt, page_size, lookahead)
     return lookup(index, keys[: (len(prompt) - 1) // page_size])
@@ -696,7 +713,7 @@ def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
     allocator, index, slots, admitted = state.allocator, state.prefix, state.state_slots, []
     room = engine.config.max_batch - len(state.prefilling) - len(state.running)
     for request in state.waiting:
-        shared = _cached_prefix(engine, index, request.prompt)
+        shared = _cached_prefix(engine, index, request)
         need = pages_needed(engine, len(request.prompt), request.max_new_tokens) - len(shared)
         held = acquire(index, shared)  # first, so the eviction below spares them
         free_now = int(allocator.num_free)
@@ -868,6 +885,10 @@ def _prefill_chunk(engine: Engine, requests: tuple[Request, ...]) -> tuple[Prefi
             ),
         ),
         prefix_tokens=prefix,  # host tensor: only host-side drafters (n-gram) read it
+        prompt_logprobs=max(
+            (r.sampling.prompt_logprobs for r in chosen if r.sampling.prompt_logprobs is not None),
+            default=None,
+        ),
     )
     return chunk, sizes
 
@@ -1033,6 +1054,8 @@ def _launch_prefill(
     chunk = replace(chunk, sampling=_constrained(engine, chosen, chunk.sampling))
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
     rows = _unconstrained(rows)
+    # A pipeline of the user's may return a plain StepOutput, which has none.
+    prompt_logprobs = _chunk_logprobs(chosen, sizes, getattr(first, "prompt_logprobs", None))
     prefilling, joined, joined_rows, cache = [], [], [], state.prefix
     for index, request in enumerate(state.prefilling):
         if index < len(sizes):
@@ -1040,6 +1063,7 @@ def _launch_prefill(
                 request,
                 prefilled=request.prefilled + sizes[index],
                 num_forwards=request.num_forwards + 1,
+                prompt_logprobs=request.prompt_logprobs + prompt_logprobs[index],
             )
             cache = _register_prefilled(engine, cache, request)
         if request.prefilled < len(request.prompt):
@@ -1055,6 +1079,45 @@ def _launch_prefill(
     batch = new_rows if state.batch is None else concat_rows([state.batch, new_rows])
     launched = _launched(state, tuple(joined), take_rows(first, index), decode=False)
     return attrs.evolve(state, running=(*state.running, *joined), batch=batch), (launched,)
+
+
+def _chunk_logprobs(
+    requests: tuple[Request, ...], sizes: list[int], logprobs: TokenLogprobs | None
+) -> list[tuple[TokenLogprob | None, ...]]:
+    """The prompt log-probabilities a prefill chunk adds to each of its ``requests`` (its
+    rows, of ``sizes`` tokens), from the chunk's ``PrefillOutput.prompt_logprobs``: a request
+    that asked for them gets None for its prompt's first token (in its first chunk) and an
+    entry for each prompt token that follows one of its chunk's, each with its own number of
+    alternatives; the others get nothing. Read to the host at once (one copy, waited for)."""
+    if logprobs is None:
+        if any(r.sampling.prompt_logprobs is not None for r in requests):
+            raise ValueError(
+                "prompt_logprobs: the pipeline's prefill returned none for a chunk that asked "
+                "for them; build its output with pipelines.base.prefill_output"
+            )
+        return [()] * len(requests)
+    host = tree_map_tensors(lambda x: x.cpu(), logprobs)
+    added = []
+    for row, (request, size) in enumerate(zip(requests, sizes)):
+        count, start = request.sampling.prompt_logprobs, request.prefilled
+        if count is None:
+            added.append(())
+            continue
+        # Chunk token i is prompt token start + i; the last prompt token predicts no prompt token.
+        width = min(size, len(request.prompt) - 1 - start)
+        chosen = host.chosen[row, :width].tolist()
+        top_ids = host.top_ids[row, :width, :count].tolist()
+        top_logprobs = host.top_logprobs[row, :width, :count].tolist()
+        entries = tuple(
+            TokenLogprob(
+                token_id=request.prompt[start + i + 1],
+                logprob=chosen[i],
+                top_logprobs=tuple(zip(top_ids[i], top_logprobs[i])),
+            )
+            for i in range(width)
+        )
+        added.append(((None,) if start == 0 else ()) + entries)
+    return added
 
 
 def _collect(

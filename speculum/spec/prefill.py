@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -14,7 +15,7 @@ from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["TargetPrefill", "prefill_target", "step_logprobs", "last_valid"]
+__all__ = ["TargetPrefill", "prefill_target", "step_logprobs", "chunk_logprobs", "last_valid"]
 
 
 @record
@@ -23,7 +24,8 @@ class TargetPrefill:
     extended by it, and the token sampled after each row's last chunk token with its fault
     status (``spec.sampling.Fault`` bits; both meaningful only for rows whose chunk ends their
     prompt), and that token's log-probabilities (``spec.sampling.token_logprobs``; empty
-    unless the sampling settings ask for them)."""
+    unless the sampling settings ask for them). ``prompt_logprobs``, when asked for, are the
+    chunk's prompt log-probabilities (:func:`chunk_logprobs`), else None."""
 
     hidden: Float[Tensor, "batch q hidden"]
     captured: tuple[Float[Tensor, "batch q hidden"], ...]
@@ -31,6 +33,7 @@ class TargetPrefill:
     first_tokens: Int[Tensor, " batch"]
     faults: Int[Tensor, " batch"]
     logprobs: TokenLogprobs
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 def last_valid(x: Tensor, lengths: Int[Tensor, " batch"]) -> Tensor:
@@ -47,13 +50,27 @@ def prefill_target(
     q_lens: Int[Tensor, " batch"],
     sampling: SamplingParams,
     capture_layers: tuple[int, ...] = (),
+    *,
+    next_tokens: Int[Tensor, " batch"] | None = None,
+    num_prompt_logprobs: int | None = None,
 ) -> TargetPrefill:
     """Write a prompt chunk's K/V through ``target`` and sample the token after it.
 
     The sample is keyed by the position it will occupy (the new sequence length), so it is the
-    same whether the prompt arrived in one chunk or many.
+    same whether the prompt arrived in one chunk or many. With ``num_prompt_logprobs`` (not
+    None), the chunk's prompt log-probabilities with that many alternatives are computed too
+    (:func:`chunk_logprobs`; ``next_tokens`` is the prompt token after each row's chunk, -1
+    after the prompt's end, as ``PrefillChunk.next_tokens``).
     """
     hidden, captured = target(extend_batch(kv, tokens, q_lens), pool, capture_layers)
+    prompt_logprobs = None
+    if num_prompt_logprobs is not None:
+        targets = torch.where(
+            torch.arange(tokens.shape[1], device=tokens.device) == (q_lens - 1)[:, None],
+            next_tokens[:, None],
+            F.pad(tokens[:, 1:], (0, 1), value=-1),
+        )
+        prompt_logprobs = chunk_logprobs(target.logits(hidden), targets, num_prompt_logprobs)
     seq_lens = kv.seq_lens + q_lens
     logits, faults = guard_logits(
         target.logits(last_valid(hidden, q_lens)),
@@ -71,7 +88,22 @@ def prefill_target(
         first_tokens=first_tokens,
         faults=faults,
         logprobs=step_logprobs(logits, sampling, first_tokens),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def chunk_logprobs(
+    logits: Float[Tensor, "batch q vocab"], targets: Int[Tensor, "batch q"], num_top: int
+) -> TokenLogprobs:
+    """Prompt log-probabilities (vLLM's ``prompt_logprobs``) over a chunk: entry ``[b, i]``
+    is the log-probability of ``targets[b, i]``, the prompt token after chunk token ``i``,
+    under the target's raw distribution at token ``i`` (``log_softmax`` of the float32
+    logits: no temperature, bias, penalty or grammar, which belong to the sampled output),
+    with the ``num_top`` most likely tokens there (at least one is computed: 0 asks for the
+    token's own value alone). Entries whose target is -1 (after the prompt's end, padding) are
+    meaningless."""
+    greedy = torch.zeros(logits.shape[0], device=logits.device)  # the logits as they are
+    return token_logprobs(logits, greedy, targets, max(num_top, 1))
 
 
 def step_logprobs(

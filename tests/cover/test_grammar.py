@@ -36,13 +36,14 @@ CHARS = "0123456789[],-ab"
 EOS = VOCAB - 1
 
 
-def char_tokenizer() -> Tokenizer:
-    """One token per character of :data:`CHARS` but the last, which is EOS."""
-    vocab = {c: i for i, c in enumerate(CHARS[:EOS])}
+def char_tokenizer(chars: str = CHARS[:EOS]) -> Tokenizer:
+    """One token per character of ``chars`` (by default :data:`CHARS` but the last), then
+    EOS."""
+    vocab = {c: i for i, c in enumerate(chars)}
     inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.decoder = decoders.Fuse()
     inner.add_special_tokens(["</s>"])
-    assert inner.token_to_id("</s>") == EOS
+    assert inner.token_to_id("</s>") == len(chars)
     return Tokenizer(inner)
 
 
