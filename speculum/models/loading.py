@@ -40,8 +40,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from speculum.models.config import CheckpointError, DecoderConfig
+from speculum.models.config import (
+    CheckpointError,
+    DecoderConfig,
+    UnsupportedModel,
+    read_json_object,
+)
 from speculum.models.decoder import DecoderModel, SparseMoE
+from speculum.models.fp8 import (
+    check_fp8_dtypes,
+    fp8_scheme,
+    load_fp8_layers_,
+    scale_keys,
+    stored_scales,
+)
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
 
@@ -307,6 +319,7 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
     except in mixture-of-experts layers (see the module docstring)."""
     # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
     names: dict[str, str | Stacked] = {name: name for name, _ in model.named_parameters()}
+    names |= scale_keys(model)
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
@@ -378,6 +391,8 @@ def load_model(
     ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent). With a
     tensor-parallel ``tp`` of several ranks the model is this rank's shard
     (``models.parallel.shard_``), and only this rank's part of each sharded weight is read.
+    An FP8 checkpoint (``quantization_config``, ``models.fp8``) keeps its quantized layers'
+    weights FP8 with their scales; ``dtype`` is then the compute dtype of everything else.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -385,6 +400,12 @@ def load_model(
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass a Hugging Face model folder")
     config = DecoderConfig.from_file(folder / "config.json")
+    scheme = fp8_scheme(read_json_object(folder / "config.json"), str(folder / "config.json"))
+    if scheme is not None and tp.size > 1:
+        raise UnsupportedModel(
+            f"{folder} holds FP8 weights, which do not load under tensor parallelism yet: "
+            "load it on one device (tp=1), or use an unquantized checkpoint"
+        )
     if dtype is None:
         dtype = DTYPES.get(config.dtype, torch.float32)
     with torch.device("meta"):
@@ -398,8 +419,11 @@ def load_model(
     tolerated |= {k for k in found if k.startswith(prefixes)}
     if config.linear is not None:  # Qwen3-Next's MTP layer (not built yet: docs/hybrid.md)
         tolerated |= {k for k in found if k.startswith("mtp.")}
+    scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found)
     names = checkpoint_names(model)
-    check_keys(checkpoint_shapes(model, names), found, str(folder), frozenset(tolerated), config)
+    shapes = checkpoint_shapes(model, names) | scale_shapes
+    check_fp8_dtypes(model, names, shapes, found, str(folder))
+    check_keys(shapes, found, str(folder), frozenset(tolerated), config)
     shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
@@ -411,21 +435,26 @@ def load_model(
             if isinstance(key, Stacked):
                 param.copy_(key.gather(found))
             else:
-                param.copy_(read(found[key], splits.get(name)))
+                # reshaped: an FP8 scale is stored as a scalar or [out] (models.fp8)
+                param.copy_(read(found[key], splits.get(name)).reshape(param.shape))
     model.reset_rope()
     return model.to(dtype).eval().requires_grad_(False)
 
 
 def save_model(model: DecoderModel, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors``, readable by transformers and
-    :func:`load_model`."""
+    :func:`load_model` (an FP8 model with its ``quantization_config``)."""
     if model.tp.size > 1:
         raise ValueError(
             f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
             "model (load it without tp)"
         )
     tensors = checkpoint_tensors(model, checkpoint_names(model))
-    return write_checkpoint(folder, tensors, model.config.to_dict())
+    config = model.config.to_dict()
+    if model.quantization is not None:
+        tensors = stored_scales(model, tensors)
+        config["quantization_config"] = model.quantization.to_dict()
+    return write_checkpoint(folder, tensors, config)
 
 
 def write_checkpoint(
