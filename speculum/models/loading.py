@@ -319,11 +319,10 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
     except in mixture-of-experts layers (see the module docstring)."""
     # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
     names: dict[str, str | Stacked] = {name: name for name, _ in model.named_parameters()}
-    names |= scale_keys(model)
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
-    return names
+    return names | scale_keys(model)
 
 
 def layer_checkpoint_names(

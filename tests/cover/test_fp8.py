@@ -1,0 +1,314 @@
+"""FP8 checkpoints (per-tensor, per-channel, DeepSeek's block scales; quant_method fp8 and
+compressed-tensors): strict loading, weights that stay FP8, logits equal to the same weights
+dequantized (ours and transformers' in float32), and speculative decoding over an FP8 target
+equal to plain decoding over it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from heads import agreeing_head, markov_target, pipeline_engine
+from safetensors.torch import load_file, save_file
+from test_models import edit_config, edit_weights, relative_error
+
+from speculum.models.config import CheckpointError, MoEConfig, UnsupportedModel
+from speculum.models.decoder import Fp8Linear, dense_batch
+from speculum.models.fp8 import Fp8Scheme, dequantize_, quantize_
+from speculum.models.loading import load_model, random_model, randomize_, save_model
+from speculum.runtime.generate import generate
+from speculum.state.parallel import TensorParallel
+
+transformers.logging.disable_progress_bar()
+
+E4M3 = torch.float8_e4m3fn
+DOWN = "model.layers.1.mlp.down_proj"
+#: layout -> (scheme, config changes): every granularity of both quant methods, with and
+#: without a static activation scale, an ignore list by name and by pattern, partial blocks
+#: (DeepSeek's 128 x 128 over 32-wide weights, 16 x 8 over 48-wide ones) and q/k/v biases.
+LAYOUTS = {
+    "fp8-tensor": (Fp8Scheme(method="fp8", strategy="tensor"), {}),
+    "fp8-tensor-static": (Fp8Scheme(method="fp8", strategy="tensor", static_input=True), {}),
+    "fp8-channel-ignore": (Fp8Scheme(method="fp8", strategy="channel", ignore=(DOWN,)), {}),
+    "deepseek-block-128": (Fp8Scheme(method="fp8", strategy="block", block=(128, 128)), {}),
+    "fp8-block-16x8-qwen2": (
+        Fp8Scheme(method="fp8", strategy="block", block=(16, 8)),
+        {"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "intermediate_size": 48},
+    ),
+    "ct-tensor-static": (
+        Fp8Scheme(method="compressed-tensors", strategy="tensor", static_input=True),
+        {},
+    ),
+    "ct-channel-ignore-re": (
+        Fp8Scheme(method="compressed-tensors", strategy="channel", ignore=("re:.*k_proj$",)),
+        {},
+    ),
+    "ct-block": (Fp8Scheme(method="compressed-tensors", strategy="block", block=(16, 16)), {}),
+}
+PROMPT = [3, 17, 5, 60, 2, 2, 41, 8]
+
+
+def fp8_checkpoint(folder: Path, scheme: Fp8Scheme, **changes: object) -> Path:
+    """A tiny random float32 model quantized by ``scheme`` and saved as an FP8 checkpoint."""
+    config = tiny_config(tie_word_embeddings=False, **changes)
+    model = quantize_(random_model(config, seed=4, std=0.3), scheme, input_scale=0.02)
+    return save_model(model, folder)
+
+
+def dequantized_checkpoint(fp8: Path, folder: Path) -> Path:
+    """The FP8 checkpoint ``fp8`` written as an unquantized float32 one: each FP8 weight
+    times its scale, each element's scale found by its block index (written here, apart from
+    speculum's own dequantization)."""
+    config = json.loads((fp8 / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    groups = quant.get("config_groups", {"": {"weights": {}}})
+    block = quant.get("weight_block_size") or groups.popitem()[1]["weights"].get("block_structure")
+    tensors = load_file(fp8 / "model.safetensors")
+    out = {}
+    for key, tensor in tensors.items():
+        if key.endswith(("_scale", "_scale_inv")):
+            continue
+        if tensor.dtype == E4M3:
+            scale = tensors.get(key + "_scale", tensors.get(key + "_scale_inv"))
+            rows, cols = tensor.shape
+            if block is not None:
+                per_element = scale[torch.arange(rows) // block[0]][
+                    :, torch.arange(cols) // block[1]
+                ]
+            else:
+                per_element = scale.reshape(-1, 1)  # one per tensor or one per row
+            tensor = tensor.float() * per_element
+        out[key] = tensor.float()
+    folder.mkdir()
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """Float32 logits ``[seq, vocab]`` of a cache-free forward of ``prompt``."""
+    hidden, _ = model(dense_batch(torch.tensor([prompt])), None)
+    return model.logits(hidden)[0]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fp8_logits_equal_the_dequantized_weights(layout: str, tmp_path: Path) -> None:
+    """The quantized layers load as FP8 weights (one byte each, also when the model computes
+    in bfloat16), ignored ones stay float; float32 logits equal those of the same weights
+    dequantized into an unquantized checkpoint, bit for bit, and transformers' on that
+    checkpoint."""
+    scheme, changes = LAYOUTS[layout]
+    fp8 = fp8_checkpoint(tmp_path / "fp8", scheme, **changes)
+    model = load_model(fp8)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    ignored = {DOWN, "model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.k_proj"}
+    linears = [n for n, m in model.named_modules() if n.startswith("model.layers.") and "proj" in n]
+    assert set(layers) == {n for n in linears if not scheme.ignores(n)}
+    assert set(linears) - set(layers) <= ignored
+    assert all(m.weight.dtype == E4M3 for m in layers.values())
+    bf16 = load_model(fp8, dtype=torch.bfloat16)
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(m.weight.dtype == E4M3 for m in bf16.modules() if isinstance(m, Fp8Linear))
+    reference = dequantized_checkpoint(fp8, tmp_path / "float32")
+    ours = logits(model, PROMPT)
+    assert torch.equal(ours, logits(load_model(reference), PROMPT))
+    assert torch.equal(ours, logits(dequantize_(load_model(fp8), torch.float32), PROMPT))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0]
+    assert relative_error(ours, theirs) < 1e-5
+
+
+def test_deepseek_v3_block_fp8_with_latent_attention(tmp_path: Path) -> None:
+    """DeepSeek-V3's own layout on its attention: every projection (q_a, q_b, kv_a, the
+    absorbed kv_b, o) and dense MLP FP8 in 128 x 128 blocks (scales ``weight_scale_inv``),
+    equal to the dequantized weights, ours and transformers'."""
+    hf_config = transformers.DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        q_lora_rank=12,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        first_k_dense_replace=2,
+        max_position_embeddings=128,
+    )
+    transformers.DeepseekV3ForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    model = randomize_(load_model(tmp_path / "hf"), seed=2, std=0.3)
+    assert model.config.mla is not None
+    quantize_(model, Fp8Scheme(method="fp8", strategy="block", block=(128, 128)))
+    fp8 = save_model(model, tmp_path / "fp8")
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in load_file(
+        fp8 / "model.safetensors"
+    )
+    loaded = load_model(fp8)
+    assert isinstance(loaded.model.layers[0].self_attn.kv_b_proj, Fp8Linear)
+    reference = dequantized_checkpoint(fp8, tmp_path / "float32")
+    ours = logits(loaded, PROMPT)
+    assert torch.equal(ours, logits(load_model(reference), PROMPT))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0]
+    assert relative_error(ours, theirs) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def block_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An FP8 checkpoint in 16 x 16 blocks (``weight_scale_inv``) to break."""
+    folder = tmp_path_factory.mktemp("block") / "fp8"
+    return fp8_checkpoint(folder, Fp8Scheme(method="fp8", strategy="block", block=(16, 16)))
+
+
+@pytest.fixture
+def broken(block_checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of :func:`block_checkpoint` for one test to edit."""
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((block_checkpoint / name).read_bytes())
+    return tmp_path
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def set_quantization(folder: Path, **changes: object) -> None:
+    """Rewrite ``quantization_config`` in ``folder``'s config.json with ``changes``."""
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    edit_config(folder, quantization_config={**quant, **changes})
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda f: edit_weights(f, lambda t: t.pop(f"{Q}.weight_scale_inv")),
+            rf"missing weights \['{Q}.weight_scale_inv'\]",
+        ),
+        (
+            lambda f: edit_weights(
+                f, lambda t: t.update({"model.norm.weight_scale_inv": torch.ones(1)})
+            ),
+            r"unexpected weights \['model.norm.weight_scale_inv'\]",
+        ),
+        (
+            lambda f: set_quantization(f, weight_block_size=[128, 128]),
+            rf"'{Q}.weight_scale_inv' has shape \(2, 2\), but weight_block_size \[128, 128\] in "
+            r"config.json gives a weight of shape \(32, 32\) scales of shape \(1, 1\)",
+        ),
+        (
+            lambda f: set_quantization(f, weight_block_size=[128]),
+            r"weight_block_size is \[128\]; it must be two positive integers",
+        ),
+        (
+            lambda f: set_quantization(f, ignored_layers=[Q]),
+            rf"\['{Q}.weight \(F8_E4M3\)'\] hold FP8 values, but speculum keeps them in the "
+            r"compute dtype",
+        ),
+        (
+            lambda f: edit_weights(
+                f, lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"].float()})
+            ),
+            rf"makes \['{Q}.weight \(F32\)'\] FP8 layers, but the checkpoint holds them in "
+            r"another dtype \(F8_E4M3 expected\)",
+        ),
+        (
+            lambda f: edit_weights(
+                f, lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e5m2)})
+            ),
+            r"\['lm_head.weight \(F8_E5M2\)'\] hold FP8 values, but speculum keeps them",
+        ),
+        (
+            lambda f: edit_config(f, quantization_config=None),
+            rf"'{Q}.weight \(F8_E4M3\)'.* hold FP8 values, but config.json has no "
+            "quantization_config",
+        ),
+    ],
+    ids=[
+        "missing scale",
+        "unexpected scale",
+        "wrong weight_block_size",
+        "malformed weight_block_size",
+        "FP8 weight of an ignored layer",
+        "float weight of an FP8 layer",
+        "FP8 lm_head",
+        "FP8 without quantization_config",
+    ],
+)
+def test_fp8_loading_is_strict(broken: Path, edit, message: str) -> None:
+    edit(broken)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(broken)
+
+
+def test_per_channel_scales_must_have_one_value_per_row(tmp_path: Path) -> None:
+    folder = fp8_checkpoint(tmp_path, Fp8Scheme(method="compressed-tensors", strategy="channel"))
+    edit_weights(folder, lambda t: t.update({f"{Q}.weight_scale": torch.ones(16, 1)}))
+    with pytest.raises(CheckpointError, match=rf"'{Q}.weight_scale' has shape \(16, 1\), but"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    ("quant", "message"),
+    [
+        ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3 FP8 weights load"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {
+                    "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}
+                },
+            },
+            "quantizes weights to 4-bit int; speculum loads 8-bit float",
+        ),
+    ],
+)
+def test_other_quantizations_are_refused(broken: Path, quant: dict, message: str) -> None:
+    edit_config(broken, quantization_config=quant)
+    with pytest.raises(UnsupportedModel, match=message):
+        load_model(broken)
+
+
+def test_fp8_moe_experts_and_tensor_parallel_are_refused(broken: Path, tmp_path: Path) -> None:
+    """Both raise naming what is not supported, rather than loading something else."""
+    with pytest.raises(UnsupportedModel, match="FP8 .* tensor parallelism"):
+        load_model(broken, tp=TensorParallel(rank=0, size=2))
+    experts = MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16, norm_topk_prob=True)
+    model = random_model(tiny_config(architecture="Qwen3MoeForCausalLM", moe=experts))
+    with pytest.raises(UnsupportedModel, match="FP8 MoE experts not supported yet"):
+        quantize_(model, Fp8Scheme(method="fp8", strategy="tensor"))
+    save_model(model, tmp_path / "moe")
+    set_quantization_to = json.loads((broken / "config.json").read_text())["quantization_config"]
+    edit_config(tmp_path / "moe", quantization_config=set_quantization_to)
+    with pytest.raises(UnsupportedModel, match="FP8 MoE experts not supported yet"):
+        load_model(tmp_path / "moe")
+
+
+def test_speculative_decoding_over_an_fp8_target_equals_plain(tmp_path: Path) -> None:
+    """EAGLE chains and trees and n-gram drafting over an FP8 target (bfloat16 drafts are
+    not needed: the draft head stays float) emit exactly plain greedy decoding's tokens over
+    that target, and the rounds accept deep paths."""
+    target = markov_target(16)
+    quantize_(target, Fp8Scheme(method="fp8", strategy="block", block=(16, 16)))
+    head = agreeing_head(target, "eagle")
+    prompts = [[1, 2, 3], [9, 9, 9, 1], [4, 7]]
+    plain = generate(
+        prompts, engine=pipeline_engine(target, ("plain", None, {}), (0, 0, 0)), max_new_tokens=20
+    )
+    for pipeline in [
+        ("eagle", head, {"num_steps": 3}),
+        ("eagle", head, "tree"),
+        ("ngram", None, {"num_steps": 3}),
+    ]:
+        engine = pipeline_engine(target, pipeline, (3, 2, 6))
+        ours = generate(prompts, engine=engine, max_new_tokens=20)
+        assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+        if pipeline[0] == "eagle":
+            assert all(r.stats["accept_length_mean"] > 1.5 for r in ours)
