@@ -35,7 +35,7 @@ from torch import nn
 
 from speculum import kernels
 from speculum.models.config import CheckpointError, UnsupportedModel
-from speculum.models.decoder import DecoderModel, Fp8Linear, SparseMoE
+from speculum.models.decoder import MLP, Attention, DecoderModel, Fp8Linear, SparseMoE
 
 __all__ = [
     "Fp8Scheme",
@@ -417,7 +417,9 @@ def quantize_(
     """Quantize ``model``'s layers that ``scheme`` covers to FP8 in place (each becomes an
     :class:`Fp8Linear` whose scales map each block's largest magnitude to 448), recording
     ``scheme`` on the model so that ``save_model`` writes an FP8 checkpoint. A static scheme
-    needs ``input_scale``, the activation scale every layer records. Returns ``model``."""
+    needs ``input_scale``, the activation scale every layer records. Projections an engine
+    fused (``decoder.fuse_projections_``) are unfused, their float tensors dropped: engines
+    built over the model before are stale. Returns ``model``."""
     if scheme.static_input and input_scale is None:
         raise ValueError("a static-activation FP8 scheme needs input_scale")
     for name in fp8_layers(model, scheme):
@@ -433,6 +435,11 @@ def quantize_(
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         _swap(model, name, layer)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.qkv = None
+        elif isinstance(module, MLP):
+            module.gate_up = None
     model.quantization = scheme
     return model
 
