@@ -181,16 +181,58 @@ def apply_rope(
 
 class FusedLinear(NamedTuple):
     """Several projections of one input stored as one weight (and bias): the projections'
-    parameters are views of these rows, in order."""
+    parameters are views of these rows, in order. FP8 projections (:class:`Fp8Linear`) add
+    the fused ``scale`` of ``block``-shaped blocks (their weights' scales, row blocks in
+    order)."""
 
     weight: Tensor
     bias: Tensor | None
+    scale: Tensor | None = None
+    block: tuple[int, int] | None = None
+
+    def __call__(self, x: Float[Tensor, "*rows in"]) -> Float[Tensor, "*rows out"]:
+        """Every projection of ``x`` at once, concatenated."""
+        if self.scale is None or self.block is None:
+            return F.linear(x, self.weight, self.bias)
+        return kernels.fp8.fp8_linear(x, self.weight, self.scale, list(self.block), None, self.bias)
 
 
-def fused_linear(*linears: nn.Linear) -> FusedLinear:
+def _fused_fp8_scales(layers: list[Fp8Linear]) -> tuple[Tensor, tuple[int, int]] | None:
+    """The scales and block of FP8 ``layers`` (over one input) fused: one scale per row where
+    each layer has one per row or one in all, their row blocks stacked where the layers share
+    a block that no layer but the last leaves partial; ``None`` where they do not line up, or
+    a layer has a static input scale (each layer's own)."""
+    if any(layer.input_scale is not None for layer in layers):
+        return None
+    width = layers[0].in_features
+    if all(
+        layer.block[1] >= width and (layer.block[0] == 1 or layer.block[0] >= layer.out_features)
+        for layer in layers
+    ):
+        rows = [layer.weight_scale.detach().expand(layer.out_features, 1) for layer in layers]
+        return torch.cat(rows), (1, width)
+    block = layers[0].block
+    if all(layer.block == block for layer in layers) and all(
+        layer.out_features % block[0] == 0 for layer in layers[:-1]
+    ):
+        return torch.cat([layer.weight_scale.detach() for layer in layers]), block
+    return None
+
+
+def fused_linear(*linears: nn.Linear | Fp8Linear) -> FusedLinear | None:
     """Concatenate ``linears``' weights (and biases) into one tensor and make each linear's
     parameters views of its rows, in place: memory is not duplicated, and state dicts,
-    loading and saving still see the separate parameters."""
+    loading and saving still see the separate parameters. FP8 layers fuse with their scales
+    (:func:`_fused_fp8_scales`); ``None`` (nothing changed) where float and FP8 layers mix
+    or FP8 scales do not line up."""
+    scales: tuple[Tensor, tuple[int, int]] | tuple[()] = ()
+    if all(isinstance(linear, Fp8Linear) for linear in linears):
+        found = _fused_fp8_scales(list(linears))  # type: ignore[arg-type]
+        if found is None:
+            return None
+        scales = found
+    elif not all(isinstance(linear, nn.Linear) for linear in linears):
+        return None
     fused = []
     for name in ("weight", "bias"):
         params = [getattr(linear, name) for linear in linears]
@@ -203,7 +245,7 @@ def fused_linear(*linears: nn.Linear) -> FusedLinear:
             p.data = joined[start : start + p.shape[0]]
             start += p.shape[0]
         fused.append(joined)
-    return FusedLinear(*fused)
+    return FusedLinear(*fused, *scales)
 
 
 def holds(fused: FusedLinear | None, first: nn.Linear) -> bool:
@@ -273,10 +315,11 @@ class Attention(nn.Module):
 
     def fuse_(self) -> None:
         """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
-        a no-op for attention without its own K/V projections, or with FP8 ones
-        (:class:`Fp8Linear`, whose scales do not concatenate yet)."""
+        a no-op for attention without its own K/V projections, and where they do not fuse
+        (float and FP8 ones mixed, or FP8 scales that do not line up: :func:`fused_linear`)."""
         names = ("q_proj", "k_proj", "v_proj")
-        projections = all(isinstance(getattr(self, name, None), nn.Linear) for name in names)
+        kinds = (nn.Linear, Fp8Linear)
+        projections = all(isinstance(getattr(self, name, None), kinds) for name in names)
         if projections and not holds(self.qkv, self.q_proj):
             self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
 
@@ -303,9 +346,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv_out = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *weights).split(
-                [self.num_heads * self.head_dim, kv_out, kv_out], -1
-            )
+            q, k, v = weights(x).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
         return (self._query_heads(q), *self._key_value_heads(k, v))
 
     def _query_heads(self, projected: Tensor) -> Float[Tensor, "batch q head head_dim"]:
@@ -746,10 +787,9 @@ class MLP(nn.Module):
         self.gate_up: FusedLinear | None = None
 
     def fuse_(self) -> None:
-        """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`); a no-op
-        for FP8 projections (:class:`Fp8Linear`)."""
-        dense = isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)
-        if dense and not holds(self.gate_up, self.gate_proj):
+        """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`), where
+        they fuse (:func:`fused_linear`)."""
+        if not holds(self.gate_up, self.gate_proj):
             self.gate_up = fused_linear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -758,7 +798,7 @@ class MLP(nn.Module):
         if weights is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = F.linear(x, *weights).chunk(2, dim=-1)
+            gate, up = weights(x).chunk(2, dim=-1)
         return self.down_proj(kernels.model_ops.silu_mul(gate, up))
 
 

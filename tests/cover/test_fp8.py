@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_models import edit_config, edit_weights, relative_error
 
 from speculum.models.config import CheckpointError, MoEConfig, UnsupportedModel
-from speculum.models.decoder import Fp8Linear, dense_batch
+from speculum.models.decoder import Fp8Linear, dense_batch, fuse_projections_
 from speculum.models.fp8 import Fp8Scheme, dequantize_, quantize_
 from speculum.models.loading import load_model, random_model, randomize_, save_model
 from speculum.runtime.generate import generate
@@ -312,3 +312,41 @@ def test_speculative_decoding_over_an_fp8_target_equals_plain(tmp_path: Path) ->
         assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
         if pipeline[0] == "eagle":
             assert all(r.stats["accept_length_mean"] > 1.5 for r in ours)
+
+
+#: case -> (scheme, config changes, whether q/k/v fuse)
+FUSING = {
+    "tensor": (*LAYOUTS["fp8-tensor"], True),
+    "block-16x8-bias": (*LAYOUTS["fp8-block-16x8-qwen2"], True),
+    # one 128 x 128 block per 32-wide projection: a scale per tensor, fused per row
+    "deepseek-block-128": (*LAYOUTS["deepseek-block-128"], True),
+    "float-k-between": (*LAYOUTS["ct-channel-ignore-re"], False),
+    # 12-row blocks would straddle q_proj's 32 rows and k_proj's
+    "block-12-rows": (Fp8Scheme(method="fp8", strategy="block", block=(12, 16)), {}, False),
+    # each projection its own static activation scale
+    "static": (*LAYOUTS["fp8-tensor-static"], False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSING))
+def test_fp8_projections_fuse_where_their_scales_line_up(case: str, tmp_path: Path) -> None:
+    """Fusing FP8 q/k/v (and gate/up) concatenates their weights (as views: no second copy)
+    and scales where they line up, leaves them separate where not, and changes no parameter,
+    no output and no saved byte."""
+    scheme, changes, fuses = FUSING[case]
+    fp8 = fp8_checkpoint(tmp_path / "fp8", scheme, **changes)
+    model = load_model(fp8)
+    separate = logits(model, PROMPT)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections_(model)
+    attn = model.model.layers[0].self_attn
+    assert (attn.qkv is not None) == fuses
+    if fuses:
+        assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv.weight.data_ptr()
+        assert attn.qkv.weight.dtype == E4M3
+    torch.testing.assert_close(logits(model, PROMPT), separate, rtol=1e-6, atol=1e-6)
+    after = model.state_dict()
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in before.items())
+    saved = load_file(save_model(model, tmp_path / "again") / "model.safetensors")
+    original = load_file(fp8 / "model.safetensors")
+    assert all(torch.equal(saved[k].float(), v.float()) for k, v in original.items())
