@@ -10,11 +10,14 @@ The op's default kernel is the reference: the weight dequantized to the activati
 the ordinary matmul (activations are not quantized). On CUDA (Hopper, bfloat16 activations,
 widths that are multiples of 16) per-tensor and per-channel weights run ``torch._scaled_mm``
 with the activations quantized to e4m3 per token (dynamically, or with the checkpoint's static
-``input_scale``); block-scaled weights (and anything else) take the reference, dequantizing the
-weight on every call: correct, but reading more bytes than a bfloat16 weight would (docs/fp8.md).
+``input_scale``). Block-scaled weights (and anything else) run, for decode-sized inputs, a Triton
+matrix-vector kernel that dequantizes in registers (``kernels.triton_fp8``), and otherwise the
+reference, which dequantizes the whole weight on every call (docs/fp8.md).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch import Tensor
 __all__ = [
     "FP8",
     "FP8_MAX",
+    "GEMV_ROWS",
     "dequantize",
     "expand_scale",
     "fp8_linear",
@@ -33,6 +37,14 @@ __all__ = [
     "register",
     "scaled_mm_supported",
 ]
+
+#: Whether Triton can be imported (the matrix-vector kernel for other scales is Triton's):
+#: looked up once, not in every layer of every eager step.
+_TRITON = importlib.util.find_spec("triton") is not None
+
+#: The most input rows (tokens) the Triton matrix-vector kernel takes; more dequantize the
+#: weight once and run the matmul, where the weight's reads are shared by many rows.
+GEMV_ROWS = 16
 
 FP8 = torch.float8_e4m3fn
 #: The largest finite e4m3 value (448).
@@ -130,12 +142,18 @@ def fp8_linear_cuda(
     input_scale: Tensor | None,
     bias: Tensor | None,
 ) -> Tensor:
-    """The CUDA kernel of ``speculum::fp8_linear``: activations quantized to e4m3 per token
-    (scale ``amax / 448`` of each row, or the static ``input_scale``), then ``torch._scaled_mm``
-    with row-wise scales (a per-tensor weight scale repeated per row), float32 accumulation
-    and bfloat16 output; the reference where :func:`scaled_mm_supported` says no. Shapes alone
-    decide, so a captured graph keeps the choice."""
+    """The CUDA kernel of ``speculum::fp8_linear``: where :func:`scaled_mm_supported`,
+    activations quantized to e4m3 per token (scale ``amax / 448`` of each row, or the static
+    ``input_scale``), then ``torch._scaled_mm`` with row-wise scales (a per-tensor weight
+    scale repeated per row), float32 accumulation and bfloat16 output; else, for at most
+    :data:`GEMV_ROWS` rows, the Triton matrix-vector kernel that dequantizes in
+    registers (block scales at decode sizes); else the reference. Shapes alone decide, so a
+    captured graph keeps the choice."""
     if not scaled_mm_supported(x, weight, block):
+        if _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]:
+            from speculum.kernels.triton_fp8 import fp8_gemv
+
+            return fp8_gemv(x, weight, scale, block, bias)
         return fp8_linear_reference(x, weight, scale, block, input_scale, bias).contiguous()
     rows = x.reshape(-1, x.shape[-1]).float()
     if input_scale is None:

@@ -350,3 +350,29 @@ def test_fp8_projections_fuse_where_their_scales_line_up(case: str, tmp_path: Pa
     saved = load_file(save_model(model, tmp_path / "again") / "model.safetensors")
     original = load_file(fp8 / "model.safetensors")
     assert all(torch.equal(saved[k].float(), v.float()) for k, v in original.items())
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "rows", "bias"),
+    [
+        ((48, 40), (16, 16), 1, False),  # partial column blocks
+        ((40, 48), (16, 8), 3, True),  # partial row blocks, with a bias
+        ((64, 256), (128, 128), 5, False),  # DeepSeek's blocks, two K steps of the loop
+        ((32, 24), (32, 24), 2, True),  # one scale per tensor
+        ((32, 24), (1, 24), 16, False),  # one per row, at the most rows the kernel takes
+    ],
+)
+def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias) -> None:
+    """The matrix-vector kernel (run by Triton's interpreter here) computes the reference's
+    dequantized product: the same rounded weights, summed in another order."""
+    pytest.importorskip("triton")
+    from speculum.kernels import fp8
+    from speculum.kernels.triton_fp8 import fp8_gemv
+
+    gen = torch.Generator().manual_seed(rows)
+    weight, scale = fp8.quantize_weight(torch.randn(shape, generator=gen), block)
+    x = torch.randn(rows, shape[1], generator=gen)
+    b = torch.randn(shape[0], generator=gen) if bias else None
+    expected = fp8.fp8_linear_reference(x, weight, scale, list(block), None, b)
+    ours = fp8_gemv(x[None], weight, scale, list(block), b)[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)

@@ -2,8 +2,9 @@
 
 - ``speculum::fp8_linear``'s CUDA kernel: per-tensor and per-channel weights (dynamic per-token
   or static activation scales) run ``torch._scaled_mm`` and stay within FP8 activation rounding
-  of the dequantized float32 product; block-scaled weights take the dequantizing reference
-  (bit for bit the CPU's math).
+  of the dequantized float32 product; block-scaled weights run the Triton matrix-vector kernel
+  up to ``GEMV_ROWS`` rows (within bfloat16 rounding of the reference), the dequantizing
+  reference above.
 - An FP8 target in float32 compute (the dequantizing path, captured in CUDA graphs): every
   pipeline's captured rounds emit exactly plain greedy decoding's tokens over that target.
 - An FP8 target in bfloat16 (``_scaled_mm``): captured EAGLE chains emit plain decoding's
@@ -51,7 +52,12 @@ def test_scaled_mm_is_within_fp8_rounding_of_the_dequantized_product(label, rows
     if label == "block-128":
         assert not fp8.scaled_mm_supported(x, q, list(block))
         expected = fp8.fp8_linear_reference(x, q, scale, list(block), None, bias)
-        assert torch.equal(ours, expected)
+        if 2 * rows > fp8.GEMV_ROWS:  # the reference itself
+            assert torch.equal(ours, expected)
+            return
+        # the Triton matrix-vector kernel: the same rounded weights, another summation order
+        error = (ours.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, error
         return
     assert fp8.scaled_mm_supported(x, q, list(block))
     # e4m3 activations carry 3 mantissa bits: ~3.6% rms relative rounding per element
