@@ -695,12 +695,13 @@ FP8_SCHEMES = {
 
 def fp8_table(target, head, args, device: str) -> None:
     """Plain decoding at each of ``args.batches`` over the bf16 target, then over its weights
-    quantized in place by ``args.fp8``'s scheme: tokens/s, roofline, weight bytes and the peak
-    GPU memory of each row (weights, KV pool, graphs)."""
+    quantized in place by ``args.fp8``'s scheme: tokens/s, roofline (FP8 weights read as one
+    byte each), weight bytes and the peak GPU memory of each row (weights, KV pool, graphs)."""
     bandwidth = copy_bandwidth(device)
     rows = []
-    for weights in ("bf16", f"fp8 {args.fp8}"):
-        if weights != "bf16":
+    unquantized = str(target.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    for weights in (unquantized, f"fp8 {args.fp8}"):
+        if weights != unquantized:
             quantize_(target, FP8_SCHEMES[args.fp8])
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
         for batch in (int(b) for b in args.batches.split(",")):
@@ -712,7 +713,7 @@ def fp8_table(target, head, args, device: str) -> None:
                 row["peak GPU GB"] = torch.cuda.max_memory_allocated() / 1e9
             rows.append(row)
             print(table([row]), flush=True)
-    print("\n## plain decoding, bf16 vs FP8 weights\n\n" + table(rows))
+    print(f"\n## plain decoding, {unquantized} vs FP8 weights\n\n" + table(rows))
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

@@ -363,7 +363,8 @@ def stored_scales(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     for name, module in model.named_modules():
         if not isinstance(module, Fp8Linear):
             continue
-        per_tensor = module.block == (module.out_features, module.in_features)
+        shape = (module.out_features, module.in_features)
+        per_tensor = scheme.strategy != "block" and module.block == shape
         for key in (f"{name}.{scheme.scale_key}", f"{name}.input_scale"):
             if key in stored and (per_tensor or key.endswith("input_scale")):
                 stored[key] = stored[key].reshape(scalar)

@@ -29,12 +29,15 @@ E4M3 = torch.float8_e4m3fn
 DOWN = "model.layers.1.mlp.down_proj"
 #: layout -> (scheme, config changes): every granularity of both quant methods, with and
 #: without a static activation scale, an ignore list by name and by pattern, partial blocks
-#: (DeepSeek's 128 x 128 over 32-wide weights, 16 x 8 over 48-wide ones) and q/k/v biases.
+#: (DeepSeek's 128 x 128 over 32-wide weights, 16 x 8 over 48-wide ones), a block the size of
+#: a weight, and q/k/v biases.
 LAYOUTS = {
     "fp8-tensor": (Fp8Scheme(method="fp8", strategy="tensor"), {}),
     "fp8-tensor-static": (Fp8Scheme(method="fp8", strategy="tensor", static_input=True), {}),
     "fp8-channel-ignore": (Fp8Scheme(method="fp8", strategy="channel", ignore=(DOWN,)), {}),
     "deepseek-block-128": (Fp8Scheme(method="fp8", strategy="block", block=(128, 128)), {}),
+    # one block exactly the size of the 32 x 32 q and o projections: still a block scale
+    "fp8-block-32": (Fp8Scheme(method="fp8", strategy="block", block=(32, 32)), {}),
     "fp8-block-16x8-qwen2": (
         Fp8Scheme(method="fp8", strategy="block", block=(16, 8)),
         {"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "intermediate_size": 48},
