@@ -245,9 +245,10 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> Fp8Scheme:
 
 
 def fp8_layers(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
-    """The names of ``model``'s layers that ``scheme`` quantizes: every ``nn.Linear`` (or
-    :class:`Fp8Linear`) inside the decoder layers the ignore list does not name. Refuses a
-    model with mixture-of-experts layers, whose stacked experts have no FP8 form yet."""
+    """The names of ``model``'s float layers that ``scheme`` quantizes: every ``nn.Linear``
+    inside the decoder layers the ignore list does not name (layers already FP8 are left as
+    they are). Refuses a model with mixture-of-experts layers, whose stacked experts have no
+    FP8 form yet."""
     if any(isinstance(m, SparseMoE) for m in model.modules()):
         raise UnsupportedModel(
             "FP8 MoE experts not supported yet: the stacked experts of mixture-of-experts "
@@ -258,7 +259,7 @@ def fp8_layers(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
         name
         for name, module in model.named_modules()
         if name.startswith("model.layers.")
-        and isinstance(module, (nn.Linear, Fp8Linear))
+        and isinstance(module, nn.Linear)
         and not scheme.ignores(name)
     ]
 

@@ -20,6 +20,7 @@ from speculum.models.config import CheckpointError, MoEConfig, UnsupportedModel
 from speculum.models.decoder import Fp8Linear, dense_batch, fuse_projections_
 from speculum.models.fp8 import Fp8Scheme, dequantize_, quantize_
 from speculum.models.loading import load_model, random_model, randomize_, save_model
+from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.runtime.generate import generate
 from speculum.state.parallel import TensorParallel
 
@@ -283,6 +284,8 @@ def test_fp8_moe_experts_and_tensor_parallel_are_refused(broken: Path, tmp_path:
     """Both raise naming what is not supported, rather than loading something else."""
     with pytest.raises(UnsupportedModel, match="FP8 .* tensor parallelism"):
         load_model(broken, tp=TensorParallel(rank=0, size=2))
+    with pytest.raises(UnsupportedSplit, match="FP8 linear layers cannot be split"):
+        shard_(load_model(broken), TensorParallel(rank=0, size=2))
     experts = MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16, norm_topk_prob=True)
     model = random_model(tiny_config(architecture="Qwen3MoeForCausalLM", moe=experts))
     with pytest.raises(UnsupportedModel, match="FP8 MoE experts not supported yet"):
