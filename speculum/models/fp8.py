@@ -39,14 +39,16 @@ from speculum.models.decoder import MLP, Attention, DecoderModel, Fp8Linear, Spa
 
 __all__ = [
     "Fp8Scheme",
-    "check_fp8_dtypes",
+    "check_fp8_weights",
     "dequantize_",
     "fp8_layers",
     "fp8_scheme",
+    "fp8_weight_keys",
     "load_fp8_layers_",
     "quantize_",
     "scale_keys",
     "stored_scales",
+    "unquantized_cause",
 ]
 
 STRATEGIES = ("tensor", "channel", "block")
@@ -372,23 +374,19 @@ def stored_scales(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     return stored
 
 
-def check_fp8_dtypes(
-    model: nn.Module,
-    names: dict[str, Any],
-    expected: dict[str, torch.Size],
-    found: dict[str, Any],
-    where: str,
-) -> None:
-    """Raise :class:`CheckpointError` where the checkpoint's FP8 tensors and ``model``'s FP8
-    layers disagree: an FP8 layer's weight that is not e4m3, or an FP8 tensor (e4m3 or e5m2)
-    where the model keeps its compute dtype. ``names`` maps parameters to checkpoint keys,
-    ``expected`` the keys the model loads."""
-    fp8_weights = {
+def fp8_weight_keys(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
+    """The checkpoint keys of ``model``'s FP8 weights; ``names`` maps parameters to keys."""
+    return frozenset(
         names[f"{name}.weight"]
         for name, module in model.named_modules()
         if isinstance(module, Fp8Linear)
-    }
-    wrong = sorted(k for k in fp8_weights if k in found and found[k].dtype != E4M3)
+    )
+
+
+def check_fp8_weights(keys: frozenset[str], found: dict[str, Any], where: str) -> None:
+    """Raise :class:`CheckpointError` naming the FP8 layers' weights (checkpoint ``keys``)
+    that the checkpoint ``found`` holds in a dtype other than e4m3."""
+    wrong = sorted(k for k in keys if k in found and found[k].dtype != E4M3)
     if wrong:
         named = [f"{k} ({found[k].dtype})" for k in wrong]
         raise CheckpointError(
@@ -396,21 +394,17 @@ def check_fp8_dtypes(
             f"them in another dtype ({E4M3} expected): list those layers in the ignore list of "
             "quantization_config, or re-export them in FP8"
         )
-    stray = sorted(
-        k for k in expected if k not in fp8_weights and k in found and found[k].dtype[:2] == "F8"
+
+
+def unquantized_cause(model: nn.Module) -> str:
+    """Why ``model`` (a target being loaded) reads no FP8 tensor but its FP8 layers'
+    weights: ``check_keys`` names it for an FP8 tensor anywhere else."""
+    if getattr(model, "quantization", None) is None:
+        return "config.json has no quantization_config"
+    return (
+        "speculum keeps them in the compute dtype (FP8 loads only the decoder layers' linear "
+        "layers that quantization_config does not ignore)"
     )
-    if stray:
-        named = [f"{k} ({found[k].dtype})" for k in stray]
-        cause = (
-            "config.json has no quantization_config"
-            if getattr(model, "quantization", None) is None
-            else "speculum keeps them in the compute dtype (FP8 loads only the decoder layers' "
-            "linear layers that quantization_config does not ignore)"
-        )
-        raise CheckpointError(
-            f"{where}: {named} hold FP8 values, but {cause}; loading them would misread "
-            "them: fix quantization_config or re-export those weights unquantized"
-        )
 
 
 def quantize_(

@@ -48,11 +48,13 @@ from speculum.models.config import (
 )
 from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.fp8 import (
-    check_fp8_dtypes,
+    check_fp8_weights,
     fp8_scheme,
+    fp8_weight_keys,
     load_fp8_layers_,
     scale_keys,
     stored_scales,
+    unquantized_cause,
 )
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -79,6 +81,11 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Why a checkpoint loaded unquantized (a draft's, say) may hold no FP8 tensor.
+NOT_FP8 = (
+    "speculum loads it unquantized (FP8 loads only a target's decoder linear layers under an "
+    "FP8 quantization_config, docs/fp8.md)"
+)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -172,10 +179,23 @@ def check_keys(
     where: str,
     tolerated: frozenset[str] = frozenset(),
     layer: DecoderConfig | None = None,
+    *,
+    fp8: frozenset[str] = frozenset(),
+    fp8_cause: str = NOT_FP8,
 ) -> None:
-    """Raise :class:`CheckpointError` naming missing, unexpected, non-float or mis-shaped
-    weights; ``layer``, the config the attention weights were shaped from, lets a projection
-    of the wrong width be reported as the ``head_dim`` mismatch it is."""
+    """Raise :class:`CheckpointError` naming FP8, missing, unexpected, non-float or
+    mis-shaped weights; ``layer``, the config the attention weights were shaped from, lets a
+    projection of the wrong width be reported as the ``head_dim`` mismatch it is. Only the
+    keys ``fp8`` may hold FP8 values (an FP8 target's quantized weights, ``models.fp8``);
+    any other FP8 tensor raises, saying ``fp8_cause``, before keys are compared (a layer's
+    stray scale is then not the first thing named)."""
+    stray = sorted(k for k in expected if k not in fp8 and k in found and _is_fp8(found[k]))
+    if stray:
+        named = [f"{k} ({found[k].dtype})" for k in stray]
+        raise CheckpointError(
+            f"{where}: {named} hold FP8 values, but {fp8_cause}; loading them would misread "
+            "them: fix quantization_config or re-export those weights unquantized"
+        )
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - tolerated)
     if missing or unexpected:
@@ -207,6 +227,13 @@ def check_keys(
     ]
     if wrong:
         raise CheckpointError(f"{where}: weight shapes disagree with config.json: {wrong}")
+
+
+def _is_fp8(found: torch.Tensor | CheckpointTensor) -> bool:
+    """Whether a checkpoint tensor holds FP8 values (e4m3 or e5m2)."""
+    if isinstance(found, CheckpointTensor):
+        return found.dtype.startswith("F8")
+    return found.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 #: attention projection -> the config field and JSON key of its head count
@@ -421,8 +448,10 @@ def load_model(
     scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found)
     names = checkpoint_names(model)
     shapes = checkpoint_shapes(model, names) | scale_shapes
-    check_fp8_dtypes(model, names, shapes, found, str(folder))
-    check_keys(shapes, found, str(folder), frozenset(tolerated), config)
+    fp8 = fp8_weight_keys(model, names)
+    check_fp8_weights(fp8, found, str(folder))
+    where, cause = str(folder), unquantized_cause(model)
+    check_keys(shapes, found, where, frozenset(tolerated), config, fp8=fp8, fp8_cause=cause)
     shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:

@@ -18,6 +18,8 @@ from test_models import edit_config, edit_weights, relative_error
 
 from speculum.models.config import CheckpointError, MoEConfig, UnsupportedModel
 from speculum.models.decoder import Fp8Linear, dense_batch, fuse_projections_
+from speculum.models.draft import random_draft
+from speculum.models.draft_loading import load_draft, save_draft
 from speculum.models.fp8 import Fp8Scheme, dequantize_, quantize_
 from speculum.models.loading import load_model, random_model, randomize_, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
@@ -382,3 +384,14 @@ def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias) -> N
     expected = fp8.fp8_linear_reference(x, weight, scale, list(block), None, b)
     ours = fp8_gemv(x[None], weight, scale, list(block), b)[0]
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_draft_checkpoint_is_refused_not_misread(tmp_path: Path) -> None:
+    """Drafts load unquantized: an FP8 tensor in a draft checkpoint (its values meaningless
+    without scales) is named, not cast."""
+    target = random_model(tiny_config(tie_word_embeddings=False))
+    folder = save_draft(random_draft(target, "eagle3"), tmp_path, "sglang-eagle3")
+    key = next(k for k in load_file(folder / "model.safetensors") if k.endswith("q_proj.weight"))
+    edit_weights(folder, lambda t: t.update({key: t[key].to(E4M3)}))
+    with pytest.raises(CheckpointError, match=rf"\['{key} \(F8_E4M3\)'\] hold FP8 values, but "):
+        load_draft(folder, target, "eagle3")
