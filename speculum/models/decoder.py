@@ -843,10 +843,12 @@ class Fp8Linear(nn.Module):
         scales = (-(-out_features // block[0]), -(-in_features // block[1]))
         fp8 = torch.empty(out_features, in_features, dtype=kernels.fp8.FP8)
         self.weight = nn.Parameter(fp8, requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(scales), requires_grad=False)
+        float32 = torch.empty(scales, dtype=torch.float32)
+        self.weight_scale = nn.Parameter(float32, requires_grad=False)
         self.input_scale: nn.Parameter | None = None
         if static_input:
-            self.input_scale = nn.Parameter(torch.empty(1, 1), requires_grad=False)
+            one = torch.empty(1, 1, dtype=torch.float32)
+            self.input_scale = nn.Parameter(one, requires_grad=False)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)

@@ -421,15 +421,16 @@ def quantize_(
     for name in fp8_layers(model, scheme):
         linear = model.get_submodule(name)
         block = scheme.layer_block(linear.out_features, linear.in_features)
-        layer = _empty_fp8(linear, block, scheme).to(linear.weight.device)
+        with torch.device(linear.weight.device):
+            layer = _empty_fp8(linear, block, scheme)
         weight, scale = kernels.fp8.quantize_weight(linear.weight.detach(), block)
         with torch.no_grad():
             layer.weight.copy_(weight)
             layer.weight_scale.copy_(scale)
             if layer.input_scale is not None:
                 layer.input_scale.fill_(input_scale)
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
+            if linear.bias is not None:  # in the model's dtype, as it was
+                layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         _swap(model, name, layer)
     for module in model.modules():
         if isinstance(module, Attention):

@@ -395,3 +395,16 @@ def test_an_fp8_draft_checkpoint_is_refused_not_misread(tmp_path: Path) -> None:
     edit_weights(folder, lambda t: t.update({key: t[key].to(E4M3)}))
     with pytest.raises(CheckpointError, match=rf"\['{key} \(F8_E4M3\)'\] hold FP8 values, but "):
         load_draft(folder, target, "eagle3")
+
+
+def test_quantizing_a_bfloat16_model_keeps_its_compute_dtype() -> None:
+    """``quantize_`` on a bfloat16 model: FP8 weights, float32 scales, biases still bfloat16,
+    and the same logits as its weights dequantized to bfloat16."""
+    config = tiny_config(architecture="Qwen2ForCausalLM", qkv_bias=True)
+    model = random_model(config, seed=1, std=0.3).to(torch.bfloat16)
+    quantize_(model, Fp8Scheme(method="fp8", strategy="channel"))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert (q_proj.weight.dtype, q_proj.weight_scale.dtype) == (E4M3, torch.float32)
+    assert q_proj.bias.dtype == torch.bfloat16
+    ours = logits(model, PROMPT[:4])
+    assert torch.equal(ours, logits(dequantize_(model, torch.bfloat16), PROMPT[:4]))
