@@ -33,6 +33,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_cuda",
     "fp8_linear_reference",
+    "quantize_rows",
     "quantize_weight",
     "register",
     "scaled_mm_supported",
@@ -84,6 +85,18 @@ def quantize_weight(
     scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     scaled = weight.float() / expand_scale(scale, block, weight.shape)
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(
+    rows: Float[Tensor, "rows in"], input_scale: Tensor | None
+) -> tuple[Float[Tensor, "rows in"], Float[Tensor, "rows 1"]]:
+    """``(e4m3 rows, float32 scale per row)`` of activations: each row scaled so that its
+    largest magnitude is :data:`FP8_MAX` (dynamic per-token quantization, the weights' rule
+    with one block per row), or every row by the static ``input_scale``."""
+    if input_scale is None:
+        return quantize_weight(rows, (1, rows.shape[1]))
+    row_scale = input_scale.reshape(1, 1).float().expand(rows.shape[0], 1).contiguous()
+    return (rows.float() / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), row_scale
 
 
 def fp8_linear_reference(
@@ -143,8 +156,8 @@ def fp8_linear_cuda(
     bias: Tensor | None,
 ) -> Tensor:
     """The CUDA kernel of ``speculum::fp8_linear``: where :func:`scaled_mm_supported`,
-    activations quantized to e4m3 per token (scale ``amax / 448`` of each row, or the static
-    ``input_scale``), then ``torch._scaled_mm`` with row-wise scales (a per-tensor weight
+    activations quantized to e4m3 per token (:func:`quantize_rows`, one Triton launch where
+    Triton is installed), then ``torch._scaled_mm`` with row-wise scales (a per-tensor weight
     scale repeated per row), float32 accumulation and bfloat16 output; else, for at most
     :data:`GEMV_ROWS` rows, the Triton matrix-vector kernel that dequantizes in
     registers (block scales at decode sizes); else the reference. Shapes alone decide, so a
@@ -155,12 +168,12 @@ def fp8_linear_cuda(
 
             return fp8_gemv(x, weight, scale, block, bias)
         return fp8_linear_reference(x, weight, scale, block, input_scale, bias).contiguous()
-    rows = x.reshape(-1, x.shape[-1]).float()
-    if input_scale is None:
-        row_scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if _TRITON:  # one launch where torch's ops take about six
+        from speculum.kernels.triton_fp8 import quantize_rows_triton as quantize
     else:
-        row_scale = input_scale.reshape(1, 1).float().expand(rows.shape[0], 1).contiguous()
-    quantized = (rows / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quantize = quantize_rows
+    quantized, row_scale = quantize(rows, input_scale)
     weight_scale = scale.float().expand(weight.shape[0], 1).reshape(1, -1).contiguous()
     out = torch._scaled_mm(
         quantized,

@@ -1,5 +1,6 @@
 """FP8 linear layers of any scale blocks, for a few rows: matrix-vector products that read the
-e4m3 weight once and dequantize it in registers.
+e4m3 weight once and dequantize it in registers; and the per-token activation quantizer of the
+``torch._scaled_mm`` path, in one launch.
 
 ``torch._scaled_mm`` takes per-tensor and per-row scales only; DeepSeek-V3's 128 x 128 block
 scales would otherwise go through the reference (``kernels.fp8``), which writes the whole
@@ -19,10 +20,14 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-__all__ = ["fp8_gemv"]
+__all__ = ["fp8_gemv", "quantize_rows_triton"]
 
 #: Output features per program, and input features per step of its loop.
 _BLOCK_N, _BLOCK_K = 32, 128
+#: Features per step of the activation quantizer's loops.
+_BLOCK_ROW = 1024
+#: The largest finite e4m3 value (``kernels.fp8.FP8_MAX``).
+_FP8_MAX = 448.0
 
 
 @triton.jit
@@ -101,3 +106,60 @@ def fp8_gemv(
         BLOCK_K=_BLOCK_K,
     )
     return out.view(*x.shape[:-1], n_out)
+
+
+@triton.jit
+def _quantize_rows(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    static_ptr,
+    n_in,
+    x_row_stride,
+    out_row_stride,
+    STATIC: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row of ``x`` in e4m3: ``clamp(x / scale, -448, 448)`` rounded to nearest, the
+    scale (``max(amax, 1e-12) / 448``, or the static one) stored for the matmul."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_in, BLOCK):
+            ks = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + ks, mask=ks < n_in, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_in, BLOCK):
+        ks = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + ks, mask=ks < n_in, other=0.0).to(tl.float32)
+        quantized = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        out = out_ptr + row * out_row_stride + ks
+        tl.store(out, quantized.to(out_ptr.dtype.element_ty), mask=ks < n_in)
+
+
+def quantize_rows_triton(
+    rows: Float[Tensor, "rows in"], input_scale: Tensor | None
+) -> tuple[Float[Tensor, "rows in"], Float[Tensor, "rows 1"]]:
+    """``kernels.fp8.quantize_rows`` in one launch (one program per row)."""
+    out = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=rows.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+    static = input_scale is not None
+    _quantize_rows[(rows.shape[0],)](
+        rows,
+        out,
+        scale,
+        input_scale if static else scale,
+        rows.shape[1],
+        rows.stride(0),
+        out.stride(0),
+        STATIC=static,
+        FP8_MAX=_FP8_MAX,
+        BLOCK=_BLOCK_ROW,
+    )
+    return out, scale

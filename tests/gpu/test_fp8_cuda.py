@@ -1,5 +1,6 @@
 """FP8 weights on the GPU.
 
+- The per-token activation quantizer (Triton, one launch) equals torch's bit for bit.
 - ``speculum::fp8_linear``'s CUDA kernel: per-tensor and per-channel weights (dynamic per-token
   or static activation scales) run ``torch._scaled_mm`` and stay within FP8 activation rounding
   of the dequantized float32 product; block-scaled weights run the Triton matrix-vector kernel
@@ -63,6 +64,20 @@ def test_scaled_mm_is_within_fp8_rounding_of_the_dequantized_product(label, rows
     # e4m3 activations carry 3 mantissa bits: ~3.6% rms relative rounding per element
     error = (ours.float() - reference).norm() / reference.norm()
     assert error < 0.06, error
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_triton_activation_quantizer_equals_torch_bit_for_bit(static: bool) -> None:
+    from speculum.kernels.triton_fp8 import quantize_rows_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = (torch.randn(37, 4096, device="cuda", generator=gen) * 3).bfloat16()
+    rows[2] = 0.0
+    scale = torch.tensor([0.01], device="cuda") if static else None
+    expected, expected_scale = fp8.quantize_rows(rows, scale)
+    ours, ours_scale = quantize_rows_triton(rows, scale)
+    assert torch.equal(ours_scale, expected_scale)
+    assert torch.equal(ours.float(), expected.float())
 
 
 def fp8_target(dtype: torch.dtype, scheme: Fp8Scheme) -> torch.nn.Module:
