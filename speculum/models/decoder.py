@@ -227,7 +227,7 @@ def fused_linear(*linears: nn.Linear | Fp8Linear) -> FusedLinear | None:
     or FP8 scales do not line up."""
     scales: tuple[Tensor, tuple[int, int]] | tuple[()] = ()
     if all(isinstance(linear, Fp8Linear) for linear in linears):
-        found = _fused_fp8_scales(list(linears))  # type: ignore[arg-type]
+        found = _fused_fp8_scales([linear for linear in linears if isinstance(linear, Fp8Linear)])
         if found is None:
             return None
         scales = found
@@ -825,7 +825,8 @@ class Fp8Linear(nn.Module):
     activation scale (``None``: activations are scaled per token when quantized).
 
     Calling it runs ``speculum::fp8_linear`` (``kernels.fp8``): the weight dequantized to the
-    input's dtype on the CPU, ``torch._scaled_mm`` on Hopper GPUs. Casting the model
+    input's dtype on the CPU; on CUDA ``torch._scaled_mm`` or a Triton kernel that dequantizes
+    in registers (docs/fp8.md says which runs where). Casting the model
     (``.to(bfloat16)``) leaves the weight and its scales as they are; the bias follows the
     cast. ``models.fp8`` builds these from checkpoints and from float models."""
 
