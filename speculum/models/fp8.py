@@ -303,13 +303,14 @@ def _layout_name(scheme: Fp8Scheme) -> str:
 
 
 def load_fp8_layers_(
-    model: DecoderModel, scheme: Fp8Scheme, found: dict[str, Any]
+    model: DecoderModel, scheme: Fp8Scheme, found: dict[str, Any], where: str
 ) -> dict[str, torch.Size]:
     """Replace ``model``'s quantized layers (on the meta device, before loading) with empty
     :class:`Fp8Linear` layers whose scale blocks follow the checkpoint ``found`` (its
     tensors by key, with shapes), and record ``scheme`` on the model. Returns the checkpoint
     shape of every weight and input scale present, for ``check_keys``; a scale whose shape is
-    not one ``scheme`` allows raises :class:`CheckpointError` naming the key and the layout."""
+    not one ``scheme`` allows raises :class:`CheckpointError` naming ``where`` (the folder),
+    the key and the layout."""
     shapes: dict[str, torch.Size] = {}
     for name in fp8_layers(model, scheme):
         linear = model.get_submodule(name)
@@ -321,8 +322,8 @@ def load_fp8_layers_(
             allowed = _stored_shapes(scheme, out, inp)
             if stored not in allowed:
                 raise CheckpointError(
-                    f"{key!r} has shape {stored}, but {_layout_name(scheme)} in config.json "
-                    f"gives a weight of shape ({out}, {inp}) scales of shape "
+                    f"{where}: {key!r} has shape {stored}, but {_layout_name(scheme)} in "
+                    f"config.json gives a weight of shape ({out}, {inp}) scales of shape "
                     f"{' or '.join(str(s) for s in allowed)}: fix quantization_config in "
                     "config.json or re-export the weights"
                 )
@@ -334,8 +335,8 @@ def load_fp8_layers_(
             stored = tuple(found[input_key].shape)
             if stored not in ((), (1,)):
                 raise CheckpointError(
-                    f"{input_key!r} has shape {stored}; a static activation scale is one value "
-                    "(shape () or (1,)): re-export the weights"
+                    f"{where}: {input_key!r} has shape {stored}; a static activation scale is "
+                    "one value (shape () or (1,)): re-export the weights"
                 )
             shapes[input_key] = torch.Size(stored)
         _swap(model, name, _empty_fp8(linear, block, scheme))

@@ -445,7 +445,7 @@ def load_model(
     tolerated |= {k for k in found if k.startswith(prefixes)}
     if config.linear is not None:  # Qwen3-Next's MTP layer (not built yet: docs/hybrid.md)
         tolerated |= {k for k in found if k.startswith("mtp.")}
-    scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found)
+    scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found, str(folder))
     names = checkpoint_names(model)
     shapes = checkpoint_shapes(model, names) | scale_shapes
     fp8 = fp8_weight_keys(model, names)
