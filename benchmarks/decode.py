@@ -641,6 +641,8 @@ def measure(args: argparse.Namespace) -> None:
     if args.adaptive or args.overlap:
         scheduling_tables(config, device, dtype, args)
         return
+    if args.fp8 and (tp.size > 1 or config.moe is not None):
+        raise SystemExit("--fp8 runs one device and a dense target (docs/fp8.md)")
     target, head = build_models(config, device, dtype, tp)
     if args.fp8:
         fp8_table(target, head, args, device)

@@ -246,16 +246,21 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> Fp8Scheme:
     )
 
 
-def fp8_layers(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
+def fp8_layers(model: DecoderModel, scheme: Fp8Scheme) -> list[str]:
     """The names of ``model``'s float layers that ``scheme`` quantizes: every ``nn.Linear``
     inside the decoder layers the ignore list does not name (layers already FP8 are left as
     they are). Refuses a model with mixture-of-experts layers, whose stacked experts have no
-    FP8 form yet."""
+    FP8 form yet, and a tensor-parallel shard."""
     if any(isinstance(m, SparseMoE) for m in model.modules()):
         raise UnsupportedModel(
             "FP8 MoE experts not supported yet: the stacked experts of mixture-of-experts "
             "layers load in bfloat16 or float32 only; use an unquantized checkpoint of this "
             "model"
+        )
+    if model.tp.size > 1:
+        raise UnsupportedModel(
+            f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: FP8 layers are not "
+            "tensor-parallel yet; quantize an unsharded model (tp=1)"
         )
     return [
         name

@@ -288,6 +288,9 @@ def test_fp8_moe_experts_and_tensor_parallel_are_refused(broken: Path, tmp_path:
         load_model(broken, tp=TensorParallel(rank=0, size=2))
     with pytest.raises(UnsupportedSplit, match="FP8 linear layers cannot be split"):
         shard_(load_model(broken), TensorParallel(rank=0, size=2))
+    sharded = shard_(random_model(tiny_config()), TensorParallel(rank=0, size=2))
+    with pytest.raises(UnsupportedModel, match="FP8 layers are not tensor-parallel yet"):
+        quantize_(sharded, Fp8Scheme(method="fp8", strategy="tensor"))
     experts = MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16, norm_topk_prob=True)
     model = random_model(tiny_config(architecture="Qwen3MoeForCausalLM", moe=experts))
     with pytest.raises(UnsupportedModel, match="FP8 MoE experts not supported yet"):
