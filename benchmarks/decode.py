@@ -45,7 +45,12 @@ its acceptance length in tokens where plain decoding emits one).
   round), the time per step the device spends outside its rounds, waiting for the host,
   synchronous and overlapped (``idle removed``: the share of it overlapping removes).
 
-``--adaptive`` and ``--overlap`` run only their own tables.
+- fp8 (``--fp8 channel|tensor|block``): plain decoding over the bf16 target, then over the same
+  weights quantized to FP8 in place (``models.fp8.quantize_``: per-channel or per-tensor
+  scales run ``torch._scaled_mm``, DeepSeek's 128 x 128 blocks the dequantizing fallback),
+  with each one's weight bytes, roofline and peak GPU memory.
+
+``--adaptive``, ``--overlap`` and ``--fp8`` run only their own tables.
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
 a CPU smoke run of the script itself, whose numbers mean nothing). ``--tp 2`` shards target and
@@ -82,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from speculum.models.config import DecoderConfig, MLAConfig, MoEConfig  # noqa: E402
 from speculum.models.decoder import DecoderModel, SparseMoE, cache_kv_heads  # noqa: E402
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
+from speculum.models.fp8 import Fp8Scheme, quantize_  # noqa: E402
 from speculum.models.loading import randomize_  # noqa: E402
 from speculum.models.parallel import shard_  # noqa: E402
 from speculum.pipelines import adaptive, eagle  # noqa: E402
@@ -610,6 +616,11 @@ def main() -> None:
     )
     parser.add_argument("--overlap-batches", default="1,32")
     parser.add_argument(
+        "--fp8",
+        choices=sorted(FP8_SCHEMES),
+        help="plain decoding bf16 vs the same weights in FP8 with these scales, only",
+    )
+    parser.add_argument(
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
     )
     args = parser.parse_args()
@@ -630,7 +641,12 @@ def measure(args: argparse.Namespace) -> None:
     if args.adaptive or args.overlap:
         scheduling_tables(config, device, dtype, args)
         return
+    if args.fp8 and (tp.size > 1 or config.moe is not None):
+        raise SystemExit("--fp8 runs one device and a dense target (docs/fp8.md)")
     target, head = build_models(config, device, dtype, tp)
+    if args.fp8:
+        fp8_table(target, head, args, device)
+        return
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report(
@@ -669,6 +685,37 @@ def measure(args: argparse.Namespace) -> None:
         )
     if args.profile:
         report("\n## profile, batch 1\n\n" + profile(target, head, args, device))
+
+
+#: ``--fp8`` choice -> the scheme the target's linear layers are quantized with.
+FP8_SCHEMES = {
+    "channel": Fp8Scheme(method="compressed-tensors", strategy="channel"),
+    "tensor": Fp8Scheme(method="fp8", strategy="tensor"),
+    "block": Fp8Scheme(method="fp8", strategy="block", block=(128, 128)),
+}
+
+
+def fp8_table(target, head, args, device: str) -> None:
+    """Plain decoding at each of ``args.batches`` over the bf16 target, then over its weights
+    quantized in place by ``args.fp8``'s scheme: tokens/s, roofline (FP8 weights read as one
+    byte each), weight bytes and the peak GPU memory of each row (weights, KV pool, graphs)."""
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    unquantized = str(target.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    for weights in (unquantized, f"fp8 {args.fp8}"):
+        if weights != unquantized:
+            quantize_(target, FP8_SCHEMES[args.fp8])
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        for batch in (int(b) for b in args.batches.split(",")):
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            row = {"weights": weights, "weight GB": weight_bytes / 1e9}
+            row |= plain_row(target, head, batch, args, bandwidth, device)
+            if device == "cuda":
+                row["peak GPU GB"] = torch.cuda.max_memory_allocated() / 1e9
+            rows.append(row)
+            print(table([row]), flush=True)
+    print(f"\n## plain decoding, {unquantized} vs FP8 weights\n\n" + table(rows))
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

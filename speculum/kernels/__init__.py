@@ -17,12 +17,13 @@ import warnings
 
 import torch
 
-from speculum.kernels import model_ops
+from speculum.kernels import fp8, model_ops
 from speculum.kernels.attention import paged_attention, write_kv
 from speculum.kernels.recurrent import gated_delta_rule
 
 __all__ = [
     "DEVICE_KERNELS",
+    "fp8",
     "gated_delta_rule",
     "model_ops",
     "paged_attention",
@@ -33,13 +34,13 @@ __all__ = [
 #: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
 TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")
 #: Modules whose ``register()`` installs CUDA kernels built on torch alone (no Triton needed).
-TORCH_CUDA_MODULES = ("grouped_moe",)
+TORCH_CUDA_MODULES = ("grouped_moe", "fp8")
 
 
 def register_device_kernels() -> str:
     """Install the CUDA kernels of speculum's ops (Triton's, and the torch-only grouped-GEMM
-    MoE); returns the path that CUDA tensors take: ``"triton"``, or ``"reference"`` (with a
-    warning) where Triton is missing."""
+    MoE and FP8 ``_scaled_mm`` linear); returns the path that CUDA tensors take: ``"triton"``,
+    or ``"reference"`` (with a warning) where Triton is missing."""
     for name in TORCH_CUDA_MODULES:
         importlib.import_module(f"speculum.kernels.{name}").register()
     try:

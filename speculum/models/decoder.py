@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -48,6 +48,9 @@ __all__ = [
     "dense_batch",
     "float32_logits",
     "FusedLinear",
+    "Fp8Linear",
+    "apply_keeping_dtypes",
+    "dense_weight",
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",
@@ -178,16 +181,58 @@ def apply_rope(
 
 class FusedLinear(NamedTuple):
     """Several projections of one input stored as one weight (and bias): the projections'
-    parameters are views of these rows, in order."""
+    parameters are views of these rows, in order. FP8 projections (:class:`Fp8Linear`) add
+    the fused ``scale`` of ``block``-shaped blocks (their weights' scales, row blocks in
+    order)."""
 
     weight: Tensor
     bias: Tensor | None
+    scale: Tensor | None = None
+    block: tuple[int, int] | None = None
+
+    def __call__(self, x: Float[Tensor, "*rows in"]) -> Float[Tensor, "*rows out"]:
+        """Every projection of ``x`` at once, concatenated."""
+        if self.scale is None or self.block is None:
+            return F.linear(x, self.weight, self.bias)
+        return kernels.fp8.fp8_linear(x, self.weight, self.scale, list(self.block), None, self.bias)
 
 
-def fused_linear(*linears: nn.Linear) -> FusedLinear:
+def _fused_fp8_scales(layers: list[Fp8Linear]) -> tuple[Tensor, tuple[int, int]] | None:
+    """The scales and block of FP8 ``layers`` (over one input) fused: one scale per row where
+    each layer has one per row or one in all, their row blocks stacked where the layers share
+    a block that no layer but the last leaves partial; ``None`` where they do not line up, or
+    a layer has a static input scale (each layer's own)."""
+    if any(layer.input_scale is not None for layer in layers):
+        return None
+    width = layers[0].in_features
+    if all(
+        layer.block[1] >= width and (layer.block[0] == 1 or layer.block[0] >= layer.out_features)
+        for layer in layers
+    ):
+        rows = [layer.weight_scale.detach().expand(layer.out_features, 1) for layer in layers]
+        return torch.cat(rows), (1, width)
+    block = layers[0].block
+    if all(layer.block == block for layer in layers) and all(
+        layer.out_features % block[0] == 0 for layer in layers[:-1]
+    ):
+        return torch.cat([layer.weight_scale.detach() for layer in layers]), block
+    return None
+
+
+def fused_linear(*linears: nn.Linear | Fp8Linear) -> FusedLinear | None:
     """Concatenate ``linears``' weights (and biases) into one tensor and make each linear's
     parameters views of its rows, in place: memory is not duplicated, and state dicts,
-    loading and saving still see the separate parameters."""
+    loading and saving still see the separate parameters. FP8 layers fuse with their scales
+    (:func:`_fused_fp8_scales`); ``None`` (nothing changed) where float and FP8 layers mix
+    or FP8 scales do not line up."""
+    scales: tuple[Tensor, tuple[int, int]] | tuple[()] = ()
+    if all(isinstance(linear, Fp8Linear) for linear in linears):
+        found = _fused_fp8_scales([linear for linear in linears if isinstance(linear, Fp8Linear)])
+        if found is None:
+            return None
+        scales = found
+    elif not all(isinstance(linear, nn.Linear) for linear in linears):
+        return None
     fused = []
     for name in ("weight", "bias"):
         params = [getattr(linear, name) for linear in linears]
@@ -200,7 +245,7 @@ def fused_linear(*linears: nn.Linear) -> FusedLinear:
             p.data = joined[start : start + p.shape[0]]
             start += p.shape[0]
         fused.append(joined)
-    return FusedLinear(*fused)
+    return FusedLinear(*fused, *scales)
 
 
 def holds(fused: FusedLinear | None, first: nn.Linear) -> bool:
@@ -270,8 +315,11 @@ class Attention(nn.Module):
 
     def fuse_(self) -> None:
         """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
-        a no-op for attention without its own K/V projections."""
-        projections = all(hasattr(self, name) for name in ("q_proj", "k_proj", "v_proj"))
+        a no-op for attention without its own K/V projections, and where they do not fuse
+        (float and FP8 ones mixed, or FP8 scales that do not line up: :func:`fused_linear`)."""
+        names = ("q_proj", "k_proj", "v_proj")
+        kinds = (nn.Linear, Fp8Linear)
+        projections = all(isinstance(getattr(self, name, None), kinds) for name in names)
         if projections and not holds(self.qkv, self.q_proj):
             self.qkv = fused_linear(self.q_proj, self.k_proj, self.v_proj)
 
@@ -298,9 +346,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv_out = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *weights).split(
-                [self.num_heads * self.head_dim, kv_out, kv_out], -1
-            )
+            q, k, v = weights(x).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
         return (self._query_heads(q), *self._key_value_heads(k, v))
 
     def _query_heads(self, projected: Tensor) -> Float[Tensor, "batch q head head_dim"]:
@@ -460,10 +506,11 @@ class LatentAttention(nn.Module):
         k_pe = self._rotate(k_pe[:, :, None], batch, inv_freq)
         return self.kv_a_layernorm(latent)[:, :, None], k_pe
 
-    def _up_weights(self) -> tuple[Tensor, Tensor]:
-        """``kv_b_proj`` per head: key rows ``[head, nope, latent]``, value rows ``[head, v,
-        latent]``."""
-        up = self.kv_b_proj.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
+    def _up_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``kv_b_proj`` per head (in ``dtype`` when it is FP8): key rows ``[head, nope,
+        latent]``, value rows ``[head, v, latent]``."""
+        weight = dense_weight(self.kv_b_proj, dtype)
+        up = weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
         return up.split([self.mla.qk_nope_head_dim, self.mla.v_head_dim], 1)
 
     def forward(
@@ -475,7 +522,7 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = self._queries(x)
         q_pe = self._rotate(q_pe, batch, inv_freq)
         latent, k_pe = self._latent(x, batch, inv_freq)
-        up_k, up_v = self._up_weights()
+        up_k, up_v = self._up_weights(x.dtype)
         if pool is None:
             k_nope = torch.einsum("bsr,hnr->bshn", latent[:, :, 0], up_k)
             keys = torch.cat([k_nope, k_pe.expand(-1, -1, self.num_heads, -1)], -1)
@@ -740,7 +787,8 @@ class MLP(nn.Module):
         self.gate_up: FusedLinear | None = None
 
     def fuse_(self) -> None:
-        """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`)."""
+        """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`), where
+        they fuse (:func:`fused_linear`)."""
         if not holds(self.gate_up, self.gate_proj):
             self.gate_up = fused_linear(self.gate_proj, self.up_proj)
 
@@ -750,8 +798,90 @@ class MLP(nn.Module):
         if weights is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = F.linear(x, *weights).chunk(2, dim=-1)
+            gate, up = weights(x).chunk(2, dim=-1)
         return self.down_proj(kernels.model_ops.silu_mul(gate, up))
+
+
+def apply_keeping_dtypes(
+    module: nn.Module, fn: Callable[[Tensor], Tensor], recurse: bool, names: list[str]
+) -> nn.Module:
+    """``nn.Module._apply(module, fn, recurse)`` (what ``.to()``, ``.cuda()``, ``.half()`` go
+    through), except that each of ``module``'s own parameters ``names`` whose dtype the cast
+    changed is replaced by its value before the cast, on the device the cast moved it to (no
+    rounding kept). Returns ``module``."""
+    before = {name: module._parameters[name].data for name in names}
+    nn.Module._apply(module, fn, recurse)
+    for name, old in before.items():
+        param = module._parameters[name]
+        if param.dtype != old.dtype:
+            param.data = old.to(param.device)
+    return module
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays FP8 (e4m3) in memory, with float32 scales, one per
+    ``block`` of the weight (``kernels.fp8``: ``(out, in)`` per tensor, ``(1, in)`` per
+    channel, DeepSeek-V3's ``(128, 128)``); ``input_scale`` is a checkpoint's static
+    activation scale (``None``: activations are scaled per token when quantized).
+
+    Calling it runs ``speculum::fp8_linear`` (``kernels.fp8``): the weight dequantized to the
+    input's dtype on the CPU; on CUDA ``torch._scaled_mm`` or a Triton kernel that dequantizes
+    in registers (docs/fp8.md says which runs where). Casting the model
+    (``.to(bfloat16)``) leaves the weight and its scales as they are; the bias follows the
+    cast. ``models.fp8`` builds these from checkpoints and from float models."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        block: tuple[int, int],
+        static_input: bool,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        scales = (-(-out_features // block[0]), -(-in_features // block[1]))
+        fp8 = torch.empty(out_features, in_features, dtype=kernels.fp8.FP8)
+        self.weight = nn.Parameter(fp8, requires_grad=False)
+        float32 = torch.empty(scales, dtype=torch.float32)
+        self.weight_scale = nn.Parameter(float32, requires_grad=False)
+        self.input_scale: nn.Parameter | None = None
+        if static_input:
+            one = torch.empty(1, 1, dtype=torch.float32)
+            self.input_scale = nn.Parameter(one, requires_grad=False)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def forward(self, x: Float[Tensor, "*rows in"]) -> Float[Tensor, "*rows out"]:
+        """``x @ weight.T + bias`` with the weight's real (scaled) values."""
+        block = list(self.block)
+        return kernels.fp8.fp8_linear(
+            x, self.weight, self.weight_scale, block, self.input_scale, self.bias
+        )
+
+    def dequantized(self, dtype: torch.dtype) -> Float[Tensor, "out in"]:
+        """The weight's real values ``weight * scale`` in ``dtype``."""
+        return kernels.fp8.dequantize(self.weight, self.weight_scale, self.block, dtype)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Fp8Linear:
+        """``nn.Module._apply`` keeping the weight FP8 and the scales float32."""
+        kept = [
+            n
+            for n in ("weight", "weight_scale", "input_scale")
+            if self._parameters.get(n) is not None
+        ]
+        return apply_keeping_dtypes(self, fn, recurse, kept)
+
+
+def dense_weight(linear: nn.Linear | Fp8Linear, dtype: torch.dtype) -> Float[Tensor, "out in"]:
+    """A linear layer's weight as a tensor to compute with: its own, or an FP8 layer's
+    dequantized to ``dtype`` (for the few places that read a weight rather than call the
+    layer: latent attention's absorbed ``kv_b_proj``)."""
+    if isinstance(linear, Fp8Linear):
+        return linear.dequantized(dtype)
+    return linear.weight
 
 
 class Router(nn.Module):
@@ -779,14 +909,10 @@ class Router(nn.Module):
         """``nn.Module._apply`` (which ``.to()``, ``.cuda()``, ``.half()`` go through), then,
         with ``keep_float32``, each tensor cast away from float32 is replaced by its float32
         value before the cast, on the device the cast moved it to (no rounding kept)."""
-        before = {name: p.data for name, p in self._parameters.items() if p is not None}
-        super()._apply(fn, recurse)
-        if self.keep_float32:
-            for name, old in before.items():
-                param = self._parameters[name]
-                if old.dtype == torch.float32 and param.dtype != torch.float32:
-                    param.data = old.to(param.device)
-        return self
+        kept = [
+            n for n, p in self._parameters.items() if p is not None and p.dtype == torch.float32
+        ]
+        return apply_keeping_dtypes(self, fn, recurse, kept if self.keep_float32 else [])
 
 
 class SparseMoE(nn.Module):
@@ -968,6 +1094,9 @@ class DecoderModel(nn.Module):
 
     #: The tensor-parallel group the model is sharded over (:data:`SINGLE`: not sharded).
     tp: TensorParallel = SINGLE
+    #: How the checkpoint's FP8 layers are quantized (``models.fp8.Fp8Scheme``), written back
+    #: as ``quantization_config`` on save; ``None`` for an unquantized model.
+    quantization: Any = None
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()

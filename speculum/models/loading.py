@@ -40,8 +40,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from speculum.models.config import CheckpointError, DecoderConfig
+from speculum.models.config import (
+    CheckpointError,
+    DecoderConfig,
+    UnsupportedModel,
+    read_json_object,
+)
 from speculum.models.decoder import DecoderModel, SparseMoE
+from speculum.models.fp8 import (
+    check_fp8_weights,
+    fp8_scheme,
+    fp8_weight_keys,
+    load_fp8_layers_,
+    scale_keys,
+    stored_scales,
+    unquantized_cause,
+)
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
 
@@ -67,6 +81,11 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Why a checkpoint loaded unquantized (a draft's, say) may hold no FP8 tensor.
+NOT_FP8 = (
+    "speculum loads it unquantized (FP8 loads only a target's decoder linear layers under an "
+    "FP8 quantization_config, docs/fp8.md)"
+)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -160,10 +179,23 @@ def check_keys(
     where: str,
     tolerated: frozenset[str] = frozenset(),
     layer: DecoderConfig | None = None,
+    *,
+    fp8: frozenset[str] = frozenset(),
+    fp8_cause: str = NOT_FP8,
 ) -> None:
-    """Raise :class:`CheckpointError` naming missing, unexpected, non-float or mis-shaped
-    weights; ``layer``, the config the attention weights were shaped from, lets a projection
-    of the wrong width be reported as the ``head_dim`` mismatch it is."""
+    """Raise :class:`CheckpointError` naming FP8, missing, unexpected, non-float or
+    mis-shaped weights; ``layer``, the config the attention weights were shaped from, lets a
+    projection of the wrong width be reported as the ``head_dim`` mismatch it is. Only the
+    keys ``fp8`` may hold FP8 values (an FP8 target's quantized weights, ``models.fp8``);
+    any other FP8 tensor raises, saying ``fp8_cause``, before keys are compared (a layer's
+    stray scale is then not the first thing named)."""
+    stray = sorted(k for k in expected if k not in fp8 and k in found and _is_fp8(found[k]))
+    if stray:
+        named = [f"{k} ({found[k].dtype})" for k in stray]
+        raise CheckpointError(
+            f"{where}: {named} hold FP8 values, but {fp8_cause}; loading them would misread "
+            "them: fix quantization_config or re-export those weights unquantized"
+        )
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - tolerated)
     if missing or unexpected:
@@ -195,6 +227,13 @@ def check_keys(
     ]
     if wrong:
         raise CheckpointError(f"{where}: weight shapes disagree with config.json: {wrong}")
+
+
+def _is_fp8(found: torch.Tensor | CheckpointTensor) -> bool:
+    """Whether a checkpoint tensor holds FP8 values (e4m3 or e5m2)."""
+    if isinstance(found, CheckpointTensor):
+        return found.dtype.startswith("F8")
+    return found.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 #: attention projection -> the config field and JSON key of its head count
@@ -310,7 +349,7 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
-    return names
+    return names | scale_keys(model)
 
 
 def layer_checkpoint_names(
@@ -378,6 +417,8 @@ def load_model(
     ``dtype`` defaults to the checkpoint's ``torch_dtype`` (float32 when absent). With a
     tensor-parallel ``tp`` of several ranks the model is this rank's shard
     (``models.parallel.shard_``), and only this rank's part of each sharded weight is read.
+    An FP8 checkpoint (``quantization_config``, ``models.fp8``) keeps its quantized layers'
+    weights FP8 with their scales; ``dtype`` is then the compute dtype of everything else.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -385,6 +426,12 @@ def load_model(
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass a Hugging Face model folder")
     config = DecoderConfig.from_file(folder / "config.json")
+    scheme = fp8_scheme(read_json_object(folder / "config.json"), str(folder / "config.json"))
+    if scheme is not None and tp.size > 1:
+        raise UnsupportedModel(
+            f"{folder} holds FP8 weights, which do not load under tensor parallelism yet: "
+            "load it on one device (tp=1), or use an unquantized checkpoint"
+        )
     if dtype is None:
         dtype = DTYPES.get(config.dtype, torch.float32)
     with torch.device("meta"):
@@ -398,8 +445,13 @@ def load_model(
     tolerated |= {k for k in found if k.startswith(prefixes)}
     if config.linear is not None:  # Qwen3-Next's MTP layer (not built yet: docs/hybrid.md)
         tolerated |= {k for k in found if k.startswith("mtp.")}
+    scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found, str(folder))
     names = checkpoint_names(model)
-    check_keys(checkpoint_shapes(model, names), found, str(folder), frozenset(tolerated), config)
+    shapes = checkpoint_shapes(model, names) | scale_shapes
+    fp8 = fp8_weight_keys(model, names)
+    check_fp8_weights(fp8, found, str(folder))
+    where, cause = str(folder), unquantized_cause(model)
+    check_keys(shapes, found, where, frozenset(tolerated), config, fp8=fp8, fp8_cause=cause)
     shard_(model, tp)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
@@ -411,21 +463,26 @@ def load_model(
             if isinstance(key, Stacked):
                 param.copy_(key.gather(found))
             else:
-                param.copy_(read(found[key], splits.get(name)))
+                # reshaped: an FP8 scale is stored as a scalar or [out] (models.fp8)
+                param.copy_(read(found[key], splits.get(name)).reshape(param.shape))
     model.reset_rope()
     return model.to(dtype).eval().requires_grad_(False)
 
 
 def save_model(model: DecoderModel, folder: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors``, readable by transformers and
-    :func:`load_model`."""
+    :func:`load_model` (an FP8 model with its ``quantization_config``)."""
     if model.tp.size > 1:
         raise ValueError(
             f"the model is rank {model.tp.rank}'s shard of {model.tp.size}: save the unsharded "
             "model (load it without tp)"
         )
     tensors = checkpoint_tensors(model, checkpoint_names(model))
-    return write_checkpoint(folder, tensors, model.config.to_dict())
+    config = model.config.to_dict()
+    if model.quantization is not None:
+        tensors = stored_scales(model, tensors)
+        config["quantization_config"] = model.quantization.to_dict()
+    return write_checkpoint(folder, tensors, config)
 
 
 def write_checkpoint(

@@ -33,8 +33,8 @@ lm_head, the sampling and acceptance stages) runs unchanged. The vocabulary is p
 multiple of ``tp`` with zero rows, whose logits are dropped after the gather, so any vocabulary
 size splits; query heads, K/V heads and the intermediate size must split evenly, and
 :class:`UnsupportedSplit` names the one that does not. Mixture-of-experts models
-(``decoder.SparseMoE``), latent attention (``decoder.LatentAttention``) and Qwen3-Next's
-gated DeltaNet and gated attention are not split yet:
+(``decoder.SparseMoE``), latent attention (``decoder.LatentAttention``), Qwen3-Next's
+gated DeltaNet and gated attention, and FP8 layers (``decoder.Fp8Linear``) are not split yet:
 sharding one raises :class:`UnsupportedSplit`.
 
 Page tables do not change: every rank's pool has the same pages, holding its own heads, so one
@@ -55,6 +55,7 @@ from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import (
     MLP,
     Attention,
+    Fp8Linear,
     GatedAttention,
     GatedDeltaNet,
     LatentAttention,
@@ -311,9 +312,9 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
     with :func:`splits_of` to read only this rank's part of a checkpoint, or shard a loaded
     module to copy its parts out. Fuse projections after sharding (the local q/k/v and
     gate/up fuse as usual). Raises :class:`UnsupportedSplit` for heads or an intermediate size
-    that do not split over ``tp`` and for mixture-of-experts, latent attention and Qwen3-Next's
-    layers (not split yet), and ``ValueError`` for a module already sharded or fused; either way the
-    module is left unchanged.
+    that do not split over ``tp`` and for mixture-of-experts, latent attention, Qwen3-Next's
+    and FP8 layers (not split yet), and ``ValueError`` for a module already sharded or fused;
+    either way the module is left unchanged.
     """
     if tp.size == 1:
         return module
@@ -333,6 +334,11 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
             f"tp={tp.size}: Qwen3-Next's gated DeltaNet and gated attention layers cannot be "
             "split over tensor-parallel ranks yet (their recurrent states are not sharded); "
             "run this model with tp=1"
+        )
+    if any(isinstance(m, Fp8Linear) for m in module.modules()):
+        raise UnsupportedSplit(
+            f"tp={tp.size}: FP8 linear layers cannot be split over tensor-parallel ranks yet "
+            "(their scales are not sharded); run this model with tp=1 (docs/fp8.md)"
         )
     if any(isinstance(m, Sharded) for m in module.modules()):
         raise ValueError("the module is already sharded; shard a module once")
