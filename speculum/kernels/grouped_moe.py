@@ -127,13 +127,17 @@ def moe_cuda(
     *routing: Any,
 ) -> Tensor:
     """The CUDA kernel of ``speculum::moe``: the reference's routing
-    (``model_ops.moe_row_weights``, the op's further ``routing`` arguments included), then the
+    (``model_ops.moe_row_weights``, the op's further routing arguments included), then the
     pairwise Triton kernel for :func:`few_pairs` (where Triton is installed), else
     :func:`grouped_experts`, where ``torch._grouped_mm`` runs (else the dense reference). The
-    choice depends on shapes alone, so a captured graph keeps it."""
-    if not grouped_mm_supported(x, experts_down):
+    choice depends on shapes alone, so a captured graph keeps it. gpt-oss's experts (biases,
+    clamped GLU: any argument past the routing ones given) run the dense reference."""
+    routing, expert_args = routing[: model_ops.ROUTING_ARGS], routing[model_ops.ROUTING_ARGS :]
+    gate_up_bias, down_bias, swiglu_limit = (*expert_args, None, None, 0.0)[:3]
+    plain_experts = gate_up_bias is None and down_bias is None and not swiglu_limit
+    if not (plain_experts and grouped_mm_supported(x, experts_down)):
         return model_ops.moe_reference(
-            x, router, experts_gate_up, experts_down, top_k, renormalize, *routing
+            x, router, experts_gate_up, experts_down, top_k, renormalize, *routing, *expert_args
         ).contiguous()
     rows = x.reshape(-1, x.shape[-1])
     weights = model_ops.moe_row_weights(rows, router, top_k, renormalize, *routing)

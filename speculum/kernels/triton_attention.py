@@ -67,6 +67,7 @@ import triton.language as tl
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from speculum.spec import attention as spec_attention
 from speculum.spec.attention import window_limits
 
 __all__ = ["paged_attention_triton", "register"]
@@ -505,6 +506,7 @@ def paged_attention_triton(
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
     window: int = 0,
+    sinks: Float[Tensor, " head"] | None = None,
     *,
     num_splits: int | None = None,
     out: Float[Tensor, "batch q head head_dim"] | None = None,
@@ -522,10 +524,17 @@ def paged_attention_triton(
     ``window`` above 0: each query sees its last ``window`` keys only (sliding-window
     attention, ``spec.attention.window_limits``).
 
+    ``sinks`` (gpt-oss's attention sinks) are not in the kernel yet: such a call runs the
+    reference (``spec.attention.paged_attention``), which issues no host sync either.
+
     ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
     receives the result in place of a fresh tensor (tests poison it to prove every element is
     written).
     """
+    if sinks is not None:
+        return spec_attention.paged_attention(
+            q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window, sinks
+        )
     batch, num_q, heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     v_dim = v_cache.shape[-1]
