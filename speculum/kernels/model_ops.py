@@ -137,10 +137,10 @@ def moe_routing_weights(
     """Each row's weight per expert, in float32, as transformers' routers compute them step by
     step: the scores (softmax in float32, or the sigmoid of ``logits``, or for ``softmax_topk``
     (gpt-oss) the logits themselves, the chosen ones' softmax becoming their weights); the
-    ``top_k`` experts chosen by ``topk_method`` (``models.config.TOPK_METHODS``) over the
-    scores plus ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, which only
-    chooses); the chosen experts' unbiased scores, divided by their sum plus 1e-20 when
-    ``renormalize`` (DeepSeek-V3's epsilon: for softmax scores, whose top-k sum is at least 1/experts, it
+    ``top_k`` experts chosen by ``topk_method`` (``models.config.TOPK_METHODS``) over the scores
+    plus ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, which only chooses);
+    the chosen experts' unbiased scores, divided by their sum plus 1e-20 when ``renormalize``
+    (DeepSeek-V3's epsilon: for softmax scores, whose top-k sum is at least 1/experts, it
     changes no bit of Qwen's plain division), times ``routed_scaling_factor``; zero for every
     other expert.
 
