@@ -97,11 +97,12 @@ def test_bf16_captured_moe_rounds_run(family):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 64])
-@pytest.mark.parametrize("deepseek", [False, True])
-def test_bf16_moe_kernels_match_the_reference(rows: int, deepseek: bool) -> None:
+@pytest.mark.parametrize("family", ["qwen", "deepseek", "gpt-oss"])
+def test_bf16_moe_kernels_match_the_reference(rows: int, family: str) -> None:
     """The op's CUDA kernel (pairwise Triton at 1 and 4 rows of top 4 of 32 experts, the
     grouped GEMM at 64 rows) equals the dense reference to bfloat16 rounding (the GEMMs
-    accumulate in other orders), for Qwen's and DeepSeek-V3's routing."""
+    accumulate in other orders), for Qwen's, DeepSeek-V3's and gpt-oss's routing (gpt-oss:
+    biased router and experts, clamped GLU)."""
     from speculum.kernels import model_ops
     from speculum.kernels.grouped_moe import few_pairs
 
@@ -116,9 +117,12 @@ def test_bf16_moe_kernels_match_the_reference(rows: int, deepseek: bool) -> None
     gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
     down = randn(experts, hidden, inter, scale=inter**-0.5)
     routing = ()
-    if deepseek:
+    if family == "deepseek":
         bias = torch.randn(experts, generator=gen, device="cuda")
         routing = ("sigmoid", "noaux_tc", 4, 2, 2.5, bias, True)
+    if family == "gpt-oss":
+        biases = (randn(experts), randn(experts, 2 * inter), randn(experts, hidden))
+        routing = ("softmax_topk", "greedy", 1, 1, 1.0, None, False, *biases, 7.0, 1.702)
     assert few_pairs(rows * k, experts) == (rows < 8)
     ours = model_ops.moe(x, router, gate_up, down, k, True, *routing)
     expected = model_ops.moe_reference(x, router, gate_up, down, k, True, *routing)
