@@ -159,9 +159,14 @@ def test_greedy_decoding_past_the_window_equals_transformers_generate(
 
 
 def test_saved_folders_read_back_in_transformers(hf_checkpoint, target, tmp_path) -> None:
-    """``save_model`` writes the hub's layout back: transformers loads every tensor unchanged."""
+    """``save_model`` writes the hub's layout back: transformers loads every tensor unchanged,
+    and speculum reads the same config and weights."""
     hf, _ = hf_checkpoint
     save_model(target, tmp_path)
+    again = load_model(tmp_path)
+    assert again.config == target.config
+    ours, reloaded = target.state_dict(), again.state_dict()
+    assert all(torch.equal(ours[k], reloaded[k]) for k in ours)
     back = transformers.GptOssForCausalLM.from_pretrained(tmp_path).state_dict()
     theirs = hf.state_dict()
     assert sorted(back) == sorted(theirs)
