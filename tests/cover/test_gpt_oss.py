@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from speculum import kernels
 from speculum.models.config import CheckpointError, UnsupportedModel
 from speculum.models.decoder import SparseMoE, dense_batch
+from speculum.models.draft import random_draft
 from speculum.models.loading import load_model, save_model
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime.engine import engine_from_model
@@ -222,19 +223,24 @@ def test_the_attention_op_takes_sinks_and_passes_its_checks() -> None:
 
 @pytest.fixture(scope="module")
 def pipelines(target) -> dict:
-    """name -> (algorithm, draft, spec options) over the gpt-oss target: random EAGLE heads
-    (which rarely agree: rollback almost every round) and the target drafting for itself
-    (which always agrees: the deepest path is committed)."""
+    """name -> (algorithm, draft, spec options) over the gpt-oss target: random EAGLE, EAGLE-3
+    and MTP heads (the MTP layer of gpt-oss's own kind: sinks, biased experts), which rarely
+    agree (rollback almost every round), and the target drafting for itself, which always
+    agrees (the deepest path is committed)."""
     return {
         "plain": ("plain", None, {}),
         "eagle chain": ("eagle", agreeing_head(target, "eagle"), {"num_steps": 3}),
         "eagle tree": ("eagle", agreeing_head(target, "eagle"), "tree"),
+        "eagle3 tree": ("eagle3", random_draft(target, "eagle3", seed=11, std=0.3), "tree"),
+        "mtp tree": ("mtp", agreeing_head(target, "mtp"), "tree"),
         "standalone self": ("standalone", StandaloneHead(target, VOCAB), "tree"),
         "ngram": ("ngram", None, {"num_draft_tokens": 6}),
     }
 
 
-@pytest.mark.parametrize("name", ["eagle chain", "eagle tree", "standalone self", "ngram"])
+@pytest.mark.parametrize(
+    "name", ["eagle chain", "eagle tree", "eagle3 tree", "mtp tree", "standalone self", "ngram"]
+)
 def test_every_pipeline_equals_plain_greedy(pipelines, target, name) -> None:
     """Token for token, 30 tokens (past the window), a batch with chunked prefill: chain and
     tree verify, draft-extend and commit keep each windowed layer's window and every sink."""

@@ -2,7 +2,9 @@
 
 - fp32: over an MoE target (Qwen2-MoE-shaped: 8 experts, top 2, a gated shared expert and one
   dense layer; GLM-4.5-shaped: partial rotary, grouped sigmoid routing with a correction bias,
-  an ungated shared expert, layer 0 dense), every pipeline's captured rounds emit exactly
+  an ungated shared expert, layer 0 dense; gpt-oss-shaped: biased router and experts, the
+  clamped GLU, attention sinks, YaRN, windows of 4 keys on alternate layers), every pipeline's
+  captured rounds emit exactly
   plain greedy decoding's tokens, and exactly what its eager rounds emit.
 - bf16: captured MoE rounds run and emit every token asked for (GLM's routers in float32).
 """
@@ -59,6 +61,33 @@ FAMILIES = {
             float32_router=True,
         ),
     ),
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        {
+            "qkv_bias": True,
+            "o_bias": True,
+            "attention_sinks": True,
+            "sliding_window": 4,
+            "full_attention_layers": (1, 3),
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            norm_topk_prob=False,
+            scoring_func="softmax_topk",
+            biases=True,
+            swiglu_limit=7.0,
+        ),
+    ),
 }
 
 
@@ -77,7 +106,9 @@ def _moe_target(family: str = "qwen2-moe", dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):  # random_model zeroes biases
+            # random_model zeroes biases: the correction biases and gpt-oss's router and
+            # expert biases are drawn, so that they change the routing and the outputs.
+            if name.endswith(("_bias", "gate.bias")):
                 param.normal_(0.0, 0.3, generator=generator)
     return model.to("cuda", dtype)
 
