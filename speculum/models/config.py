@@ -10,8 +10,10 @@ DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCau
 ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose attention shapes are an
 :class:`MLAConfig`, and the hybrid ``Qwen3NextForCausalLM`` (gated DeltaNet layers between
 gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
-linear-attention shapes are a :class:`LinearAttentionConfig`. Both spellings of the rotary
-settings are read: ``rope_theta`` plus
+linear-attention shapes are a :class:`LinearAttentionConfig`, and gpt-oss
+(``GptOssForCausalLM``: alternating windowed and full layers with attention sinks, biased
+q/k/v/o, YaRN rope, MoE with a biased router, biased experts and a clamped GLU; MXFP4
+checkpoints are refused, naming the fix). Both spellings of the rotary settings are read: ``rope_theta`` plus
 ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
