@@ -13,8 +13,8 @@ gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
 linear-attention shapes are a :class:`LinearAttentionConfig`, and gpt-oss
 (``GptOssForCausalLM``: alternating windowed and full layers with attention sinks, biased
 q/k/v/o, YaRN rope, MoE with a biased router, biased experts and a clamped GLU; MXFP4
-checkpoints are refused, naming the fix). Both spellings of the rotary settings are read: ``rope_theta`` plus
-``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+checkpoints are refused, naming the fix). Both spellings of the rotary settings are read:
+``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
