@@ -32,9 +32,9 @@ Qwen2, Qwen3 and Qwen2-MoE window the layers ``layer_types`` names ``"sliding_at
 ``max_window_layers`` on; Qwen2-MoE: even layers below ``max_window_layers``), and only with
 ``use_sliding_window``; Qwen3-MoE windows every layer with ``use_sliding_window``; gpt-oss
 windows the layers ``layer_types`` names (by default the even ones) with ``sliding_window``
-(default 128), no switch needed. Llama, GLM-4.5 and DeepSeek have no window (transformers reads no ``sliding_window`` for them). A
-``layer_types`` of the wrong length or with an unknown kind is refused, and so is one naming
-sliding layers of a config without a window.
+(default 128), no switch needed. Llama, GLM-4.5 and DeepSeek have no window (transformers
+reads no ``sliding_window`` for them). A ``layer_types`` of the wrong length or with an unknown
+kind is refused, and so is one naming sliding layers of a config without a window.
 """
 
 from __future__ import annotations
