@@ -170,6 +170,7 @@ def attention_inputs(
     page_size: int,
     latent_dim: int | None = None,
     window: int = 0,
+    sinks: bool = False,
 ) -> dict:
     """Float32 inputs of ``paged_attention`` on ``gen``'s device, with a ``ref_mask`` beside.
 
@@ -179,6 +180,7 @@ def attention_inputs(
     Every pool slot that some query row (padding too, as the reference defines it) sees within
     its sliding ``window`` (0: none) holds a random value; every other slot, and every padded
     query row, holds NaN, inf or 1e30.
+    With ``sinks``, each head has a random sink logit (gpt-oss's attention sinks).
     ``ref_mask`` is ``new_mask`` where it has a column; the reference needs one tail column to
     gather from, and an all-False one sees nothing.
     """
@@ -215,6 +217,7 @@ def attention_inputs(
         "ref_mask": ref_mask,
         "scale": head_dim**-0.5,
         "window": window,
+        "sinks": 2 * torch.randn(heads, generator=gen, device=device) if sinks else None,
     }
 
 

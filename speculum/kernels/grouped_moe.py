@@ -14,7 +14,7 @@ row's ``top_k`` outputs are summed back in ascending expert order, as the refere
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,11 @@ from speculum.kernels import model_ops
 _TRITON = importlib.util.find_spec("triton") is not None
 
 __all__ = [
+    "ExpertOptions",
+    "SWIGLU",
     "ascending_pairs",
+    "down_bias_added",
+    "expert_hidden",
     "few_pairs",
     "grouped_experts",
     "grouped_mm_supported",
@@ -85,26 +89,64 @@ def weighted_sum(
     return out
 
 
+class ExpertOptions(NamedTuple):
+    """What gpt-oss's experts add to SwiGLU experts (``speculum::moe``'s last arguments): each
+    projection's per-expert bias, and the clamped GLU when ``swiglu_limit`` is above 0
+    (``model_ops.clamped_glu``)."""
+
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+
+def expert_hidden(
+    gate_up: Float[Tensor, "pair two_inter"], experts: Int[Tensor, " pair"], options: ExpertOptions
+) -> Float[Tensor, "pair inter"]:
+    """Each (row, expert) pair's activation from its gate/up projection (computed without
+    bias): the pair's expert's bias added, then SwiGLU or the clamped GLU, as the reference
+    computes them."""
+    if options.gate_up_bias is not None:
+        gate_up = gate_up + options.gate_up_bias[experts]
+    gate, up = gate_up.chunk(2, dim=-1)
+    if options.swiglu_limit > 0:
+        hidden = model_ops.clamped_glu(gate, up, options.swiglu_limit, options.swiglu_alpha)
+    else:
+        hidden = F.silu(gate) * up
+    return hidden.contiguous()
+
+
+def down_bias_added(
+    out: Float[Tensor, "pair hidden"], experts: Int[Tensor, " pair"], options: ExpertOptions
+) -> Float[Tensor, "pair hidden"]:
+    """Each pair's down projection plus its expert's bias, where the experts have one."""
+    return out if options.down_bias is None else out + options.down_bias[experts]
+
+
+#: SwiGLU experts without biases (every family but gpt-oss).
+SWIGLU = ExpertOptions()
+
+
 def grouped_experts(
     rows: Float[Tensor, "row hidden"],
     top_weights: Float[Tensor, "row k"],
     top_index: Int[Tensor, "row k"],
     experts_gate_up: Float[Tensor, "expert two_inter hidden"],
     experts_down: Float[Tensor, "expert hidden inter"],
+    options: ExpertOptions = SWIGLU,
 ) -> Float[Tensor, "row hidden"]:
     """``sum_j top_weights[r, j] * down_e(silu(gate_e(x_r)) * up_e(x_r))`` over each row's
-    selected experts ``e = top_index[r, j]``, summed as :func:`weighted_sum` sums them. Needs
-    ``grouped_mm_supported(rows, experts_down)``."""
+    selected experts ``e = top_index[r, j]`` (gpt-oss's experts with ``options``), summed as
+    :func:`weighted_sum` sums them. Needs ``grouped_mm_supported(rows, experts_down)``."""
     num_rows, k = top_index.shape
     weights, expert_of_pair = ascending_pairs(top_weights, top_index)
     order = expert_of_pair.argsort(stable=True)
+    experts = expert_of_pair[order]
     offsets = _expert_offsets(expert_of_pair, experts_gate_up.shape[0])
-    gate, up = torch._grouped_mm(
-        rows[order // k], experts_gate_up.transpose(1, 2), offs=offsets
-    ).chunk(2, dim=-1)
-    pair_out = torch._grouped_mm(
-        (F.silu(gate) * up).contiguous(), experts_down.transpose(1, 2), offs=offsets
-    )
+    gate_up = torch._grouped_mm(rows[order // k], experts_gate_up.transpose(1, 2), offs=offsets)
+    hidden = expert_hidden(gate_up, experts, options)
+    pair_out = torch._grouped_mm(hidden, experts_down.transpose(1, 2), offs=offsets)
+    pair_out = down_bias_added(pair_out, experts, options)
     # Back to (row, j) order.
     unsorted = torch.empty_like(pair_out).index_copy_(0, order, pair_out)
     return weighted_sum(unsorted.view(num_rows, k, -1), weights, rows.dtype)
@@ -127,20 +169,24 @@ def moe_cuda(
     *routing: Any,
 ) -> Tensor:
     """The CUDA kernel of ``speculum::moe``: the reference's routing
-    (``model_ops.moe_row_weights``, the op's further ``routing`` arguments included), then the
+    (``model_ops.moe_row_weights``, the op's further routing arguments included), then the
     pairwise Triton kernel for :func:`few_pairs` (where Triton is installed), else
     :func:`grouped_experts`, where ``torch._grouped_mm`` runs (else the dense reference). The
-    choice depends on shapes alone, so a captured graph keeps it."""
+    choice depends on shapes alone, so a captured graph keeps it. gpt-oss's experts (the
+    arguments past the routing ones: :class:`ExpertOptions`) take the same paths."""
     if not grouped_mm_supported(x, experts_down):
         return model_ops.moe_reference(
             x, router, experts_gate_up, experts_down, top_k, renormalize, *routing
         ).contiguous()
+    routing, options = routing[: model_ops.ROUTING_ARGS], routing[model_ops.ROUTING_ARGS :]
     rows = x.reshape(-1, x.shape[-1])
     weights = model_ops.moe_row_weights(rows, router, top_k, renormalize, *routing)
     routed_by = grouped_experts
     if few_pairs(rows.shape[0] * top_k, experts_down.shape[0]) and _TRITON:
         from speculum.kernels.triton_moe import pairwise_experts as routed_by
-    routed = routed_by(rows, *weights.topk(top_k), experts_gate_up, experts_down)
+    routed = routed_by(
+        rows, *weights.topk(top_k), experts_gate_up, experts_down, ExpertOptions(*options)
+    )
     return routed.view(x.shape)
 
 

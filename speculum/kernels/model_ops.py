@@ -24,6 +24,8 @@ from speculum.spec import paged as spec_paged
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "clamped_glu",
+    "ROUTING_ARGS",
     "moe",
     "moe_reference",
     "moe_routing_weights",
@@ -109,6 +111,17 @@ def silu_mul_reference(
     return F.silu(gate) * up
 
 
+def clamped_glu(
+    gate: Float[Tensor, "*rows inter"], up: Float[Tensor, "*rows inter"], limit: float, alpha: float
+) -> Float[Tensor, "*rows inter"]:
+    """gpt-oss's expert activation: ``gate`` clamped to at most ``limit``, ``up`` to ``[-limit,
+    limit]``, then ``(up + 1) * (gate * sigmoid(gate * alpha))``, rounded step by step as
+    transformers rounds it."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe_routing_weights(
     logits: Float[Tensor, "rows expert"],
     top_k: int,
@@ -122,10 +135,11 @@ def moe_routing_weights(
     sorted_topk: bool = True,
 ) -> Float[Tensor, "rows expert"]:
     """Each row's weight per expert, in float32, as transformers' routers compute them step by
-    step: the scores (softmax in float32, or the sigmoid of ``logits``); the ``top_k`` experts
-    chosen by ``topk_method`` (``models.config.TOPK_METHODS``) over the scores plus
-    ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, which only chooses); the
-    chosen experts' unbiased scores, divided by their sum plus 1e-20 when ``renormalize``
+    step: the scores (softmax in float32, or the sigmoid of ``logits``, or for ``softmax_topk``
+    (gpt-oss) the logits themselves, the chosen ones' softmax becoming their weights); the
+    ``top_k`` experts chosen by ``topk_method`` (``models.config.TOPK_METHODS``) over the scores
+    plus ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, which only chooses);
+    the chosen experts' unbiased scores, divided by their sum plus 1e-20 when ``renormalize``
     (DeepSeek-V3's epsilon: for softmax scores, whose top-k sum is at least 1/experts, it
     changes no bit of Qwen's plain division), times ``routed_scaling_factor``; zero for every
     other expert.
@@ -136,13 +150,17 @@ def moe_routing_weights(
     """
     if scoring_func == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
+    elif scoring_func == "sigmoid":
         scores = logits.float().sigmoid()
+    else:  # softmax_topk: chosen by logit, weighted by the softmax over the chosen
+        scores = logits.float()
     choice = scores if correction_bias is None else scores + correction_bias
     if topk_method != "greedy":
         choice = _best_groups_only(choice, topk_method, n_group, topk_group)
     index = choice.topk(top_k, dim=-1, sorted=sorted_topk)[1]
     top = scores.gather(-1, index)
+    if scoring_func == "softmax_topk":
+        top = torch.softmax(top, dim=-1)
     if renormalize:
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
     top = top * routed_scaling_factor
@@ -182,12 +200,18 @@ def moe_row_weights(
     routed_scaling_factor: float = 1.0,
     correction_bias: Float[Tensor, " expert"] | None = None,
     float32_router: bool = False,
+    router_bias: Float[Tensor, " expert"] | None = None,
 ) -> Float[Tensor, "row expert"]:
     """Each row's weight per expert as :func:`moe_reference` scales the experts' outputs by
     them: the router logits (from float32 activations and weights with ``float32_router``, else
-    in ``rows.dtype``) routed by :func:`moe_routing_weights`; float32 with ``float32_router``,
-    else rounded to ``rows.dtype``. Every kernel of ``speculum::moe`` routes through here."""
-    logits = F.linear(rows.float(), router.float()) if float32_router else F.linear(rows, router)
+    in ``rows.dtype``; plus ``router_bias``, gpt-oss's) routed by :func:`moe_routing_weights`;
+    float32 with ``float32_router``, else rounded to ``rows.dtype``. Every kernel of
+    ``speculum::moe`` routes through here."""
+    if float32_router:
+        bias = None if router_bias is None else router_bias.float()
+        logits = F.linear(rows.float(), router.float(), bias)
+    else:
+        logits = F.linear(rows, router, router_bias)
     weights = moe_routing_weights(
         logits,
         top_k,
@@ -217,9 +241,18 @@ def moe_reference(
     routed_scaling_factor: float = 1.0,
     correction_bias: Float[Tensor, " expert"] | None = None,
     float32_router: bool = False,
+    router_bias: Float[Tensor, " expert"] | None = None,
+    gate_up_bias: Float[Tensor, "expert two_inter"] | None = None,
+    down_bias: Float[Tensor, "expert hidden"] | None = None,
+    swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 1.702,
 ) -> Float[Tensor, "*rows hidden"]:
     """The routed experts of a mixture-of-experts MLP: ``sum_e w[row, e] * down_e(silu(gate_e
     (x)) * up_e(x))`` with the weights of :func:`moe_routing_weights`.
+
+    gpt-oss's experts: each projection adds its expert's bias (``gate_up_bias``, ``down_bias``,
+    after the matmul, as transformers adds them), and with ``swiglu_limit`` above 0 the
+    activation is :func:`clamped_glu` instead of ``silu(gate) * up``.
 
     Two conventions, as transformers has them: by default (Qwen, Mixtral) the router logits are
     computed in ``x.dtype``, the top-k is sorted, and the weights are rounded to ``x.dtype``
@@ -251,11 +284,21 @@ def moe_reference(
         routed_scaling_factor,
         correction_bias,
         float32_router,
+        router_bias,
     )
     out = torch.zeros_like(rows)
     for expert in range(experts_gate_up.shape[0]):
-        gate, up = F.linear(rows, experts_gate_up[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(silu_mul_reference(gate, up), experts_down[expert])
+        gate_up = F.linear(rows, experts_gate_up[expert])
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias[expert]
+        gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu_limit > 0:
+            hidden = clamped_glu(gate, up, swiglu_limit, swiglu_alpha)
+        else:
+            hidden = silu_mul_reference(gate, up)
+        expert_out = F.linear(hidden, experts_down[expert])
+        if down_bias is not None:
+            expert_out = expert_out + down_bias[expert]
         weight = weights[:, expert, None]
         out = out + torch.where(weight != 0, (expert_out * weight).to(x.dtype), 0)
     return out.view(x.shape)
@@ -320,6 +363,11 @@ def moe(
     routed_scaling_factor: float = 1.0,
     correction_bias: Tensor | None = None,
     float32_router: bool = False,
+    router_bias: Tensor | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 1.702,
 ) -> Tensor:
     """The routed experts of a mixture-of-experts MLP (see :func:`moe_reference`, also the
     kernel CUDA tensors run until a grouped-GEMM kernel is registered)."""
@@ -337,7 +385,17 @@ def moe(
         routed_scaling_factor,
         correction_bias,
         float32_router,
+        router_bias,
+        gate_up_bias,
+        down_bias,
+        swiglu_limit,
+        swiglu_alpha,
     ).contiguous()
+
+
+#: How many of ``speculum::moe``'s arguments after ``renormalize`` route (``scoring_func`` ..
+#: ``router_bias``, :func:`moe_row_weights`'s); the rest shape the experts' computation.
+ROUTING_ARGS = 8
 
 
 @rms_norm.register_fake

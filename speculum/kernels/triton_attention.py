@@ -48,6 +48,12 @@ Design
   and starts its prefix tiles at the tile holding the block's smallest one, so tiles wholly
   outside every row's window are neither loaded nor visited. A skipped tile would have added
   nothing (probabilities 0, running max unchanged), so outputs keep their bits.
+* **Attention sinks** (gpt-oss, ``sinks [head]``): a head's sink logit joins only the
+  softmax's denominator, so it is one term added where the row sum is final, ``exp2(sink *
+  log2(e) - m)`` (base-2 exponents, as for the scores), against the row's running max ``m`` at
+  the normalisation (no split) or the largest partial max in the combine kernel (split). A row
+  that saw no key keeps ``m = -inf``, so its sink term is ``inf`` and its output ``0 / inf =
+  0``, as the reference gives.
 * **CUDA graphs**: every launch parameter (grid, block sizes, splits) is a function of shapes and
   the device alone; lengths are read on the device, so a launch can be captured and replayed.
 
@@ -179,6 +185,7 @@ def _attention_kernel(
     out_ptr,
     m_ptr,
     l_ptr,
+    sinks_ptr,
     qk_scale,
     num_q,
     num_tail,
@@ -221,6 +228,7 @@ def _attention_kernel(
     TOKENS: tl.constexpr,
     SCAN_N: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One (query block, request x KV head, split) program; see the module docstring.
 
@@ -342,6 +350,9 @@ def _attention_kernel(
     acc = tl.where(row_ok[:, None], acc, 0.0)
     l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
     if SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
+            l_i += tl.exp2(sink - m_i)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr
@@ -369,6 +380,7 @@ def _combine_kernel(
     acc_ptr,
     m_ptr,
     l_ptr,
+    sinks_ptr,
     out_ptr,
     num_q,
     num_heads,
@@ -380,9 +392,10 @@ def _combine_kernel(
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Merge the ``SPLITS`` partials of one (request, query, head) row into its output
-    (``HEAD_DIM``: the values' width)."""
+    (``HEAD_DIM``: the values' width), the head's sink in the denominator when it has one."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (num_q * num_heads)
     qi = (row // num_heads) % num_q
@@ -402,6 +415,8 @@ def _combine_kernel(
     # All splits empty (padding row, or a query that sees nothing): weights 0, output 0.
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     total = tl.sum(weight * l_s, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head) - m_max)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + b * stride_ob + qi * stride_oi + head * stride_oh + d * stride_od,
@@ -505,6 +520,7 @@ def paged_attention_triton(
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
     window: int = 0,
+    sinks: Float[Tensor, " head"] | None = None,
     *,
     num_splits: int | None = None,
     out: Float[Tensor, "batch q head head_dim"] | None = None,
@@ -521,6 +537,8 @@ def paged_attention_triton(
 
     ``window`` above 0: each query sees its last ``window`` keys only (sliding-window
     attention, ``spec.attention.window_limits``).
+
+    ``sinks``: each head's sink logit joins its softmax's denominator (gpt-oss).
 
     ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
     receives the result in place of a fresh tensor (tests poison it to prove every element is
@@ -560,6 +578,9 @@ def paged_attention_triton(
     first_key = prefix_lens[:, None]
     if window:
         first_key, new_mask = window_limits(prefix_lens, new_mask, window)
+    # The kernels' exponentials are base 2, so the sinks are scaled by log2(e) like the scores
+    # (any pointer stands in when there are none).
+    sinks2 = q if sinks is None else sinks.float() * math.log2(math.e)
     # Triton loads bytes; a bool tensor reinterpreted as uint8 keeps its (maybe 0) strides.
     mask = new_mask.view(torch.uint8)
     _attention_kernel[(q_blocks, batch * kv_heads, num_splits)](
@@ -574,6 +595,7 @@ def paged_attention_triton(
         target,
         m,
         l_sum,
+        sinks2,
         scale * math.log2(math.e),
         num_q,
         mask.shape[2],
@@ -600,6 +622,7 @@ def paged_attention_triton(
         TOKENS=tiles["TOKENS"],
         SCAN_N=tiles["SCAN_N"],
         WINDOWED=window > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
@@ -608,6 +631,7 @@ def paged_attention_triton(
             acc,
             m,
             l_sum,
+            sinks2,
             out,
             num_q,
             heads,
@@ -616,6 +640,7 @@ def paged_attention_triton(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM=v_dim,
             BLOCK_D=tiles["BLOCK_DV"],
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out

@@ -15,13 +15,19 @@ experts); no host sync, no shape that depends on the routing (capturable).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.kernels.grouped_moe import ascending_pairs, weighted_sum
+from speculum.kernels.grouped_moe import (
+    SWIGLU,
+    ExpertOptions,
+    ascending_pairs,
+    down_bias_added,
+    expert_hidden,
+    weighted_sum,
+)
 
 __all__ = ["pairwise_experts"]
 
@@ -96,12 +102,16 @@ def pairwise_experts(
     top_index: Int[Tensor, "row k"],
     experts_gate_up: Float[Tensor, "expert two_inter hidden"],
     experts_down: Float[Tensor, "expert hidden inter"],
+    options: ExpertOptions = SWIGLU,
 ) -> Float[Tensor, "row hidden"]:
     """What ``grouped_moe.grouped_experts`` computes (each row's selected experts' weighted
-    sum, as ``grouped_moe.weighted_sum`` sums it), one matrix-vector product per (row, expert)
-    pair. Weights must be contiguous in their last axis."""
+    sum, as ``grouped_moe.weighted_sum`` sums it; gpt-oss's experts with ``options``), one
+    matrix-vector product per (row, expert) pair. Weights must be contiguous in their last
+    axis."""
     num_rows, k = top_index.shape
     weights, expert_of_pair = ascending_pairs(top_weights, top_index)
-    gate, up = _gemv(rows.contiguous(), experts_gate_up, expert_of_pair, k).chunk(2, dim=-1)
-    pair_out = _gemv((F.silu(gate) * up).contiguous(), experts_down, expert_of_pair, 1)
+    gate_up = _gemv(rows.contiguous(), experts_gate_up, expert_of_pair, k)
+    hidden = expert_hidden(gate_up, expert_of_pair, options)
+    pair_out = _gemv(hidden, experts_down, expert_of_pair, 1)
+    pair_out = down_bias_added(pair_out, expert_of_pair, options)
     return weighted_sum(pair_out.view(num_rows, k, -1), weights, rows.dtype)

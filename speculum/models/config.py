@@ -10,9 +10,11 @@ DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCau
 ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose attention shapes are an
 :class:`MLAConfig`, and the hybrid ``Qwen3NextForCausalLM`` (gated DeltaNet layers between
 gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
-linear-attention shapes are a :class:`LinearAttentionConfig`. Both spellings of the rotary
-settings are read: ``rope_theta`` plus
-``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+linear-attention shapes are a :class:`LinearAttentionConfig`, and gpt-oss
+(``GptOssForCausalLM``: alternating windowed and full layers with attention sinks, biased
+q/k/v/o, YaRN rope, MoE with a biased router, biased experts and a clamped GLU; MXFP4
+checkpoints are refused, naming the fix). Both spellings of the rotary settings are read:
+``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
@@ -28,10 +30,11 @@ Sliding-window attention: Mistral and Mixtral window every layer with ``sliding_
 Qwen2, Qwen3 and Qwen2-MoE window the layers ``layer_types`` names ``"sliding_attention"``
 (transformers 5 writes it), else by transformers' default rule (Qwen2/Qwen3: layers from
 ``max_window_layers`` on; Qwen2-MoE: even layers below ``max_window_layers``), and only with
-``use_sliding_window``; Qwen3-MoE windows every layer with ``use_sliding_window``. Llama, GLM-4.5
-and DeepSeek have no window (transformers reads no ``sliding_window`` for them). A
-``layer_types`` of the wrong length or with an unknown kind is refused, and so is one naming
-sliding layers of a config without a window.
+``use_sliding_window``; Qwen3-MoE windows every layer with ``use_sliding_window``; gpt-oss
+windows the layers ``layer_types`` names (by default the even ones) with ``sliding_window``
+(default 128), no switch needed. Llama, GLM-4.5 and DeepSeek have no window (transformers
+reads no ``sliding_window`` for them). A ``layer_types`` of the wrong length or with an unknown
+kind is refused, and so is one naming sliding layers of a config without a window.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM",
+    "GptOssForCausalLM",
 )
 #: architecture -> transformers' ``model_type``
 MODEL_TYPES = {
@@ -83,13 +87,22 @@ MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "GptOssForCausalLM": "gpt_oss",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Architectures whose every layer takes ``sliding_window`` (transformers reads no
 #: ``layer_types`` for them).
 WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 #: Architectures whose windowed layers follow ``layer_types`` (or transformers' default rule).
-WINDOW_BY_LAYER_TYPE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
+WINDOW_BY_LAYER_TYPE = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "GptOssForCausalLM",
+)
+#: Architectures whose ``layer_types`` and ``sliding_window`` are read without a
+#: ``use_sliding_window`` switch (gpt-oss: alternating windowed and full layers by default).
+WINDOW_WITHOUT_SWITCH = ("MistralForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 #: The attention kinds ``layer_types`` may name.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Architectures whose attention is multi-head latent attention (:class:`MLAConfig`).
@@ -123,6 +136,7 @@ _DENSE_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM": "Qwen3ForCausalLM",
+    "GptOssForCausalLM": "LlamaForCausalLM",
 }
 #: Architectures with DeepSeek-style MoE settings (``n_routed_experts``, ``n_shared_experts``,
 #: ``first_k_dense_replace``, ``n_group`` ...) -> transformers' defaults for the routing keys
@@ -159,8 +173,10 @@ _DEEPSEEK_STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 2.5,
     },
 }
-#: How router logits become expert scores.
-SCORING_FUNCS = ("softmax", "sigmoid")
+#: How router logits become expert scores: their softmax over every expert, their sigmoid, or
+#: (``softmax_topk``, gpt-oss) the softmax over the chosen experts' logits only, after the top
+#: k is taken from the logits.
+SCORING_FUNCS = ("softmax", "sigmoid", "softmax_topk")
 #: How the ``top_k`` experts are chosen: plain top-k (``greedy``: Qwen, Mixtral, DeepSeek-V2),
 #: or top-k inside the ``topk_group`` best of ``n_group`` groups of consecutive experts, a group
 #: ranked by its best score (``group_limited_greedy``: DeepSeek-V2) or by the sum of its two best
@@ -203,6 +219,14 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     float32_router: bool = False
+    #: gpt-oss: the router has a bias (``mlp.router.bias``), and every expert's gate/up and
+    #: down projections have biases.
+    biases: bool = False
+    #: gpt-oss's clamped GLU when above 0: ``gate`` clamped to at most ``swiglu_limit``, ``up``
+    #: to ``[-swiglu_limit, swiglu_limit]``, then ``(up + 1) * gate * sigmoid(swiglu_alpha *
+    #: gate)``; 0 is SwiGLU's ``silu(gate) * up``.
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -378,6 +402,9 @@ class DecoderConfig:
     #: Layers that attend to their whole context although ``sliding_window`` is set (Qwen's
     #: ``full_attention`` layers); every other layer sees the last ``sliding_window`` keys.
     full_attention_layers: tuple[int, ...] = ()
+    #: gpt-oss: each attention head has a learned sink logit (``self_attn.sinks``) that joins
+    #: the softmax's denominator and carries no value.
+    attention_sinks: bool = False
 
     def attention_window(self, layer: int) -> int:
         """How many keys (the query's own included) a query of layer ``layer`` sees at most:
@@ -428,6 +455,7 @@ class DecoderConfig:
                 f"{where}: architecture {arch!r} is not supported; speculum runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        _check_unquantized(raw, where)
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(
                 f"{where}: hidden_act {raw['hidden_act']!r}: only 'silu' is supported"
@@ -446,7 +474,8 @@ class DecoderConfig:
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         glm = arch == "Glm4MoeForCausalLM"
         qwen3_next = arch == "Qwen3NextForCausalLM"
-        attention_bias = bool(raw.get("attention_bias", False))
+        gpt_oss = arch == "GptOssForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", gpt_oss))
         head_dim = mla.qk_rope_head_dim if mla else _head_dim(raw, hidden, heads, where)
         eos_ids = _token_ids(raw, "eos_token_id", where, size["vocab_size"])
         nextn = _integer(raw, "num_nextn_predict_layers", where, minimum=0, default=0)
@@ -460,7 +489,9 @@ class DecoderConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, "1e-6"),
+            rms_norm_eps=_positive(
+                raw.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6), "rms_norm_eps", where, "1e-6"
+            ),
             rope_theta=rope[0],
             rope_scaling=rope[1],
             max_position_embeddings=_integer(
@@ -485,6 +516,7 @@ class DecoderConfig:
             linear=_linear_settings(raw, where, size["num_hidden_layers"]) if qwen3_next else None,
             attention_output_gate=qwen3_next,
             norm_offset=1.0 if qwen3_next else 0.0,
+            attention_sinks=gpt_oss,
         )
 
     @classmethod
@@ -511,6 +543,9 @@ class DecoderConfig:
         shapes and partial rotary, every layer a plain attention layer): the shape of draft
         layers built like the target's for training (EAGLE, EAGLE-3, block and frozen-KV
         drafts; MTP layers keep the target's own kind)."""
+        # gpt-oss's sibling is a Llama with its head shapes, biases and YaRN rope, but no
+        # window (Llama reads none) and no sinks.
+        no_window = {"sliding_window": None, "full_attention_layers": ()}
         return attrs.evolve(
             self,
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
@@ -518,6 +553,8 @@ class DecoderConfig:
             linear=None,
             attention_output_gate=False,
             norm_offset=0.0,
+            attention_sinks=False,
+            **(no_window if self.architecture == "GptOssForCausalLM" else {}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -567,13 +604,15 @@ def _window_settings(
     (module docstring): no window where the architecture or ``use_sliding_window`` has none."""
     if arch not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPE:
         return None, ()
-    used = arch in ("MistralForCausalLM", "MixtralForCausalLM") or _boolean(
-        raw, "use_sliding_window", where, False
-    )
-    window = _integer(raw, "sliding_window", where, minimum=1) if used else None
+    gpt_oss = arch == "GptOssForCausalLM"
+    used = arch in WINDOW_WITHOUT_SWITCH or _boolean(raw, "use_sliding_window", where, False)
+    default = 128 if gpt_oss else None
+    window = _integer(raw, "sliding_window", where, minimum=1, default=default) if used else None
     if arch in WINDOW_EVERY_LAYER:
         return window, ()
     types = raw.get("layer_types")
+    if types is None and gpt_oss:  # transformers' default: windowed, full, windowed, ...
+        types = [("sliding_attention", "full_attention")[n % 2] for n in range(num_layers)]
     if types is None:
         first = _integer(raw, "max_window_layers", where, minimum=0, default=28)
         qwen2_moe = arch == "Qwen2MoeForCausalLM"
@@ -605,7 +644,8 @@ def _window_dict(config: DecoderConfig) -> dict[str, Any]:
     """The sliding-window keys of ``config.json`` as transformers reads them for the
     architecture: ``layer_types`` where it is read, ``use_sliding_window`` for Qwen's."""
     keys: dict[str, Any] = {"sliding_window": config.sliding_window}
-    if config.architecture in WINDOW_BY_LAYER_TYPE + ("Qwen3MoeForCausalLM",):
+    switched = WINDOW_BY_LAYER_TYPE + ("Qwen3MoeForCausalLM",)
+    if config.architecture in switched and config.architecture not in WINDOW_WITHOUT_SWITCH:
         keys["use_sliding_window"] = config.sliding_window is not None
     if config.architecture in WINDOW_BY_LAYER_TYPE:
         keys["layer_types"] = [
@@ -629,6 +669,13 @@ def _moe_dict(config: DecoderConfig) -> dict[str, Any]:
     if config.architecture == "MixtralForCausalLM":
         # Mixtral's intermediate_size is the experts' (and always renormalises the top k).
         return {**routing, "num_local_experts": moe.num_experts}
+    if config.architecture == "GptOssForCausalLM":  # intermediate_size is the experts' too
+        return {
+            **routing,
+            "num_local_experts": moe.num_experts,
+            "swiglu_limit": moe.swiglu_limit,
+            "swiglu_alpha": moe.swiglu_alpha,
+        }
     if config.architecture in _DEEPSEEK_STYLE_DEFAULTS:
         return {
             **routing,
@@ -778,6 +825,27 @@ def _glm4_moe_dict(config: DecoderConfig) -> dict[str, Any]:
     return {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm}
 
 
+def _check_unquantized(raw: dict[str, Any], where: str) -> None:
+    """Refuse quantized checkpoints (``quantization_config``): speculum loads float weights
+    only. The released gpt-oss checkpoints are MXFP4; the error says how to dequantize."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    fix = "load float (bfloat16) weights"
+    if method == "mxfp4":
+        fix = (
+            "dequantize to bfloat16 first: transformers.GptOssForCausalLM.from_pretrained("
+            "folder, quantization_config=transformers.Mxfp4Config(dequantize=True), "
+            "dtype=torch.bfloat16).save_pretrained(new_folder), or use a bf16 export (e.g. "
+            "unsloth/gpt-oss-20b-BF16)"
+        )
+    raise UnsupportedModel(
+        f"{where}: quantization_config.quant_method {method!r}: speculum loads unquantized "
+        f"weights only; {fix}"
+    )
+
+
 def _arch_from_model_type(model_type: str | None) -> str:
     by_type = {kind: arch for arch, kind in MODEL_TYPES.items()}
     return by_type.get(model_type or "", f"<model_type {model_type!r}>")
@@ -875,6 +943,19 @@ def _moe_settings(
         size = _required_integer(raw, "intermediate_size", where, "each expert's width")
         return MoEConfig(
             num_experts=experts, top_k=top_k, expert_intermediate_size=size, norm_topk_prob=True
+        )
+    if arch == "GptOssForCausalLM":
+        return MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=_required_integer(
+                raw, "intermediate_size", where, "each expert's width"
+            ),
+            norm_topk_prob=False,
+            scoring_func="softmax_topk",
+            biases=True,
+            swiglu_limit=_positive(raw.get("swiglu_limit", 7.0), "swiglu_limit", where, "7.0"),
+            swiglu_alpha=_positive(raw.get("swiglu_alpha", 1.702), "swiglu_alpha", where, "1.702"),
         )
     shared = 0
     if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
@@ -1059,11 +1140,28 @@ def _rope_theta(raw: dict[str, Any], params: dict[str, Any], where: str) -> floa
     return next(iter(given.values()), 10000.0)
 
 
+#: transformers' rope settings for a gpt-oss config that names none.
+_GPT_OSS_ROPE = {
+    "rope_theta": 150000.0,
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+#: Architectures whose rope may be YaRN-scaled: DeepSeek's latent attention, gpt-oss, and
+#: Llama (gpt-oss's dense sibling, :meth:`DecoderConfig.dense`).
+YARN_ARCHITECTURES = (*MLA_ARCHITECTURES, "GptOssForCausalLM", "LlamaForCausalLM")
+
+
 def _rope_settings(
     raw: dict[str, Any], where: str, arch: str
 ) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
+    if arch == "GptOssForCausalLM" and not (params or scaling):
+        params = {**_GPT_OSS_ROPE, "rope_theta": raw.get("rope_theta") or 150000.0}
     theta = _rope_theta(raw, params, where)
     source = dict(scaling or params)
     source.pop("rope_theta", None)
@@ -1083,12 +1181,12 @@ def _rope_settings(
 
 
 def _check_yarn(source: dict[str, Any], section: str, where: str, arch: str) -> None:
-    """YaRN scaling is read for the latent-attention architectures (whose softmax scale and
-    rotary tables it corrects, see ``decoder.rope_attention_factor``) with the two keys of
+    """YaRN scaling is read for :data:`YARN_ARCHITECTURES` (its rotary tables and the factor
+    it scales attention scores by, see ``decoder.rope_attention_factor``) with the two keys of
     ``section`` (``rope_scaling`` or ``rope_parameters``) it cannot do without."""
-    if arch not in MLA_ARCHITECTURES:
+    if arch not in YARN_ARCHITECTURES:
         raise UnsupportedModel(
-            f"{where}: rope type 'yarn' is supported for {', '.join(MLA_ARCHITECTURES)} only, "
+            f"{where}: rope type 'yarn' is supported for {', '.join(YARN_ARCHITECTURES)} only, "
             f"not {arch}"
         )
     for key in ("factor", "original_max_position_embeddings"):

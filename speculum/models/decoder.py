@@ -3,8 +3,9 @@
 Each layer composes an attention block and an MLP block chosen from the config: grouped-query
 :class:`Attention`, or DeepSeek's multi-head latent attention (:class:`LatentAttention`, over a
 cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`)
-in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek checkpoints; the one
-forward runs them all.
+in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek and gpt-oss
+checkpoints (gpt-oss's attention sinks, biased experts and clamped GLU are options of the same
+blocks); the one forward runs them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
@@ -291,7 +292,10 @@ class Attention(nn.Module):
     ``input_size`` is the width of ``x`` (the q/k/v projections' input); it defaults to
     ``hidden_size``. EAGLE-3's draft layer attends over ``[embedding; hidden]``, twice as wide.
     ``window`` is the layer's sliding window (``config.attention_window``; 0: full attention):
-    a query sees its last ``window`` keys, itself included.
+    a query sees its last ``window`` keys, itself included. With ``config.attention_sinks``
+    (gpt-oss) each head's learned ``sinks`` logit joins the softmax's denominator. Under YaRN
+    rope the scores are scaled by the square of its attention factor (transformers scales the
+    rotated queries and keys by it; the values are not rotated).
     """
 
     def __init__(self, config: DecoderConfig, layer: int, input_size: int | None = None) -> None:
@@ -312,6 +316,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.qkv: FusedLinear | None = None
+        self.scale = rope_attention_factor(config) ** 2 / math.sqrt(config.head_dim)
+        sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
+        self.register_parameter("sinks", sinks)
 
     def fuse_(self) -> None:
         """Keep the q, k and v weights (and biases) in one tensor (see :func:`fuse_projections_`);
@@ -383,8 +390,9 @@ class Attention(nn.Module):
             batch.prefix_lens,
             batch.q_lens,
             batch.new_mask,
-            1.0 / math.sqrt(self.head_dim),
+            self.scale,
             self.window,
+            self.sinks,
         )
 
     def forward(
@@ -400,7 +408,8 @@ class Attention(nn.Module):
         if pool is None:
             qs, ks = (apply_rope(t, batch.positions, inv_freq) for t in (qs, ks))
             _, mask = window_limits(batch.prefix_lens, batch.new_mask, self.window)
-            return self.o_proj(dense_attention(qs, ks, vs, mask).flatten(2))
+            out = dense_attention(qs, ks, vs, mask, self.scale, self.sinks)
+            return self.o_proj(out.flatten(2))
         qs = kernels.model_ops.rope_write_kv(
             qs,
             ks,
@@ -420,18 +429,23 @@ def dense_attention(
     vs: Float[Tensor, "batch k kv_head head_dim"],
     mask: Bool[Tensor, "batch q k"],
     scale: float | None = None,
+    sinks: Float[Tensor, " head"] | None = None,
 ) -> Float[Tensor, "batch q head v_dim"]:
     """Grouped-query softmax attention of ``qs`` over ``ks``/``vs`` where ``mask`` allows, with
-    no cache (training), scaled by ``scale`` (default ``head_dim ** -0.5``). Every query must
-    see at least one key."""
+    no cache (training), scaled by ``scale`` (default ``head_dim ** -0.5``), each head's
+    ``sinks`` logit (gpt-oss) joining the denominator. Every query must see at least one
+    key."""
     group = qs.shape[2] // ks.shape[2]
-    out = F.scaled_dot_product_attention(
-        qs.transpose(1, 2),
-        ks.repeat_interleave(group, dim=2).transpose(1, 2),
-        vs.repeat_interleave(group, dim=2).transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=1.0 / math.sqrt(qs.shape[-1]) if scale is None else scale,
-    )
+    scale = 1.0 / math.sqrt(qs.shape[-1]) if scale is None else scale
+    qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scale)
+    if sinks is not None:
+        # A sink adds exp(sink) to the denominator: the output shrinks by the share the keys
+        # keep, sum / (sum + exp(sink)) = sigmoid(logsumexp(scores) - sink).
+        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
+        keep = torch.sigmoid(scores.logsumexp(-1) - sinks[:, None].to(scores.dtype))
+        out = out * keep[..., None].to(out.dtype)
     return out.transpose(1, 2)
 
 
@@ -887,8 +901,9 @@ def dense_weight(linear: nn.Linear | Fp8Linear, dtype: torch.dtype) -> Float[Ten
 class Router(nn.Module):
     """A mixture-of-experts router: ``weight [E, H]`` scores every expert, and for
     ``noaux_tc`` routing (DeepSeek-V3, GLM-4.5) ``e_score_correction_bias [E]`` is added to the
-    scores to choose the experts (not to weight them). Named as the hub names them
-    (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``).
+    scores to choose the experts (not to weight them); gpt-oss's router adds ``bias [E]`` to its
+    logits. Named as the hub names them (``mlp.gate.weight``,
+    ``mlp.gate.e_score_correction_bias``; gpt-oss: ``mlp.router.weight``, ``mlp.router.bias``).
 
     With ``keep_float32`` (DeepSeek, GLM-4.5) the router stays float32 when the model is cast
     to another dtype, as transformers keeps it (``_keep_in_fp32_modules_strict``): the
@@ -896,13 +911,19 @@ class Router(nn.Module):
     would change which experts tokens go to."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, correction_bias: bool, keep_float32: bool
+        self,
+        hidden_size: int,
+        num_experts: int,
+        correction_bias: bool,
+        keep_float32: bool,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias: nn.Parameter | None = None
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(num_experts)) if bias else None)
         self.keep_float32 = keep_float32
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
@@ -918,14 +939,16 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP (``config.moe``): a :class:`Router` ``gate`` scoring every
     expert, the experts' SwiGLU weights stacked for batched kernels (``experts_gate_up [E, 2I,
-    H]``, each expert's gate rows then its up rows, and ``experts_down [E, H, I]``), and, where
-    the config has one, a shared expert every token goes through: Qwen2-MoE's
-    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``, or DeepSeek's and
-    GLM-4.5's ungated ``shared_experts`` (``n_shared_experts`` experts wide).
+    H]``, each expert's gate rows then its up rows, and ``experts_down [E, H, I]``; gpt-oss's
+    biases ``experts_gate_up_bias [E, 2I]`` and ``experts_down_bias [E, H]`` and its clamped
+    GLU with ``config.moe.biases`` and ``swiglu_limit``), and, where the config has one, a
+    shared expert every token goes through: Qwen2-MoE's ``shared_expert`` scaled by
+    ``sigmoid(shared_expert_gate(x))``, or DeepSeek's and GLM-4.5's ungated ``shared_experts``
+    (``n_shared_experts`` experts wide).
 
     The routed part is the custom op ``speculum::moe`` (``kernels.model_ops.moe``), free of
-    host syncs and data-dependent shapes. Checkpoints store the experts one by one;
-    ``models.loading`` maps between the two layouts.
+    host syncs and data-dependent shapes. Checkpoints store the experts one by one (gpt-oss:
+    stacked, in another layout); ``models.loading`` maps between the layouts.
     """
 
     def __init__(self, config: DecoderConfig) -> None:
@@ -936,9 +959,14 @@ class SparseMoE(nn.Module):
         h, i, experts = config.hidden_size, moe.expert_intermediate_size, moe.num_experts
         self.num_experts = experts
         self.moe = moe
-        self.gate = Router(h, experts, moe.has_correction_bias, moe.float32_router)
+        self.gate = Router(h, experts, moe.has_correction_bias, moe.float32_router, moe.biases)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(experts, h, i))
+        for name, shape in (
+            ("experts_gate_up_bias", (experts, 2 * i)),
+            ("experts_down_bias", (experts, h)),
+        ):
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)) if moe.biases else None)
         self.shared_expert: MLP | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, moe.shared_expert_intermediate_size)
@@ -965,6 +993,11 @@ class SparseMoE(nn.Module):
             moe.routed_scaling_factor,
             self.gate.e_score_correction_bias,
             moe.float32_router,
+            self.gate.bias,
+            self.experts_gate_up_bias,
+            self.experts_down_bias,
+            moe.swiglu_limit,
+            moe.swiglu_alpha,
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -509,7 +509,7 @@ def materialize(
     params, splits = dict(head.named_parameters()), splits_of(head)
     with torch.no_grad():
         for name, key in names.items():
-            if isinstance(key, Stacked):
+            if not isinstance(key, str):
                 params[name].copy_(key.gather(found))
             else:
                 params[name].copy_(read(found[key], splits.get(name)))

@@ -20,7 +20,11 @@ layout: ``model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`
 Qwen3-MoE) or ``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral:
 gate, up, down), the router at ``...mlp.gate.weight`` (``block_sparse_moe.gate.weight``). The
 DeepSeek-style routers' ``...mlp.gate.e_score_correction_bias`` and shared experts
-``...mlp.shared_experts.{gate,up,down}_proj.weight`` (GLM-4.5) keep the hub's names.
+``...mlp.shared_experts.{gate,up,down}_proj.weight`` (GLM-4.5) keep the hub's names. gpt-oss
+stores its experts stacked already, in another layout (:class:`Relaid`):
+``mlp.experts.gate_up_proj [E, H, 2I]`` (gate and up columns interleaved: even, odd),
+``gate_up_proj_bias [E, 2I]`` (interleaved alike), ``down_proj [E, I, H]`` and
+``down_proj_bias [E, H]``, its router at ``mlp.router.{weight,bias}``.
 :func:`checkpoint_names` maps each parameter to its checkpoint keys; loading stacks, saving
 unstacks, and every per-expert key is checked as strictly as any other.
 
@@ -62,6 +66,7 @@ from speculum.state.parallel import SINGLE, TensorParallel
 __all__ = [
     "CheckpointError",
     "CheckpointTensor",
+    "Relaid",
     "Stacked",
     "checkpoint_names",
     "checkpoint_shapes",
@@ -334,18 +339,45 @@ class Stacked:
         }
 
 
+@attrs.define(frozen=True, slots=True)
+class Relaid:
+    """A stacked expert parameter the checkpoint stores as one tensor ``key`` in another
+    layout (gpt-oss): ``[E, in, out]`` where ours is ``[E, out, in]`` (``transposed``), and
+    gate and up interleaved along our axis 1 (``interleaved``: gate at even, up at odd
+    indices) where ours holds the gate rows then the up rows."""
+
+    key: str
+    transposed: bool
+    interleaved: bool
+
+    def shapes(self, ours: torch.Size) -> dict[str, torch.Size]:
+        """The checkpoint tensor's shape for a parameter shaped ``ours``."""
+        return {self.key: torch.Size((ours[0], ours[2], ours[1])) if self.transposed else ours}
+
+    def gather(self, found: Mapping[str, torch.Tensor | CheckpointTensor]) -> torch.Tensor:
+        """The parameter in our layout from the checkpoint's tensor."""
+        t = read(found[self.key])
+        t = t.transpose(1, 2) if self.transposed else t
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1) if self.interleaved else t
+
+    def scatter(self, ours: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensor (a contiguous copy) by its key."""
+        t = torch.stack(ours.chunk(2, 1), 2).flatten(1, 2) if self.interleaved else ours
+        return {self.key: (t.transpose(1, 2) if self.transposed else t).contiguous()}
+
+
 #: architecture -> (the MoE block's name in checkpoints, the expert's gate and up projections,
 #: its down projection); Qwen's spelling for any other.
 _EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3"), "w2")}
 _QWEN_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj"), "down_proj")
 
 
-def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
+def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked | Relaid]:
     """Each parameter's name (as ``named_parameters`` gives it) -> its checkpoint key, or the
     per-expert keys a stacked expert weight is made of. The names are transformers' own
     except in mixture-of-experts layers (see the module docstring)."""
     # named_parameters drops the tied lm_head alias, which is what a tied checkpoint omits.
-    names: dict[str, str | Stacked] = {name: name for name, _ in model.named_parameters()}
+    names: dict[str, str | Stacked | Relaid] = {name: name for name, _ in model.named_parameters()}
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
@@ -354,16 +386,18 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
 
 def layer_checkpoint_names(
     layer: torch.nn.Module, architecture: str, ours: str, theirs: str
-) -> dict[str, str | Stacked]:
+) -> dict[str, str | Stacked | Relaid]:
     """Each parameter of decoder layer ``layer``, named ``ours + name``, -> its checkpoint key
     under ``theirs`` (``model.layers.{n}.``) in ``architecture``'s spelling, or the per-expert
     keys of a stacked expert weight: the target's own layers and the MTP layers stored after
     them (``speculum.models.draft_loading``) map alike."""
-    names: dict[str, str | Stacked] = {
+    names: dict[str, str | Stacked | Relaid] = {
         ours + name: theirs + name for name, _ in layer.named_parameters()
     }
     if not isinstance(layer.mlp, SparseMoE):
         return names
+    if architecture == "GptOssForCausalLM":
+        return names | _gpt_oss_expert_names(ours + "mlp.", theirs + "mlp.")
     block, gate_up, down = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
     mine, hub = f"{ours}mlp.", f"{theirs}{block}."
     names |= {mine + name: hub + name for name, _ in layer.mlp.named_parameters()}
@@ -375,15 +409,29 @@ def layer_checkpoint_names(
     return names
 
 
+def _gpt_oss_expert_names(mine: str, hub: str) -> dict[str, str | Relaid]:
+    """gpt-oss's MoE block (``mine``) -> its checkpoint keys under ``hub``: the router and the
+    experts' stacked tensors in the hub's layout (module docstring)."""
+    experts = f"{hub}experts."
+    return {
+        mine + "gate.weight": hub + "router.weight",
+        mine + "gate.bias": hub + "router.bias",
+        mine + "experts_gate_up": Relaid(experts + "gate_up_proj", True, True),
+        mine + "experts_gate_up_bias": Relaid(experts + "gate_up_proj_bias", False, True),
+        mine + "experts_down": Relaid(experts + "down_proj", True, False),
+        mine + "experts_down_bias": experts + "down_proj_bias",
+    }
+
+
 def checkpoint_tensors(
-    module: torch.nn.Module, names: Mapping[str, str | Stacked]
+    module: torch.nn.Module, names: Mapping[str, str | Stacked | Relaid]
 ) -> dict[str, torch.Tensor]:
     """``module``'s weights by checkpoint key, experts one by one (views, not copies);
     ``names`` maps each parameter to its key(s) (:func:`checkpoint_names`)."""
     params = dict(module.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     for name, key in names.items():
-        if isinstance(key, Stacked):
+        if not isinstance(key, str):
             tensors |= key.scatter(params[name])
         else:
             tensors[key] = params[name]
@@ -391,14 +439,14 @@ def checkpoint_tensors(
 
 
 def checkpoint_shapes(
-    module: torch.nn.Module, names: Mapping[str, str | Stacked]
+    module: torch.nn.Module, names: Mapping[str, str | Stacked | Relaid]
 ) -> dict[str, torch.Size]:
     """The shape of each checkpoint tensor ``module``'s parameters are loaded from, by key;
     ``names`` maps each parameter to its key(s) (:func:`checkpoint_names`)."""
     params = dict(module.named_parameters())
     shapes: dict[str, torch.Size] = {}
     for name, key in names.items():
-        if isinstance(key, Stacked):
+        if not isinstance(key, str):
             shapes |= key.shapes(params[name].shape)
         else:
             shapes[key] = params[name].shape
@@ -460,7 +508,7 @@ def load_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = names[name]
-            if isinstance(key, Stacked):
+            if not isinstance(key, str):
                 param.copy_(key.gather(found))
             else:
                 # reshaped: an FP8 scale is stored as a scalar or [out] (models.fp8)

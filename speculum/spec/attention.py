@@ -17,6 +17,9 @@ at position ``p``. Keeping the last ``window`` is transformers' rule for Mistral
 windowed layers, key position ``> p - window`` (the query itself and ``window - 1`` keys before
 it), for every shape at once: a prefill chunk, a decode step, a chain verify, a tree node at
 depth ``d`` (position ``prefix_lens + d``) and a multi-step draft, with no positions passed.
+
+Attention sinks (gpt-oss): ``sinks[h]``, a learned logit per query head, joins each softmax's
+denominator as one more score with no value, so a query's weights sum to less than one.
 """
 
 from __future__ import annotations
@@ -89,10 +92,12 @@ def paged_attention(
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
     window: int = 0,
+    sinks: Float[Tensor, " head"] | None = None,
 ) -> Float[Tensor, "batch q head head_dim"]:
     """Softmax attention of queries over (prefix + masked tail), grouped-query aware, each
     query seeing only its last ``window`` keys when ``window`` is above 0 (sliding-window
-    attention; see the module docstring).
+    attention; see the module docstring), each head's ``sinks`` logit joining the softmax's
+    denominator when given.
 
     Computed in float32; padded query rows (``i >= q_lens[b]``) return zeros.
     """
@@ -107,7 +112,12 @@ def paged_attention(
     # A query that sees no key (padding) would be NaN after softmax; it gets all-zero weights
     # instead (nan_to_num would also hide a real NaN coming out of the model).
     has_key = visible.any(-1)[:, None, :, None]
-    probs = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
+    scores = scores.masked_fill(~has_key, 0.0)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1) * has_key
+    else:  # the sink is one more column of the softmax, dropped after it (it has no value)
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1] * has_key
     # Weight 0 times a NaN/inf value would still be NaN, so each query's output must depend on
     # the values it sees alone: not on a stale slot, a padded query's column, or a tree node
     # off its path. Non-finite values are zeroed for the product, and a query that does see one

@@ -39,6 +39,8 @@ class Case:
     latent_dim: int | None = None
     #: Sliding window (keys each query sees at most; 0: full attention).
     window: int = 0
+    #: Whether each head has an attention sink (gpt-oss).
+    sinks: bool = False
 
 
 @st.composite
@@ -74,6 +76,7 @@ def cases(draw: st.DrawFn) -> Case:
         seed=draw(st.integers(0, 2**16)),
         latent_dim=draw(st.sampled_from([None, None, 6])),
         window=draw(st.sampled_from([0, 0, 1, 3, 7, 20])),
+        sinks=draw(st.booleans()),
     )
 
 
@@ -92,6 +95,7 @@ def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         page_size=case.page_size,
         latent_dim=case.latent_dim,
         window=case.window,
+        sinks=case.sinks,
     )
     return kc.run_attention(inputs, num_splits=case.num_splits)
 

@@ -434,13 +434,23 @@ def test_weights_must_match_config(checkpoint: Path, edit: Callable, message: st
     [
         ({"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supp"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-            r"rope type 'yarn' is supported for Deepseek.* only, not LlamaForCausalLM",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+            r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn",
         ),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"'yarn' is supported for Deepseek"),
+        ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, r"rope type 'longrope' is not"),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"type": "yarn", "factor": 4}},
+            r"'yarn' is supported for Deepseek.*LlamaForCausalLM only, not Qwen3ForCausalLM",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ],
-    ids=["architecture", "yarn (transformers 5)", "yarn (transformers 4)", "activation"],
+    ids=[
+        "architecture",
+        "rope type (transformers 5)",
+        "rope type (transformers 4)",
+        "yarn",
+        "activation",
+    ],
 )
 def test_unsupported_config(checkpoint: Path, changes: dict, message: str) -> None:
     """A config naming something the decoder does not implement is refused, naming it."""

@@ -259,3 +259,21 @@ def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
             "new_mask": causal_mask(batch, 1).cuda(),
         }
         assert torch.equal(paged_attention_triton(**step)[:, 0], verify[:, j]), j
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_attention_sinks_decode_and_chain(dtype, num_splits):
+    """gpt-oss's attention sinks (64 heads of 64 over 8 KV heads, a 128-key window) in a
+    decode step and a 5-token chain past long prefixes, split and not."""
+    inputs = make_inputs(
+        prefix_lens=[700, 90],
+        q_lens=[1, 5],
+        new_mask=causal_mask(2, 5),
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        window=128,
+        sinks=True,
+    )
+    check(inputs, dtype, num_splits)

@@ -2,7 +2,9 @@
 
 - fp32: over an MoE target (Qwen2-MoE-shaped: 8 experts, top 2, a gated shared expert and one
   dense layer; GLM-4.5-shaped: partial rotary, grouped sigmoid routing with a correction bias,
-  an ungated shared expert, layer 0 dense), every pipeline's captured rounds emit exactly
+  an ungated shared expert, layer 0 dense; gpt-oss-shaped: biased router and experts, the
+  clamped GLU, attention sinks, YaRN, windows of 4 keys on alternate layers), every pipeline's
+  captured rounds emit exactly
   plain greedy decoding's tokens, and exactly what its eager rounds emit.
 - bf16: captured MoE rounds run and emit every token asked for (GLM's routers in float32).
 """
@@ -59,6 +61,33 @@ FAMILIES = {
             float32_router=True,
         ),
     ),
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        {
+            "qkv_bias": True,
+            "o_bias": True,
+            "attention_sinks": True,
+            "sliding_window": 4,
+            "full_attention_layers": (1, 3),
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            norm_topk_prob=False,
+            scoring_func="softmax_topk",
+            biases=True,
+            swiglu_limit=7.0,
+        ),
+    ),
 }
 
 
@@ -77,7 +106,9 @@ def _moe_target(family: str = "qwen2-moe", dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):  # random_model zeroes biases
+            # random_model zeroes biases: the correction biases and gpt-oss's router and
+            # expert biases are drawn, so that they change the routing and the outputs.
+            if name.endswith(("_bias", "gate.bias")):
                 param.normal_(0.0, 0.3, generator=generator)
     return model.to("cuda", dtype)
 
@@ -97,11 +128,12 @@ def test_bf16_captured_moe_rounds_run(family):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 64])
-@pytest.mark.parametrize("deepseek", [False, True])
-def test_bf16_moe_kernels_match_the_reference(rows: int, deepseek: bool) -> None:
+@pytest.mark.parametrize("family", ["qwen", "deepseek", "gpt-oss"])
+def test_bf16_moe_kernels_match_the_reference(rows: int, family: str) -> None:
     """The op's CUDA kernel (pairwise Triton at 1 and 4 rows of top 4 of 32 experts, the
     grouped GEMM at 64 rows) equals the dense reference to bfloat16 rounding (the GEMMs
-    accumulate in other orders), for Qwen's and DeepSeek-V3's routing."""
+    accumulate in other orders), for Qwen's, DeepSeek-V3's and gpt-oss's routing (gpt-oss:
+    biased router and experts, clamped GLU)."""
     from speculum.kernels import model_ops
     from speculum.kernels.grouped_moe import few_pairs
 
@@ -116,9 +148,12 @@ def test_bf16_moe_kernels_match_the_reference(rows: int, deepseek: bool) -> None
     gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
     down = randn(experts, hidden, inter, scale=inter**-0.5)
     routing = ()
-    if deepseek:
+    if family == "deepseek":
         bias = torch.randn(experts, generator=gen, device="cuda")
         routing = ("sigmoid", "noaux_tc", 4, 2, 2.5, bias, True)
+    if family == "gpt-oss":
+        biases = (randn(experts), randn(experts, 2 * inter), randn(experts, hidden))
+        routing = ("softmax_topk", "greedy", 1, 1, 1.0, None, False, *biases, 7.0, 1.702)
     assert few_pairs(rows * k, experts) == (rows < 8)
     ours = model_ops.moe(x, router, gate_up, down, k, True, *routing)
     expected = model_ops.moe_reference(x, router, gate_up, down, k, True, *routing)

@@ -144,6 +144,8 @@ def dense_block_forward(
             torch.cat([context_keys, keys], dim=1),
             torch.cat([context_values, values], dim=1),
             mask,
+            attention.scale,
+            attention.sinks,
         )
         x = x + attention.o_proj(attended.flatten(2))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

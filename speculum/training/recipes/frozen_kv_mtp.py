@@ -88,7 +88,9 @@ def dense_forward(
     for layer, (keys, values) in zip(head.layers, kv):
         attention = layer.self_attn
         queries = attention.queries(layer.input_layernorm(x), batch, head.inv_freq)
-        attended = dense_attention(queries, keys[:, :n], values[:, :n], batch.new_mask)
+        attended = dense_attention(
+            queries, keys[:, :n], values[:, :n], batch.new_mask, attention.scale, attention.sinks
+        )
         x = x + attention.o_proj(attended.flatten(2))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return head.norm(x)
