@@ -825,14 +825,21 @@ def _glm4_moe_dict(config: DecoderConfig) -> dict[str, Any]:
     return {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm}
 
 
+#: The ``quant_method`` values whose (FP8) layouts ``models.fp8`` loads.
+FP8_QUANT_METHODS = ("fp8", "compressed-tensors")
+
+
 def _check_unquantized(raw: dict[str, Any], where: str) -> None:
-    """Refuse quantized checkpoints (``quantization_config``): speculum loads float weights
-    only. The released gpt-oss checkpoints are MXFP4; the error says how to dequantize."""
+    """Refuse checkpoints quantized other than in FP8 (``quantization_config``; ``models.fp8``
+    reads and checks the FP8 layouts). The released gpt-oss checkpoints are MXFP4; the error
+    says how to dequantize."""
     quant = raw.get("quantization_config")
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    fix = "load float (bfloat16) weights"
+    if method in FP8_QUANT_METHODS:
+        return
+    fix = "load float (bfloat16) or FP8 weights (docs/fp8.md)"
     if method == "mxfp4":
         fix = (
             "dequantize to bfloat16 first: transformers.GptOssForCausalLM.from_pretrained("
@@ -841,8 +848,8 @@ def _check_unquantized(raw: dict[str, Any], where: str) -> None:
             "unsloth/gpt-oss-20b-BF16)"
         )
     raise UnsupportedModel(
-        f"{where}: quantization_config.quant_method {method!r}: speculum loads unquantized "
-        f"weights only; {fix}"
+        f"{where}: quantization_config quant_method {method!r} is not supported (speculum "
+        f"loads unquantized or FP8 weights); {fix}"
     )
 
 
