@@ -35,7 +35,7 @@ MODEL = random_model(tiny_config(vocab_size=VOCAB), seed=3, std=0.3)
 TOKENIZER = Tokenizer(byte_level_tokenizer())
 
 
-def engine(steps: int, overlap: bool = False, page_size: int = 4):
+def engine(steps: int, overlap: bool = False, page_size: int = 4, max_context: int = 48):
     """A plain engine of ``steps`` steps per round that applies penalties and reports two
     log-probabilities per token; no prefix cache, so that a finished batch holds no page."""
     return engine_from_model(
@@ -44,7 +44,7 @@ def engine(steps: int, overlap: bool = False, page_size: int = 4):
         spec=SpecOptions(decode_steps=steps),
         overlap=overlap,
         page_size=page_size,
-        max_context=48,
+        max_context=max_context,
         penalties=True,
         max_logprobs=2,
         prefix_cache=False,
@@ -109,16 +109,21 @@ def request_batches(draw) -> list[tuple[list[int], dict]]:
 @settings(max_examples=10, deadline=None)
 @given(
     batch=request_batches(),
-    steps=st.integers(1, 4),
+    steps=st.integers(2, 4),  # 1 is the reference
     overlap=st.booleans(),
     page_size=st.sampled_from([1, 4]),
+    max_context=st.sampled_from([16, 48]),
     data=st.data(),
 )
-def test_multi_step_rounds_emit_single_steps_tokens(batch, steps, overlap, page_size, data):
+def test_multi_step_rounds_emit_single_steps_tokens(
+    batch, steps, overlap, page_size, max_context, data
+):
     """Stops are drawn from the tokens and text a free run emits, so they fire at any step of a
-    launch; requests finish at different steps. Multi-step and single-step decoding then agree
-    on every token, log-probability, finish reason and round count, and leak no page."""
-    free = decoded(engine(1, page_size=page_size), batch)
+    launch; requests finish at different steps (by a stop, their budget or the context limit).
+    Multi-step and single-step decoding then agree on every token, log-probability, finish
+    reason and round count, and leak no page."""
+    single_step = engine(1, page_size=page_size, max_context=max_context)
+    free = decoded(single_step, batch)
     stopped = []
     for (prompt, options), run in zip(batch, free):
         at = data.draw(st.integers(0, len(run.output) - 1))
@@ -130,8 +135,8 @@ def test_multi_step_rounds_emit_single_steps_tokens(batch, steps, overlap, page_
             "string": {"stop_strings": (text[-2:],)} if text else {},
         }[kind]
         stopped.append((prompt, options | stops))
-    single = decoded(engine(1, page_size=page_size), stopped)
-    multi = decoded(engine(steps, overlap, page_size), stopped)
+    single = decoded(single_step, stopped)
+    multi = decoded(engine(steps, overlap, page_size, max_context), stopped)
     assert [observed(r) for r in multi] == [observed(r) for r in single]
     for ours, theirs in zip(multi, single):
         assert_same_logprobs(ours, theirs)
