@@ -104,6 +104,7 @@ from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
 from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
 from speculum.state.parallel import SINGLE, TensorParallel  # noqa: E402
 from speculum.state.record import replace  # noqa: E402
+from speculum.training.target import SIZES  # noqa: E402
 
 LLAMA_8B = attrs.evolve(
     TINY_CONFIG,
@@ -177,17 +178,7 @@ DEEPSEEK_V2_LITE = attrs.evolve(
 #: The zoo's ``small`` target (``training.target.SIZES["small"]``, its 8192-id vocabulary):
 #: ~28M parameters, whose steps are short enough for the host's time per step to matter.
 SMALL = attrs.evolve(
-    LLAMA_8B,
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    rope_theta=10000.0,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
+    LLAMA_8B, vocab_size=8192, rope_theta=10000.0, tie_word_embeddings=True, **SIZES["small"]
 )
 #: ``--shape`` -> the target's config.
 SHAPES = {"llama-3.1-8b": LLAMA_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE, "small": SMALL}
