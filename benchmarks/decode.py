@@ -50,7 +50,15 @@ its acceptance length in tokens where plain decoding emits one).
   scales run ``torch._scaled_mm``, DeepSeek's 128 x 128 blocks the dequantizing fallback),
   with each one's weight bytes, roofline and peak GPU memory.
 
-``--adaptive``, ``--overlap`` and ``--fp8`` run only their own tables.
+- multi-step (``--decode-steps 1,4,8``): the scheduler's loop for plain decoding of K steps
+  per round (one CUDA graph; ``SpecOptions.decode_steps``) at batch sizes 1, 8, 64
+  (``--decode-batches``), each K against single steps in the same run: tokens/s, speedup,
+  time per step and per token, and the host's time per step; synchronous, or overlapped with
+  ``--decode-overlap``. ``--shape small`` is the zoo's ``small`` target (28M parameters, where
+  the host's time per step matters most); the default the 8B shape.
+
+``--adaptive``, ``--overlap``, ``--fp8`` and ``--decode-steps`` run only their own tables.
+Every other plain row times single steps (``decode_steps=1``: one token per decode call).
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
 a CPU smoke run of the script itself, whose numbers mean nothing). ``--tp 2`` shards target and
@@ -102,6 +110,7 @@ from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
 from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
 from speculum.state.parallel import SINGLE, TensorParallel  # noqa: E402
 from speculum.state.record import replace  # noqa: E402
+from speculum.training.target import SIZES  # noqa: E402
 
 LLAMA_8B = attrs.evolve(
     TINY_CONFIG,
@@ -172,11 +181,17 @@ DEEPSEEK_V2_LITE = attrs.evolve(
         float32_router=True,
     ),
 )
+#: The zoo's ``small`` target (``training.target.SIZES["small"]``, its 8192-id vocabulary):
+#: ~28M parameters, whose steps are short enough for the host's time per step to matter.
+SMALL = attrs.evolve(
+    LLAMA_8B, vocab_size=8192, rope_theta=10000.0, tie_word_embeddings=True, **SIZES["small"]
+)
 #: ``--shape`` -> the target's config.
-SHAPES = {"llama-3.1-8b": LLAMA_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+SHAPES = {"llama-3.1-8b": LLAMA_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE, "small": SMALL}
 #: ``--shape`` -> its CPU smoke-run stand-in (``--tiny``).
 TINY_SHAPES = {
     "llama-3.1-8b": TINY,
+    "small": TINY,
     "deepseek-v2-lite": attrs.evolve(
         DEEPSEEK_V2_LITE,
         vocab_size=512,
@@ -193,6 +208,9 @@ TINY_SHAPES = {
     ),
 }
 DRAFT_VOCAB = 32000
+#: Plain decoding one step per decode call, whatever the device's default (the rows that time
+#: a step, and the plain rows of the scheduling tables, as they were measured before).
+SINGLE_STEPS = SpecOptions(decode_steps=1)
 #: (label, num_steps, topk, num_draft_tokens) of the speculative rounds measured.
 ROUNDS = (("chain 3", 3, 1, 4), ("chain 5", 5, 1, 6), ("tree 8", 4, 4, 8))
 
@@ -316,7 +334,7 @@ def make_engine(
     (EAGLE-3, or MTP for an MoE target) with that (steps, topk, tokens);
     ``fuse`` fuses the models' projections (in place, for every later engine too)."""
     spec = (
-        None
+        SINGLE_STEPS
         if rounds is None
         else SpecOptions(num_steps=rounds[0], topk=rounds[1], num_draft_tokens=rounds[2])
     )
@@ -621,6 +639,14 @@ def main() -> None:
         help="plain decoding bf16 vs the same weights in FP8 with these scales, only",
     )
     parser.add_argument(
+        "--decode-steps",
+        help="multi-step plain decoding only: steps per round to compare with 1, e.g. 4,8",
+    )
+    parser.add_argument("--decode-batches", default="1,8,64")
+    parser.add_argument(
+        "--decode-overlap", action="store_true", help="schedule --decode-steps rows overlapped"
+    )
+    parser.add_argument(
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
     )
     args = parser.parse_args()
@@ -640,6 +666,9 @@ def measure(args: argparse.Namespace) -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.adaptive or args.overlap:
         scheduling_tables(config, device, dtype, args)
+        return
+    if args.decode_steps:
+        multi_step_table(config, device, dtype, args)
         return
     if args.fp8 and (tp.size > 1 or config.moe is not None):
         raise SystemExit("--fp8 runs one device and a dense target (docs/fp8.md)")
@@ -781,7 +810,7 @@ def scheduled_engine(
         target,
         algorithm=algorithm,
         draft=head if algorithm != "plain" else None,
-        spec=spec,
+        spec=SINGLE_STEPS if spec is None else spec,
         max_batch=batch,
         max_context=args.prompt + args.new_tokens + 64,
         prefill_budget=batch * args.prompt,
@@ -1072,6 +1101,57 @@ def overlap_row(target, head, label, spec, batch, args, device) -> dict[str, Any
         "overlap idle ms/step": overlapped["idle ms/step"],
         "idle removed": 1 - overlapped["idle ms/step"] / max(sync_run["idle ms/step"], 1e-9),
     }
+
+
+def multi_step_rows(target, batch: int, steps: list[int], args, device: str) -> list[dict]:
+    """Plain decoding of each of ``steps`` steps per round through the scheduler's loop at
+    ``batch``, against single steps (:func:`loop_rows`: interleaved passes, the median)."""
+    engines = {
+        k: (
+            scheduled_engine(
+                target,
+                None,
+                "plain",
+                SpecOptions(decode_steps=k),
+                batch,
+                args,
+                args.decode_overlap,
+            ),
+            None,
+        )
+        for k in steps
+    }
+    runs = loop_rows(engines, batch, args, 0.0, device)
+    rows = []
+    for k, run in runs.items():
+        rows.append(
+            {
+                "batch": batch,
+                "steps/round": k,
+                "tok/s": run["tok/s"],
+                "/1 step": run["tok/s"] / runs[1]["tok/s"],
+                "ms/round": run["ms/step"],
+                "ms/token step": run["ms/step"] / k,
+                "host ms/round": run["host ms/step"],
+                "spread": run["spread"],
+            }
+        )
+    return rows
+
+
+def multi_step_table(config: DecoderConfig, device: str, dtype: torch.dtype, args) -> None:
+    """The ``--decode-steps`` table: multi-step plain decoding against single steps."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    mode = "overlapped" if args.decode_overlap else "synchronous"
+    print(f"device: {name}; torch {torch.__version__}; {args.shape}; {mode}", flush=True)
+    steps = sorted({1, *(int(k) for k in args.decode_steps.split(","))})
+    target, _ = build_models(config, device, dtype)
+    begin, rows = time.perf_counter(), []
+    for batch in [int(b) for b in args.decode_batches.split(",")]:
+        rows += multi_step_rows(target, batch, steps, args, device)
+        print(table(rows[-len(steps) :]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    print(f"\n## multi-step plain decoding ({args.shape}, {mode}), decode tokens/s\n")
+    print(table(rows))
 
 
 def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, args) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "Pipeline",
     "one_token_output",
     "prefill_output",
+    "steps_output",
     "verified_output",
     "counting",
     "prefill",
@@ -112,11 +113,12 @@ class StepOutput:
     its logits could not be sampled (NaN, an overflow, nothing to draw). Its tokens are then
     meaningless, and a scheduler finishes that request alone with an error; every other row's
     tokens are exactly what they would be without it. ``plain_steps`` marks a round made of
-    plain decoding steps, one target forward per token (adaptive speculation's depth 0):
-    statistics count each of its tokens as a round of its own. ``logprobs`` are the target's
-    log-probabilities of ``tokens`` and their top alternatives (``spec.sampling
-    .token_logprobs``): every pipeline fills them, with ``SamplingParams.num_logprobs``
-    alternatives (none, and zeros, when that is 0); ``None`` only in outputs built without.
+    plain decoding steps, one target forward per token (plain decoding, adaptive
+    speculation's depth 0): statistics count each of its tokens as a round of its own.
+    ``logprobs`` are the target's log-probabilities of ``tokens`` and their top alternatives
+    (``spec.sampling.token_logprobs``): every pipeline fills them, with
+    ``SamplingParams.num_logprobs`` alternatives (none, and zeros, when that is 0); ``None``
+    only in outputs built without.
     """
 
     tokens: Int[Tensor, "batch max_tokens"]
@@ -168,9 +170,29 @@ def one_token_output(
     """The output of a step that samples one token per row (a prefill's first token, a plain
     decoding step), with the faults of the distributions they were drawn from (a faulty row
     emits nothing) and the tokens' log-probabilities."""
-    num_tokens, faults = first_fault(faults[:, None], torch.ones_like(tokens))
+    return steps_output(tokens[:, None], faults[:, None], logprobs)
+
+
+def steps_output(
+    tokens: Int[Tensor, "batch num_steps"],
+    faults: Int[Tensor, "batch num_steps"],
+    logprobs: TokenLogprobs | None = None,
+    *,
+    plain_steps: bool = False,
+) -> StepOutput:
+    """The output of ``num_steps`` steps that sample one token per row each (``tokens[:, d]``
+    drawn from a distribution whose faults are ``faults[:, d]``): every row emits all of them,
+    cut before its first faulty step (``spec.sampling.first_fault``), whose faults it
+    reports."""
+    steps = torch.full_like(tokens[:, 0], tokens.shape[1])
+    num_tokens, faults = first_fault(faults, steps)
     return make(
-        StepOutput, tokens=tokens[:, None], num_tokens=num_tokens, faults=faults, logprobs=logprobs
+        StepOutput,
+        tokens=tokens,
+        num_tokens=num_tokens,
+        faults=faults,
+        plain_steps=plain_steps,
+        logprobs=logprobs,
     )
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from speculum.pipelines import plain
 from speculum.pipelines.base import (
     Pipeline,
     PrefillChunk,
@@ -47,15 +48,7 @@ from speculum.pipelines.base import (
     verified_output,
 )
 from speculum.spec.draft import draft_extend, extend_draft, propose
-from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import (
-    guard_logits,
-    no_logprobs,
-    penalizing,
-    sample,
-    token_logprobs,
-)
 from speculum.spec.tree import build_tree, validate_tree_config
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.draft import DraftPrediction, EagleConfig, EagleState
@@ -199,59 +192,28 @@ def plain_round(
     forward over all of them, is what makes the round cost about plain decoding's steps: a
     draft-extend per step costs ~10% of an 8B target's step at batch 1 (on the H200).
     """
+    steps = plain.run_steps(
+        resources,
+        state.kv,
+        state.root_tokens,
+        state.sampling,
+        num_tokens,
+        resources.draft.capture_layers,
+    )
     ones = torch.ones_like(state.kv.seq_lens)
-    capture = resources.draft.capture_layers
-    token, tokens, hiddens, captures, faults, logits_seen = state.root_tokens, [], [], [], [], []
-    penalties = state.sampling.penalties
-    for step in range(num_tokens):
-        kv = replace(state.kv, seq_lens=state.kv.seq_lens + step)
-        hidden, captured = resources.target(
-            extend_batch(kv, token[:, None], ones), resources.target_pool, capture
-        )
-        # Penalties and the grammar count the tokens this round drew before the step (plain
-        # decoding's output would hold them already).
-        grammar = state.sampling.grammar
-        path = tokens and (penalizing(penalties) or grammar is not None)
-        drawn = torch.stack(tokens, dim=1) if path else None
-        logits, fault = guard_logits(
-            resources.target.logits(hidden[:, 0]),
-            state.sampling.temperature,
-            state.sampling.logit_bias,
-            penalties,
-            drawn,
-            grammar,
-        )
-        token = sample(logits, state.sampling, kv.seq_lens + 1)
-        tokens, hiddens, captures = [*tokens, token], [*hiddens, hidden], [*captures, captured]
-        faults.append(fault)
-        logits_seen.append(logits)
     # The steps' tokens as an accepted chain: node d is the token fed at step d, whose hidden
     # state the draft pairs with the token sampled after it.
     path = torch.arange(num_tokens, device=ones.device).expand(ones.shape[0], num_tokens)
     accepted = make(
-        AcceptResult,
-        path=path,
-        emitted=torch.stack(tokens, dim=1),
-        num_accepted=ones * (num_tokens - 1),
-    )
-    sampling = state.sampling
-    logprobs = (  # step d's distribution decided token d; nothing stacked when not asked
-        token_logprobs(
-            torch.stack(logits_seen, dim=1),
-            sampling.temperature,
-            accepted.emitted,
-            sampling.num_logprobs,
-        )
-        if sampling.num_logprobs
-        else no_logprobs(accepted.emitted)
+        AcceptResult, path=path, emitted=steps.tokens, num_accepted=ones * (num_tokens - 1)
     )
     verified = make(
         Verified,
         accepted=accepted,
-        final_hidden=torch.cat(hiddens, dim=1),
-        captured=tuple(torch.cat(layer, dim=1) for layer in zip(*captures)),
-        faults=torch.stack(faults, dim=1),  # step d's distribution decided token d
-        logprobs=logprobs,
+        final_hidden=torch.cat(steps.hidden, dim=1),
+        captured=tuple(torch.cat(layer, dim=1) for layer in zip(*steps.captured)),
+        faults=steps.faults,  # step d's distribution decided token d
+        logprobs=steps.logprobs,
     )
     # Each step wrote its K/V at its own committed position: nothing to move.
     kv = replace(state.kv, seq_lens=state.kv.seq_lens + num_tokens)

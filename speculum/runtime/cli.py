@@ -19,7 +19,7 @@ from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
-from speculum.runtime.engine import NgramOptions
+from speculum.runtime.engine import GPU_DECODE_STEPS, NgramOptions
 from speculum.runtime.generate import (
     REQUEST_SETTINGS,
     Comparison,
@@ -277,6 +277,13 @@ def parser() -> argparse.ArgumentParser:
         type=_number("--adaptive-margin", float, 0.0),
         help="exploration margin of --adaptive-steps: depths within this fraction of the best "
         "goodput keep being sampled (default 0.05)",
+    )
+    gen.add_argument(
+        "--decode-steps",
+        type=_number("--decode-steps", int, 1),
+        metavar="K",
+        help="plain decoding: steps per launch (one CUDA graph), stop conditions checked after "
+        f"it (default 1 on the CPU, {GPU_DECODE_STEPS} on CUDA)",
     )
     gen.add_argument(
         "--no-chain-hidden",
@@ -1158,6 +1165,7 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     "verify_budget": ("--verify-budget", BLOCK),
     "cost_table": ("--cost-table", BLOCK),
     "min_verify": ("--min-verify", BLOCK),
+    "decode_steps": ("--decode-steps", frozenset({"plain"})),
     **{
         f"ngram_{f}": (f"--ngram-{f.replace('_', '-')}", frozenset({"ngram"}))
         for f in (*_NGRAM_FIELDS, "store_tokens")

@@ -40,6 +40,8 @@ __all__ = [
     "build_engine",
     "engine_from_model",
     "reserved_lookahead",
+    "decode_steps",
+    "GPU_DECODE_STEPS",
 ]
 
 
@@ -217,10 +219,16 @@ class SpecOptions:
     (draft tokens each request verifies at least) choose how many draft tokens are verified
     (see ``docs/dspark.md``).
 
+    ``decode_steps`` (``algorithm="plain"`` only) is how many plain decoding steps a round
+    runs in one launch (one CUDA graph): the scheduler checks stop conditions after the
+    launch and drops the tokens past a stop (``docs/gpu.md``, "Multi-step decoding"). ``None``
+    picks the device's default: 1 on the CPU, :data:`GPU_DECODE_STEPS` on CUDA.
+
     Checked when built, for types and signs (the pipelines check how the settings fit
     together): counts are integers (not floats or bools), ``num_steps``, ``topk``,
-    ``num_draft_tokens`` and ``block_size`` ``>= 1``, ``adaptive_steps`` and ``min_verify``
-    ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``; flags are bools.
+    ``num_draft_tokens``, ``block_size`` and ``decode_steps`` ``>= 1``, ``adaptive_steps``
+    and ``min_verify`` ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``; flags are
+    bools.
     """
 
     num_steps: int = attrs.field(default=3, converter=_count(1))
@@ -238,6 +246,11 @@ class SpecOptions:
     verify_budget: str | int = attrs.field(default="all", converter=_verify_budget)
     cost_table: tuple[tuple[int, float], ...] | None = None
     min_verify: int = attrs.field(default=0, converter=_count(0))
+    decode_steps: int | None = attrs.field(default=None, converter=_optional_count(1))
+
+
+#: Plain decoding steps per round on CUDA when ``SpecOptions.decode_steps`` is not given.
+GPU_DECODE_STEPS = 4
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -312,7 +325,11 @@ def _pipeline(
     draft: Any,
     spec: SpecOptions,
     ngram: NgramOptions | None = None,
+    steps: int = 1,
 ) -> Pipeline:
+    """The pipeline value of ``algorithm`` (``steps``: plain decoding's steps per round)."""
+    if algorithm == "plain":
+        return get_pipeline(algorithm, num_steps=steps)
     if algorithm == "ngram":
         return _ngram_pipeline(spec, ngram or NgramOptions())
     if algorithm not in SPECULATIVE:
@@ -339,6 +356,29 @@ def _pipeline(
         vocab_size=draft.draft_vocab_size,  # topk cannot exceed what the draft can propose
         **extra,
     )
+
+
+def decode_steps(algorithm: str, spec: SpecOptions, device: torch.device) -> int:
+    """The plain steps per round an engine runs: ``spec.decode_steps``, or by default 1 on the
+    CPU and :data:`GPU_DECODE_STEPS` on CUDA for plain decoding (1 for every other algorithm,
+    whose rounds are their own). More than 1 is refused for algorithms other than plain."""
+    steps = spec.decode_steps
+    if steps is not None and steps > 1 and algorithm != "plain":
+        raise ValueError(
+            f"decode_steps={steps} runs several plain decoding steps per launch, which only "
+            f"algorithm='plain' does; {algorithm!r} rounds have their own shape. Drop "
+            "decode_steps (--decode-steps) or use algorithm='plain' (adaptive speculation's "
+            "depth 0 already runs several plain steps per round)"
+        )
+    if steps is not None:
+        return steps
+    return GPU_DECODE_STEPS if algorithm == "plain" and device.type == "cuda" else 1
+
+
+def _device_of(model: Any) -> torch.device:
+    """The device a model's weights live on (the CPU for one without parameters)."""
+    weight = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    return torch.device("cpu") if weight is None else weight.device
 
 
 def _adaptive_variants(algorithm: str, draft: Any, spec: SpecOptions) -> tuple[Pipeline, ...]:
@@ -470,6 +510,7 @@ def engine_from_model(
     spec = SpecOptions() if spec is None else checks.instance("spec", spec, kind=SpecOptions)
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
+    steps = decode_steps(algorithm, spec, _device_of(target))
     variants = tuple(_counted(v, config) for v in _adaptive_variants(algorithm, draft, spec))
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
@@ -483,7 +524,7 @@ def engine_from_model(
     pipeline = (
         adaptive.pipeline(variants, policy=policy, depths=depths)
         if variants
-        else _counted(_pipeline(algorithm, target, draft, spec, ngram), config)
+        else _counted(_pipeline(algorithm, target, draft, spec, ngram, steps), config)
     )
     if config.fuse_projections:
         for model in (target, draft):

@@ -134,6 +134,7 @@ def generate(
     verify_budget: str | int = "all",
     cost_table: tuple[tuple[int, float], ...] | None = None,
     min_verify: int = 0,
+    decode_steps: int | None = None,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -188,7 +189,9 @@ def generate(
     best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
     ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
     ``verify_budget``, ``cost_table`` and ``min_verify`` (``SpecOptions``).
-    ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. vLLM's
+    ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. Plain decoding runs
+    ``decode_steps`` steps per launch (default 1 on the CPU, ``engine.GPU_DECODE_STEPS`` on
+    CUDA; the same tokens whatever it is). vLLM's
     ``speculative_config`` dict is accepted too (:data:`SPECULATIVE_CONFIG_KEYS`: ``method``,
     ``model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``,
     ``prompt_lookup_max``, ``prompt_lookup_min``) in place of those arguments.
@@ -350,6 +353,7 @@ def _engine(
             verify_budget=a["verify_budget"],
             cost_table=a["cost_table"],
             min_verify=a["min_verify"],
+            decode_steps=a["decode_steps"],
         ),
         device=a["device"],
         dtype=a["dtype"],

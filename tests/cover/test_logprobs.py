@@ -121,9 +121,9 @@ def test_every_pipeline_reports_the_targets_logprobs_of_each_token(name, setting
         for result, plain in zip(results, plain_run(setting)):
             assert result.token_ids == plain.token_ids
             assert_same_logprobs(result.logprobs, plain.logprobs)
-        # Rounds emitted bonus tokens after accepted drafts (adaptive's plain rounds emit
-        # several tokens too, counted as a round each).
-        if name not in ("plain", "adaptive"):
+        # Rounds emitted bonus tokens after accepted drafts (adaptive's and multi-step plain
+        # rounds emit several tokens too, counted as a round each).
+        if not name.startswith("plain") and name != "adaptive":
             assert max(r.stats["accept_length_mean"] for r in results) > 1
 
 

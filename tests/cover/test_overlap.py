@@ -35,6 +35,7 @@ SMALL = random_model(tiny_config(vocab_size=VOCAB, num_layers=1, hidden_size=16)
 #: request itself)
 PIPELINES = {
     "plain": ("plain", None, {}, None, False),
+    "plain 3 steps": ("plain", None, {"decode_steps": 3}, None, False),
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}, None, False),
     "eagle tree": (
         "eagle",

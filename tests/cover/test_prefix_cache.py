@@ -30,6 +30,7 @@ from speculum.state.prefix import block_keys
 #: Tokens past a page its cached contents depend on, per pipeline; None: not cached.
 LOOKAHEAD = {
     "plain": 0,
+    "plain 3 steps": 0,
     "eagle chain": 1,
     "eagle tree": 1,
     "eagle3 sampled drafts": 1,

@@ -169,6 +169,7 @@ STRANGER = random_model(
 #: name -> (algorithm, draft, spec options); "tree" takes a drawn tree shape.
 PIPELINES = {
     "plain": ("plain", None, {}),
+    "plain 3 steps": ("plain", None, {"decode_steps": 3}),
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
     "eagle tree": ("eagle", agreeing_head(TARGET, "eagle"), "tree"),
     "adaptive": ("eagle", agreeing_head(TARGET, "eagle"), {"adaptive_steps": (0, 1, 3)}),
