@@ -19,11 +19,12 @@ import torch
 
 from speculum.kernels import model_ops
 from speculum.kernels.attention import paged_attention, write_kv
-from speculum.kernels.recurrent import gated_delta_rule
+from speculum.kernels.recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = [
     "DEVICE_KERNELS",
     "gated_delta_rule",
+    "mamba2_scan",
     "model_ops",
     "paged_attention",
     "register_device_kernels",

@@ -51,7 +51,12 @@ __all__ = [
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "GroupGatedRMSNorm",
     "LatentAttention",
+    "Mamba2Mixer",
+    "MixerLayer",
+    "NoPEAttention",
+    "SquaredReluMLP",
     "attention_block",
     "fuse_projections_",
     "fused_linear",
@@ -632,15 +637,18 @@ def attention_block(
 ) -> Attention | LatentAttention | GatedDeltaNet:
     """The attention kind of decoder layer ``layer``: a gated DeltaNet in a hybrid config's
     linear-attention layers; else gated attention where the config has an output gate
-    (Qwen3-Next), latent attention where it has MLA shapes, or grouped-query attention, each
-    reading its pool layer (a hybrid's pool holds its attention layers only)."""
+    (Qwen3-Next), latent attention where it has MLA shapes, attention without rotary
+    embedding in Nemotron-H, or grouped-query attention, each reading its pool layer (a
+    hybrid's pool holds its attention layers only)."""
     if config.linear is not None and config.linear.is_linear(layer):
         return GatedDeltaNet(config, layer)
-    cache_layer = layer if config.linear is None else config.linear.ordinal(layer)
+    cache_layer = config.cache_layer(layer)
     if config.attention_output_gate:
         return GatedAttention(config, cache_layer)
     if config.mla is not None:
         return LatentAttention(config, cache_layer)
+    if config.mamba is not None:
+        return NoPEAttention(config, cache_layer)
     return Attention(config, cache_layer)
 
 
@@ -659,7 +667,7 @@ def pool_for(
     ``head_dim`` (this rank's heads when ``module`` is sharded)."""
     weight = next(module.parameters())
     dtype, device = dtype or weight.dtype, weight.device
-    if config.linear is not None:
+    if config.is_hybrid:
         num_layers = config.num_kv_layers
     common = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size)
     if config.mla is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
@@ -682,22 +690,30 @@ def pool_for(
 def recurrent_pool_for(
     config: DecoderConfig, num_slots: int, ring: int, dtype: torch.dtype
 ) -> RecurrentPool:
-    """A zeroed recurrent pool for ``config``'s linear-attention layers: ``num_slots`` slots
-    (one per request that may be live at once, plus the padding sink) keeping ``ring``
-    consecutive states each (more than any round writes past the committed prefix: the
-    pipeline's KV lookahead + 1)."""
-    linear = config.linear
-    if linear is None:
-        raise ValueError(f"{config.architecture} has no linear-attention layers (config.linear)")
+    """A zeroed recurrent pool for ``config``'s recurrent layers (gated DeltaNet or Mamba-2):
+    ``num_slots`` slots (one per request that may be live at once, plus the padding sink)
+    keeping ``ring`` consecutive states each (more than any round writes past the committed
+    prefix: the pipeline's KV lookahead + 1). A Mamba-2 layer's SSM state ``[head, head_dim,
+    d_state]`` takes the delta rule's ``[head, k_dim, v_dim]`` place."""
+    if config.mamba is not None:
+        mamba = config.mamba
+        shapes = (mamba.conv_channels, mamba.conv_kernel, mamba.num_heads)
+        dims = (mamba.head_dim, mamba.state_size)
+    elif config.linear is not None:
+        linear = config.linear
+        shapes = (linear.conv_channels, linear.conv_kernel, linear.num_v_heads)
+        dims = (linear.k_dim, linear.v_dim)
+    else:
+        raise ValueError(f"{config.architecture} has no recurrent layers")
     return RecurrentPool.allocate(
-        num_layers=config.num_layers - config.num_kv_layers,
+        num_layers=sum(config.is_recurrent(n) for n in range(config.num_layers)),
         num_slots=num_slots,
         ring=ring,
-        channels=linear.conv_channels,
-        kernel=linear.conv_kernel,
-        heads=linear.num_v_heads,
-        k_dim=linear.k_dim,
-        v_dim=linear.v_dim,
+        channels=shapes[0],
+        kernel=shapes[1],
+        heads=shapes[2],
+        k_dim=dims[0],
+        v_dim=dims[1],
         dtype=dtype,
     )
 
@@ -894,6 +910,163 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), x
 
 
+class NoPEAttention(Attention):
+    """Grouped-query attention without positional embedding (Nemotron-H's attention layers:
+    the Mamba-2 layers carry the order), over the paged cache."""
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, write K/V into the pool unrotated, attend, and project back (with
+        ``pool=None``, the queries attend to each other's keys under ``batch.new_mask``)."""
+        qs, ks, vs = self.heads(x)
+        if pool is None:
+            return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
+        kernels.write_kv(pool.k[self.layer], batch.slots, ks)
+        kernels.write_kv(pool.v[self.layer], batch.slots, vs)
+        return self.attend(qs, batch, pool)
+
+
+class SquaredReluMLP(nn.Module):
+    """Nemotron-H's non-gated MLP: ``down(relu(up(x)) ** 2)``."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``down(relu(up(x)) ** 2)``."""
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba-2's output norm (transformers' ``NemotronHRMSNormGated``): ``x * silu(gate)``
+    RMS-normed in float32 over groups of ``group_size`` channels, scaled by ``weight``."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        """``weight * group_rms_norm(x * silu(gate))``, in ``x``'s dtype."""
+        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 layer (Nemotron-H's ``mixer``) over the recurrent pool.
+
+    Parameters carry the hub's names: ``in_proj`` (the gate ``z``, the conv inputs ``xBC``,
+    then one step-size input per head), ``conv1d`` (depthwise), ``dt_bias``, ``A_log``,
+    ``D``, ``norm`` (:class:`GroupGatedRMSNorm`, one group per B/C group) and ``out_proj``.
+    The per-request conv and SSM states live in ``pool.recurrent`` at the batch's state
+    slots, layer ``self.layer`` (its ordinal among Mamba-2 layers); ``spec.recurrent``'s
+    :func:`~speculum.spec.recurrent.mamba2_scan` runs the recurrence, each token from its
+    parent's state, so tree verify keeps a candidate state per node, as for gated DeltaNet.
+    """
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        mamba = config.mamba
+        if mamba is None:
+            raise ValueError("Mamba2Mixer needs a config with Mamba-2 settings (config.mamba)")
+        self.mamba = mamba
+        self.layer = mamba.ordinal(layer)
+        h, inner, channels = config.hidden_size, mamba.inner_size, mamba.conv_channels
+        self.in_proj = nn.Linear(h, inner + channels + mamba.num_heads, bias=mamba.proj_bias)
+        self.conv1d = nn.Conv1d(
+            channels, channels, mamba.conv_kernel, groups=channels, bias=mamba.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(mamba.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(mamba.num_heads))
+        self.D = nn.Parameter(torch.ones(mamba.num_heads))
+        self.norm = GroupGatedRMSNorm(inner, inner // mamba.n_groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(inner, h, bias=mamba.proj_bias)
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Conv and state-space update from each token's parent state (written into the pool
+        at the batch's state slots), gated norm and output projection."""
+        if pool is None or pool.recurrent is None:
+            raise ValueError(
+                "a Mamba-2 layer needs the recurrent pool (build the pool with the model's "
+                "new_pool, and give each request its own PagedKV.state_slots); cache-free "
+                "training is not supported for hybrid models"
+            )
+        m = self.mamba
+        z, xbc, dt = self.in_proj(x).split([m.inner_size, m.conv_channels, m.num_heads], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
+        out = kernels.mamba2_scan(
+            pool.recurrent.conv[self.layer],
+            pool.recurrent.ssm[self.layer],
+            batch.state_slots,
+            batch.prefix_lens,
+            batch.q_lens,
+            batch.new_mask,
+            xbc,
+            self.conv1d.weight[:, 0],
+            self.conv1d.bias,
+            dt,
+            -self.A_log.float().exp(),
+            self.D,
+            [m.num_heads, m.head_dim, m.n_groups, m.state_size],
+        )
+        return self.out_proj(self.norm(out.flatten(2), z))
+
+
+class MixerLayer(nn.Module):
+    """A layer of one mixer (Nemotron-H): ``x + mixer(norm(x))``, the mixer the layer plan's
+    kind (``config.mamba.layer_types``): :class:`Mamba2Mixer`, attention
+    (:func:`attention_block`) or :class:`SquaredReluMLP`. Named as the hub names it
+    (``norm``, ``mixer``)."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        assert config.mamba is not None
+        kind = config.mamba.layer_types[layer]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer: nn.Module
+        if kind == "linear_attention":
+            self.mixer = Mamba2Mixer(config, layer)
+        elif kind == "full_attention":
+            self.mixer = attention_block(config, layer)
+        else:
+            self.mixer = SquaredReluMLP(config)
+        self.reads_cache = kind != "mlp"
+
+    @property
+    def input_layernorm(self) -> RMSNorm:
+        """The pre-norm (what :class:`DecoderModel` fuses the previous residual add into)."""
+        return self.norm
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Tensor:
+        """One residual block: ``x + mixer(norm(x))``."""
+        out, x = self.blocks(self.norm(x), x, batch, pool, inv_freq)
+        return x + out
+
+    def blocks(
+        self,
+        normed: Tensor,
+        x: Tensor,
+        batch: ForwardBatch,
+        pool: KVPool | None,
+        inv_freq: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """``(mixer_out, x)``, whose sum is the stream leaving the layer (as
+        :meth:`DecoderLayer.blocks`)."""
+        if self.reads_cache:
+            return self.mixer(normed, batch, pool, inv_freq), x
+        return self.mixer(normed), x
+
+
 def decoder_layer(config: DecoderConfig, layer: int, cache_layer: int) -> DecoderLayer:
     """Decoder layer ``layer`` exactly as a model of ``config`` builds it (the attention and
     MLP kinds the config gives that index), its attention reading and writing layer
@@ -914,7 +1087,8 @@ class Backbone(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        layer = DecoderLayer if config.mamba is None else MixerLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
@@ -995,7 +1169,7 @@ class DecoderModel(nn.Module):
         model's also holds ``state_slots`` recurrent-state slots (slot 0 the padding sink) of
         ``state_ring`` entries each (:func:`recurrent_pool_for`), ignored otherwise."""
         pool = pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
-        if self.config.linear is None:
+        if not self.config.is_hybrid:
             return pool
         states = recurrent_pool_for(self.config, state_slots, state_ring, pool.k.dtype)
         return attrs.evolve(pool, recurrent=states.to(pool.k.device))

@@ -310,7 +310,27 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked]:
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
+    if model.config.mamba is not None:
+        return {name: _nemotron_h_key(key) for name, key in names.items()}
     return names
+
+
+#: Nemotron-H's names for the backbone's parts (``backbone.*``, as its hub checkpoints and
+#: transformers' ``save_pretrained`` spell them).
+_NEMOTRON_H_KEYS = (
+    ("model.embed_tokens.", "backbone.embeddings."),
+    ("model.norm.", "backbone.norm_f."),
+    ("model.", "backbone."),
+)
+
+
+def _nemotron_h_key(key: str | Stacked) -> str | Stacked:
+    """``key`` in Nemotron-H's spelling (``lm_head.weight`` stays)."""
+    assert isinstance(key, str)  # no stacked experts: Nemotron-H MoE layers are refused
+    for ours, theirs in _NEMOTRON_H_KEYS:
+        if key.startswith(ours):
+            return theirs + key[len(ours) :]
+    return key
 
 
 def layer_checkpoint_names(
@@ -323,7 +343,7 @@ def layer_checkpoint_names(
     names: dict[str, str | Stacked] = {
         ours + name: theirs + name for name, _ in layer.named_parameters()
     }
-    if not isinstance(layer.mlp, SparseMoE):
+    if not isinstance(getattr(layer, "mlp", None), SparseMoE):
         return names
     block, gate_up, down = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
     mine, hub = f"{ours}mlp.", f"{theirs}{block}."
@@ -396,7 +416,7 @@ def load_model(
     nextn = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
     prefixes = tuple(f"model.layers.{n}." for n in nextn)
     tolerated |= {k for k in found if k.startswith(prefixes)}
-    if config.linear is not None:  # Qwen3-Next's MTP layer (not built yet: docs/hybrid.md)
+    if config.is_hybrid:  # Qwen3-Next's, Nemotron-H's MTP layers (not built: docs/hybrid.md)
         tolerated |= {k for k in found if k.startswith("mtp.")}
     names = checkpoint_names(model)
     check_keys(checkpoint_shapes(model, names), found, str(folder), frozenset(tolerated), config)

@@ -59,6 +59,7 @@ from speculum.models.decoder import (
     GatedDeltaNet,
     LatentAttention,
     LMHead,
+    Mamba2Mixer,
     SparseMoE,
     float32_logits,
 )
@@ -327,6 +328,11 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
             f"tp={tp.size}: multi-head latent attention layers cannot be split over "
             "tensor-parallel ranks yet (every rank would need the whole latent cache); run "
             "this model with tp=1"
+        )
+    if any(isinstance(m, Mamba2Mixer) for m in module.modules()):
+        raise UnsupportedSplit(
+            f"tp={tp.size}: Nemotron-H's Mamba-2 layers cannot be split over tensor-parallel "
+            "ranks yet (their recurrent states are not sharded); run this model with tp=1"
         )
     if any(isinstance(m, (GatedDeltaNet, GatedAttention)) for m in module.modules()):
         raise UnsupportedSplit(
