@@ -39,6 +39,7 @@ __all__ = [
     "LMHead",
     "MLP",
     "RMSNorm",
+    "ResidualLayer",
     "Router",
     "SparseMoE",
     "apply_rope",
@@ -871,9 +872,21 @@ def mlp_block(config: DecoderConfig, layer: int) -> MLP | SparseMoE:
     return MLP(config)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections; the MLP block is the
-    layer's kind (:func:`mlp_block`)."""
+class ResidualLayer(nn.Module):
+    """A decoder layer: its ``blocks`` (the layer short of its last residual add, from the
+    stream and its ``input_layernorm``-ed copy) and that add."""
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Tensor:
+        """The stream leaving the layer: ``x`` plus what its blocks add."""
+        out, x = self.blocks(self.input_layernorm(x), x, batch, pool, inv_freq)
+        return x + out
+
+
+class DecoderLayer(ResidualLayer):
+    """Pre-norm attention and MLP blocks with residual connections (``x + attn(norm(x))``,
+    then ``+ mlp(norm(.))``); the MLP block is the layer's kind (:func:`mlp_block`)."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -885,13 +898,6 @@ class DecoderLayer(nn.Module):
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
-
-    def forward(
-        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
-    ) -> Tensor:
-        """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
-        out, x = self.blocks(self.input_layernorm(x), x, batch, pool, inv_freq)
-        return x + out
 
     def blocks(
         self,
@@ -1020,7 +1026,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(out.flatten(2), z))
 
 
-class MixerLayer(nn.Module):
+class MixerLayer(ResidualLayer):
     """A layer of one mixer (Nemotron-H): ``x + mixer(norm(x))``, the mixer the layer plan's
     kind (``config.mamba.layer_types``): :class:`Mamba2Mixer`, attention
     (:func:`attention_block`) or :class:`SquaredReluMLP`. Named as the hub names it
@@ -1044,13 +1050,6 @@ class MixerLayer(nn.Module):
     def input_layernorm(self) -> RMSNorm:
         """The pre-norm (what :class:`DecoderModel` fuses the previous residual add into)."""
         return self.norm
-
-    def forward(
-        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
-    ) -> Tensor:
-        """One residual block: ``x + mixer(norm(x))``."""
-        out, x = self.blocks(self.norm(x), x, batch, pool, inv_freq)
-        return x + out
 
     def blocks(
         self,

@@ -225,10 +225,15 @@ def run_in_steps(
 
     Rows out of chunks ride along as padding (``q_lens == 0``), shorter chunks are padded up to
     the step's longest, and padded positions hold a non-zero id, which ``extend_batch`` must mask.
+    Each row keeps its recurrent state (a hybrid's) in a slot of its own.
     Returns per row ``[1 + len(capture), seq, hidden]``: final-normed hidden, then captures.
     """
     batch = len(prompts)
-    pool = model.new_pool(int(table.max()) + 1, page_size)
+    # Each row its own recurrent-state slot (hybrids; other models' pools ignore these), the
+    # ring longer than any chunk.
+    states = {"state_slots": batch + 1, "state_ring": max(map(max, chunks)) + 1}
+    pool = model.new_pool(int(table.max()) + 1, page_size, **states)
+    slots = torch.arange(1, batch + 1)
     seq_lens = torch.zeros(batch, dtype=torch.int64)
     streams: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     for step in range(max(map(len, chunks))):
@@ -237,7 +242,7 @@ def run_in_steps(
         for b, n in enumerate(q_lens):
             start = int(seq_lens[b])
             ids[b, :n] = torch.tensor(prompts[b][start : start + n])
-        kv = PagedKV(page_table=table, seq_lens=seq_lens, page_size=page_size)
+        kv = PagedKV(page_table=table, seq_lens=seq_lens, page_size=page_size, state_slots=slots)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         with torch.no_grad():
             hidden, captured = model(extend_batch(kv, ids, q_lens_t), pool, capture)

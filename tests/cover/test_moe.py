@@ -12,6 +12,7 @@ import transformers
 from conftest import tiny_config
 from heads import (
     agreeing_head,
+    assert_greedy_equals_transformers,
     assert_sampled_snapshot_replays,
     draw_correction_biases_,
     markov_target,
@@ -131,14 +132,7 @@ def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
     """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts) emits
     transformers' ``generate`` tokens, token for token."""
     hf, folder = hf_checkpoint
-    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
-    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
-    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(prompts, results, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-        assert list(result.token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(hf, load_model(folder))
 
 
 def test_saving_writes_the_hub_layout_back_exactly(hf_checkpoint, tmp_path: Path) -> None:

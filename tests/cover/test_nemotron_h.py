@@ -11,11 +11,19 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, assert_sampled_snapshot_replays, markov_target, pipeline_engine
+from heads import (
+    agreeing_head,
+    assert_greedy_equals_transformers,
+    assert_sampled_snapshot_replays,
+    assert_tree_states_follow_paths,
+    markov_target,
+    pipeline_engine,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from strategies import page_sizes, prefill_budgets, prompt_batches
+from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
+from test_models import page_table, relative_error, run_in_steps
 
 from speculum import kernels
 from speculum.models.config import CheckpointError, DecoderConfig, MambaConfig, UnsupportedModel
@@ -23,14 +31,9 @@ from speculum.models.decoder import Mamba2Mixer, NoPEAttention, SquaredReluMLP
 from speculum.models.loading import load_model, random_model, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
-from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
-from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.recurrent import mamba2_scan
-from speculum.spec.tree import tree_mask
-from speculum.state.kv import PagedKV
 from speculum.state.parallel import TensorParallel
-from speculum.state.tree import DraftTree
 
 transformers.logging.disable_progress_bar()
 
@@ -91,47 +94,26 @@ def test_the_checkpoint_loads_into_the_layer_plan(hf_checkpoint) -> None:
 
 
 def test_logits_equal_transformers(hf_checkpoint) -> None:
-    """A prompt prefilled in two chunks (the second from the first's committed conv and SSM
-    states) gives transformers' float32 logits at every position."""
+    """Chunked prefill and decode through the paged cache and the recurrent slots, in a ragged
+    batch (each chunk from the previous one's committed conv and SSM states), give
+    transformers' float32 logits at every position."""
     hf, folder = hf_checkpoint
-    model = load_model(folder)
-    tokens = torch.tensor([[3, 17, 42, 5, 9, 9, 1, 60, 2, 88, 4]])
-    with torch.no_grad():
-        expected = hf(tokens).logits[0]
-    pool = model.new_pool(4, 8, state_slots=2, state_ring=4)
-    kv = PagedKV(
-        page_table=torch.tensor([[1, 2]]),
-        seq_lens=torch.tensor([0]),
-        page_size=8,
-        state_slots=torch.tensor([1]),
-    )
-    logits = []
-    for start, end in ((0, 6), (6, 11)):
-        chunk = tokens[:, start:end]
-        kv_now = PagedKV(
-            page_table=kv.page_table,
-            seq_lens=torch.tensor([start]),
-            page_size=8,
-            state_slots=kv.state_slots,
-        )
-        batch = extend_batch(kv_now, chunk, torch.tensor([end - start]))
-        hidden, _ = model(batch, pool)
-        logits.append(model.logits(hidden[0]))
-    torch.testing.assert_close(torch.cat(logits), expected, rtol=1e-5, atol=1e-5)
+    ours = load_model(folder)
+    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
+    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
+    table = page_table([len(p) for p in prompts], 3, list(range(1, 12)), extra=1)
+    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
+    for prompt, streams in zip(prompts, stepped, strict=True):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
 
 
 def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
     """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts of
     several lengths) emits transformers' ``generate`` tokens, token for token."""
     hf, folder = hf_checkpoint
-    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
-    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
-    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(prompts, results, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-        assert list(result.token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(hf, load_model(folder))
 
 
 def test_the_older_pattern_spelling_reads_as_the_same_plan(hf_checkpoint) -> None:
@@ -208,6 +190,7 @@ PIPELINES = {
     "plain": ("plain", None, {}),
     "eagle chain": ("eagle", agreeing_head(TARGET, "eagle"), {"num_steps": 4}),
     "eagle tree": ("eagle", agreeing_head(TARGET, "eagle"), "tree"),
+    "adaptive": ("eagle", agreeing_head(TARGET, "eagle"), {"adaptive_steps": (0, 1, 3)}),
     "standalone self tree": ("standalone", StandaloneHead(TARGET, PIPE_VOCAB), "tree"),
     "standalone stranger": ("standalone", StandaloneHead(STRANGER, PIPE_VOCAB), "tree"),
     "ngram": ("ngram", None, {"num_draft_tokens": 6}),
@@ -255,16 +238,8 @@ def test_snapshot_restore_of_a_nemotron_h_batch_replays_exactly() -> None:
     assert_sampled_snapshot_replays(hybrid_engine("standalone self tree"))
 
 
-@st.composite
-def parent_lists(draw, max_nodes: int = 6) -> list[int]:
-    """A tree's parents in level order: node 0 the root (-1), every other node's parent
-    earlier."""
-    size = draw(st.integers(1, max_nodes))
-    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
-
-
 @settings(max_examples=10)
-@given(parents=parent_lists(), prefix=st.integers(0, 5), seed=st.integers(0, 2**16))
+@given(parents=parent_lists(max_nodes=6), prefix=st.integers(0, 5), seed=st.integers(0, 2**16))
 def test_each_tree_node_gets_the_mamba2_state_of_its_own_path(parents, prefix, seed) -> None:
     """Over a tree, each node's output and candidate conv/SSM states are exactly what running
     its path (root to node) as a chain after the same committed state gives."""
@@ -274,39 +249,20 @@ def test_each_tree_node_gets_the_mamba2_state_of_its_own_path(parents, prefix, s
 
     def pools():
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(2, ring, channels, 3, generator=g), torch.randn(
-            2, ring, 4, 3, 5, generator=g
-        )
+        conv = torch.randn(2, ring, channels, 3, generator=g)
+        return conv, torch.randn(2, ring, 4, 3, 5, generator=g)
 
     xbc = torch.randn(1, n, channels, generator=gen)
     weight, bias = torch.randn(channels, 4, generator=gen), torch.randn(channels, generator=gen)
     dt, a, d = torch.rand(1, n, 4, generator=gen), -torch.rand(4, generator=gen), torch.randn(4)
-    tree = DraftTree(
-        tokens=torch.zeros(1, n, dtype=torch.int64),
-        parents=torch.tensor([parents]),
-        depths=torch.zeros(1, n, dtype=torch.int64),
-    )
-    slot, prefix_lens = torch.tensor([1]), torch.tensor([prefix])
-    conv, ssm = pools()
-    args = (weight, bias)
-    out = mamba2_scan(
-        conv, ssm, slot, prefix_lens, torch.tensor([n]), tree_mask(tree), xbc, *args, dt, a, d,
-        dims,
-    )  # fmt: skip
-    for node in range(n):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path.reverse()
-        chain_conv, chain_ssm = pools()
-        chain = mamba2_scan(
-            chain_conv, chain_ssm, slot, prefix_lens, torch.tensor([len(path)]),
-            causal_mask(1, len(path)), xbc[:, path], *args, dt[:, path], a, d, dims,
+
+    def run(conv, ssm, mask, nodes):
+        return mamba2_scan(
+            conv, ssm, torch.tensor([1]), torch.tensor([prefix]), torch.tensor([len(nodes)]),
+            mask, xbc[:, nodes], weight, bias, dt[:, nodes], a, d, dims,
         )  # fmt: skip
-        assert torch.equal(out[:, node], chain[:, -1])
-        tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
-        assert torch.equal(ssm[1, tree_entry], chain_ssm[1, chain_entry])
-        assert torch.equal(conv[1, tree_entry], chain_conv[1, chain_entry])
+
+    assert_tree_states_follow_paths(run, parents, prefix, pools)
 
 
 def test_the_mamba2_op_passes_torch_custom_op_checks() -> None:
