@@ -177,3 +177,11 @@ def assert_tree_states_follow_paths(run, parents: list[int], prefix: int, pools)
         tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
         assert torch.equal(ssm[1, tree_entry], chain_ssm[1, chain_entry])
         assert torch.equal(conv[1, tree_entry], chain_conv[1, chain_entry])
+
+
+def assert_pipeline_equals_plain(engine_for, name: str, prompts, tree, **limits) -> None:
+    """Greedy decoding of ``prompts`` (10 new tokens) on ``engine_for(name, tree, **limits)``
+    emits exactly the tokens of ``engine_for("plain", tree, **limits)``."""
+    ours = generate(prompts, engine=engine_for(name, tree, **limits), max_new_tokens=10)
+    plain = generate(prompts, engine=engine_for("plain", tree, **limits), max_new_tokens=10)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]

@@ -24,7 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
-from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
+from test_models import (
+    RAGGED_PROMPTS,
+    assert_ragged_logits_equal,
+    edit_config,
+    edit_weights,
+    relative_error,
+)
 from test_training_draft import assert_decodes_like_plain, train, write_target
 
 from speculum import kernels
@@ -149,16 +155,11 @@ def test_logits_match_transformers_through_the_latent_cache(hf_checkpoint) -> No
     cache-free (training) forward give transformers' logits (float32)."""
     hf, folder = hf_checkpoint
     ours = load_model(folder)
-    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
-    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
-    lengths = [len(p) for p in prompts]
-    table = page_table(lengths, 3, list(range(1, 12)), extra=1)
-    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
-    for prompt, streams in zip(prompts, stepped, strict=True):
+    assert_ragged_logits_equal(hf, ours)
+    for prompt in RAGGED_PROMPTS:
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]
             dense, _ = ours(dense_batch(torch.tensor([prompt])), None)
-        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
         assert relative_error(ours.logits(dense[0]), expected) < 1e-5
 
 

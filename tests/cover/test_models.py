@@ -253,6 +253,22 @@ def run_in_steps(
     return [torch.cat(s, dim=1) for s in streams]
 
 
+#: A ragged batch of prompts, and how :func:`assert_ragged_logits_equal` feeds each.
+RAGGED_PROMPTS = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
+RAGGED_CHUNKS = [[3, 1, 1, 2], [4, 7], [1, 1]]
+
+
+def assert_ragged_logits_equal(hf: transformers.PreTrainedModel, ours: DecoderModel) -> None:
+    """Chunked prefill and decode of :data:`RAGGED_PROMPTS` through the paged cache (pages of
+    3 tokens), in a ragged batch, give ``hf``'s float32 logits at every position."""
+    table = page_table([len(p) for p in RAGGED_PROMPTS], 3, list(range(1, 12)), extra=1)
+    stepped = run_in_steps(ours, RAGGED_PROMPTS, RAGGED_CHUNKS, table, 3, ())
+    for prompt, streams in zip(RAGGED_PROMPTS, stepped, strict=True):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
+
+
 @st.composite
 def chunkings(draw: st.DrawFn, length: int) -> list[int]:
     """How a prompt is fed: in one call, in random chunks, or a prefill then 1-token decodes."""

@@ -25,12 +25,11 @@ from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_eagle_stats import CHUNK, SEEDS, exact_joint, joint_stats, lossless, sample_tokens
 from test_models import (
     CASES,
+    assert_ragged_logits_equal,
     edit_config,
     edit_weights,
-    page_table,
     random_tensors,
     relative_error,
-    run_in_steps,
 )
 
 from speculum.kernels import model_ops
@@ -116,16 +115,7 @@ def test_logits_match_transformers_through_the_paged_cache(hf_checkpoint) -> Non
     """Chunked prefill and decode through the cache, in a ragged batch, give transformers'
     logits (float32)."""
     hf, folder = hf_checkpoint
-    ours = load_model(folder)
-    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
-    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
-    lengths = [len(p) for p in prompts]
-    table = page_table(lengths, 3, list(range(1, 12)), extra=1)
-    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
-    for prompt, streams in zip(prompts, stepped, strict=True):
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
+    assert_ragged_logits_equal(hf, load_model(folder))
 
 
 def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:

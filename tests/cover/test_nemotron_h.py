@@ -14,6 +14,7 @@ from conftest import tiny_config
 from heads import (
     agreeing_head,
     assert_greedy_equals_transformers,
+    assert_pipeline_equals_plain,
     assert_sampled_snapshot_replays,
     assert_tree_states_follow_paths,
     markov_target,
@@ -23,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
-from test_models import page_table, relative_error, run_in_steps
+from test_models import assert_ragged_logits_equal
 
 from speculum import kernels
 from speculum.models.config import CheckpointError, DecoderConfig, MambaConfig, UnsupportedModel
@@ -98,15 +99,7 @@ def test_logits_equal_transformers(hf_checkpoint) -> None:
     batch (each chunk from the previous one's committed conv and SSM states), give
     transformers' float32 logits at every position."""
     hf, folder = hf_checkpoint
-    ours = load_model(folder)
-    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
-    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
-    table = page_table([len(p) for p in prompts], 3, list(range(1, 12)), extra=1)
-    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
-    for prompt, streams in zip(prompts, stepped, strict=True):
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
+    assert_ragged_logits_equal(hf, load_model(folder))
 
 
 def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
@@ -217,9 +210,7 @@ def test_every_pipeline_equals_plain_greedy_on_a_nemotron_h_target(
     tree shape: each draft node's Mamba-2 states follow its path, commit keeps the accepted
     node's, and a rejected draft token leaves no trace."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
-    ours = generate(prompts, engine=hybrid_engine(name, tree, **limits), max_new_tokens=10)
-    plain = generate(prompts, engine=hybrid_engine("plain", tree, **limits), max_new_tokens=10)
-    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+    assert_pipeline_equals_plain(hybrid_engine, name, prompts, tree, **limits)
 
 
 def test_the_target_drafting_for_itself_accepts_every_round() -> None:

@@ -15,6 +15,7 @@ from conftest import tiny_config
 from heads import (
     agreeing_head,
     assert_greedy_equals_transformers,
+    assert_pipeline_equals_plain,
     assert_sampled_snapshot_replays,
     assert_tree_states_follow_paths,
     markov_target,
@@ -197,9 +198,7 @@ def test_every_pipeline_equals_plain_greedy_on_a_hybrid_target(
     tree shape: each draft node's candidate state follows its path, commit keeps the
     accepted one, and a rejected draft token leaves no trace."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
-    ours = generate(prompts, engine=hybrid_engine(name, tree, **limits), max_new_tokens=10)
-    plain = generate(prompts, engine=hybrid_engine("plain", tree, **limits), max_new_tokens=10)
-    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+    assert_pipeline_equals_plain(hybrid_engine, name, prompts, tree, **limits)
 
 
 def decoded(engine, prompts: list[list[int]], max_new_tokens: int) -> list[scheduler.Request]:
