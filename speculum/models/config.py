@@ -10,7 +10,10 @@ DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCau
 ``DeepseekV3ForCausalLM``, with YaRN rope scaling), whose attention shapes are an
 :class:`MLAConfig`, and the hybrid ``Qwen3NextForCausalLM`` (gated DeltaNet layers between
 gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
-linear-attention shapes are a :class:`LinearAttentionConfig`. Both spellings of the rotary
+linear-attention shapes are a :class:`LinearAttentionConfig`, and the hybrid
+``NemotronHForCausalLM`` (one mixer per layer: Mamba-2, attention without rotary embedding or a
+squared-ReLU MLP; its mixture-of-experts layers are refused), whose layer plan and Mamba-2
+shapes are a :class:`MambaConfig`. Both spellings of the rotary
 settings are read: ``rope_theta`` plus
 ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 

@@ -3,8 +3,10 @@
 Each layer composes an attention block and an MLP block chosen from the config: grouped-query
 :class:`Attention`, or DeepSeek's multi-head latent attention (:class:`LatentAttention`, over a
 cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`)
-in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek checkpoints; the one
-forward runs them all.
+in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek checkpoints; in
+hybrids, recurrent layers with per-request state slots (Qwen3-Next's :class:`GatedDeltaNet`)
+or, for Nemotron-H, one mixer per layer (:class:`MixerLayer`: :class:`Mamba2Mixer`,
+:class:`NoPEAttention` or :class:`SquaredReluMLP`); the one forward runs them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,

@@ -11,8 +11,10 @@ The only tolerated extras are a tied ``lm_head.weight`` (some exporters write it
 ``inv_freq`` buffers (older exporters wrote them), neither of which carries information the
 config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` after the ``L``
 decoder layers when ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads
-those, see ``speculum.models.draft_loading``), and Qwen3-Next's MTP weights ``mtp.*``, which
-transformers ignores too.
+those, see ``speculum.models.draft_loading``), and Qwen3-Next's and Nemotron-H's MTP weights
+``mtp.*``, which transformers ignores too. Nemotron-H checkpoints name the backbone
+``backbone.*`` (``backbone.embeddings``, ``backbone.layers.{n}.{norm,mixer}``,
+``backbone.norm_f``); :func:`checkpoint_names` maps the decoder's names onto them.
 
 Mixture-of-experts layers keep their experts stacked (``SparseMoE.experts_gate_up [E, 2I, H]``
 and ``experts_down [E, H, I]``) where checkpoints hold one tensor per expert, in the hub's

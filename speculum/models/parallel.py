@@ -33,8 +33,8 @@ lm_head, the sampling and acceptance stages) runs unchanged. The vocabulary is p
 multiple of ``tp`` with zero rows, whose logits are dropped after the gather, so any vocabulary
 size splits; query heads, K/V heads and the intermediate size must split evenly, and
 :class:`UnsupportedSplit` names the one that does not. Mixture-of-experts models
-(``decoder.SparseMoE``), latent attention (``decoder.LatentAttention``) and Qwen3-Next's
-gated DeltaNet and gated attention are not split yet:
+(``decoder.SparseMoE``), latent attention (``decoder.LatentAttention``), Qwen3-Next's
+gated DeltaNet and gated attention and Nemotron-H's Mamba-2 are not split yet:
 sharding one raises :class:`UnsupportedSplit`.
 
 Page tables do not change: every rank's pool has the same pages, holding its own heads, so one
@@ -312,9 +312,9 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
     with :func:`splits_of` to read only this rank's part of a checkpoint, or shard a loaded
     module to copy its parts out. Fuse projections after sharding (the local q/k/v and
     gate/up fuse as usual). Raises :class:`UnsupportedSplit` for heads or an intermediate size
-    that do not split over ``tp`` and for mixture-of-experts, latent attention and Qwen3-Next's
-    layers (not split yet), and ``ValueError`` for a module already sharded or fused; either way the
-    module is left unchanged.
+    that do not split over ``tp`` and for mixture-of-experts, latent attention, Qwen3-Next's
+    and Nemotron-H's recurrent layers (not split yet), and ``ValueError`` for a module already
+    sharded or fused; either way the module is left unchanged.
     """
     if tp.size == 1:
         return module

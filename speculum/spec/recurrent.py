@@ -164,7 +164,7 @@ def mamba2_scan(
 
 def commit_states(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> None:
     """Copy the state after the accepted path's last node (at its own cache index) to the
-    entry of the accepted depth, where the next round reads it, in every linear-attention
+    entry of the accepted depth, where the next round reads it, in every recurrent
     layer, in place (chains: the same entry, a no-op). A rejected node's state stays behind in
     an entry no record points at."""
     states = pool.recurrent

@@ -32,6 +32,7 @@ from speculum.models.decoder import Mamba2Mixer, NoPEAttention, SquaredReluMLP
 from speculum.models.loading import load_model, random_model, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
+from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
 from speculum.spec.recurrent import mamba2_scan
 from speculum.state.parallel import TensorParallel
@@ -285,3 +286,11 @@ def test_tensor_parallelism_refuses_mamba2_layers() -> None:
     """Mamba-2 layers are not split over ranks yet: sharding says so, naming them."""
     with pytest.raises(UnsupportedSplit, match="tp=2: Nemotron-H's Mamba-2 layers"):
         shard_(random_model(tiny_config(**HYBRID), seed=1), TensorParallel(rank=0, size=2))
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "frozen_kv_mtp"])
+def test_algorithms_reading_per_layer_kv_are_refused(algorithm) -> None:
+    """MTP layers of a hybrid are not built, and frozen-KV drafts read K/V the Mamba-2 layers
+    do not keep: refused before anything is built, saying why."""
+    with pytest.raises(UnsupportedModel, match="hybrid target NemotronHForCausalLM"):
+        engine_from_model(TARGET, algorithm=algorithm, draft=object())
