@@ -12,8 +12,8 @@ DeepSeek's multi-head latent attention with DeepSeek routing (``DeepseekV2ForCau
 gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
 linear-attention shapes are a :class:`LinearAttentionConfig`, and the hybrid
 ``NemotronHForCausalLM`` (one mixer per layer: Mamba-2, attention without rotary embedding or a
-squared-ReLU MLP; its mixture-of-experts layers are refused), whose layer plan and Mamba-2
-shapes are a :class:`MambaConfig`. Both spellings of the rotary
+squared-ReLU MLP or a mixture of squared-ReLU experts), whose layer plan, Mamba-2 shapes and
+routing are a :class:`MambaConfig`. Both spellings of the rotary
 settings are read: ``rope_theta`` plus
 ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
@@ -229,6 +229,21 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: {problem}")
 
     @property
+    def routing(self) -> tuple[int, bool, str, str, int, int, float]:
+        """The routing arguments of ``kernels.model_ops.moe`` and ``moe_row_weights``, in
+        their order: ``top_k``, ``norm_topk_prob``, ``scoring_func``, ``topk_method``,
+        ``n_group``, ``topk_group``, ``routed_scaling_factor``."""
+        return (
+            self.top_k,
+            self.norm_topk_prob,
+            self.scoring_func,
+            self.topk_method,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+        )
+
+    @property
     def has_correction_bias(self) -> bool:
         """Whether the router holds an ``e_score_correction_bias`` (``noaux_tc`` routing)."""
         return self.topk_method == "noaux_tc"
@@ -359,13 +374,16 @@ class MambaConfig:
     """Shapes of a hybrid decoder's Mamba-2 layers and its layer plan (Nemotron-H; all static).
 
     ``layer_types[n]`` is decoder layer ``n``'s one mixer: ``"linear_attention"`` (Mamba-2),
-    ``"full_attention"`` (attention without rotary embedding) or ``"mlp"`` (a non-gated
-    squared-ReLU MLP). A Mamba-2 layer projects each token to a gate ``z``, the conv inputs
-    ``xBC`` (``num_heads * head_dim`` values ``x``, then ``n_groups`` groups of ``state_size``
-    input and output projections ``B`` and ``C``) and a step size per head; the causal conv1d
-    of ``conv_kernel`` taps (with a bias when ``conv_bias``) and SiLU run over ``xBC``, then
-    the selective state-space recurrence per head (see ``spec.recurrent.mamba2_scan``) with
-    step sizes clamped to ``time_step_limit``. ``proj_bias``: the in/out projections' biases."""
+    ``"full_attention"`` (attention without rotary embedding), ``"mlp"`` (a non-gated
+    squared-ReLU MLP) or ``"moe"`` (a mixture of such MLPs routed by ``moe``: DeepSeek-V3's
+    grouped sigmoid routing, plus an ungated squared-ReLU shared expert
+    ``moe.shared_expert_intermediate_size`` wide). A Mamba-2 layer projects each token to a
+    gate ``z``, the conv inputs ``xBC`` (``num_heads * head_dim`` values ``x``, then
+    ``n_groups`` groups of ``state_size`` input and output projections ``B`` and ``C``) and a
+    step size per head; the causal conv1d of ``conv_kernel`` taps (with a bias when
+    ``conv_bias``) and SiLU run over ``xBC``, then the selective state-space recurrence per
+    head (see ``spec.recurrent.mamba2_scan``) with step sizes clamped to ``time_step_limit``.
+    ``proj_bias``: the in/out projections' biases."""
 
     layer_types: tuple[str, ...]
     num_heads: int
@@ -376,6 +394,7 @@ class MambaConfig:
     conv_bias: bool
     proj_bias: bool
     time_step_limit: tuple[float, float]
+    moe: MoEConfig | None = None
 
     @property
     def inner_size(self) -> int:
@@ -807,7 +826,8 @@ def _linear_settings(raw: dict[str, Any], where: str, num_layers: int) -> Linear
 def _mamba_settings(raw: dict[str, Any], where: str) -> MambaConfig:
     """Nemotron-H's layer plan (``layers_block_type``, or the older ``hybrid_override_pattern``
     string) and Mamba-2 shapes, with transformers' defaults (and its older key spellings,
-    ``mamba_n_groups`` ...). Mixture-of-experts layers (``"moe"``, ``E``) are refused."""
+    ``mamba_n_groups`` ...). Mixture-of-experts layers (``"moe"``, ``E``) behind latent
+    projections (``moe_latent_size``) are refused."""
     kinds = raw.get("layers_block_type") or raw.get("layer_types")
     pattern = raw.get("hybrid_override_pattern")
     if kinds is None and isinstance(pattern, str) and set(pattern) <= set(NEMOTRON_H_KINDS):
@@ -820,11 +840,11 @@ def _mamba_settings(raw: dict[str, Any], where: str) -> MambaConfig:
             f"of {', '.join(NEMOTRON_H_KINDS.values())} per layer (or hybrid_override_pattern "
             "one of the letters M * - E): fix it in the file"
         )
-    if "moe" in kinds:
+    if "moe" in kinds and raw.get("moe_latent_size") is not None:
         raise UnsupportedModel(
-            f"{where}: Nemotron-H mixture-of-experts layers ('moe', E in the pattern) are not "
-            "supported yet (their experts are non-gated squared-ReLU MLPs); use a checkpoint "
-            "of Mamba-2, attention and MLP layers"
+            f"{where}: Nemotron-H mixture-of-experts layers with latent projections "
+            f"(moe_latent_size {raw['moe_latent_size']}) are not supported yet; use a "
+            "checkpoint whose experts read the hidden state (moe_latent_size null)"
         )
     for key, wanted in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if raw.get(key, wanted) != wanted:
@@ -864,6 +884,38 @@ def _mamba_settings(raw: dict[str, Any], where: str) -> MambaConfig:
         conv_bias=_boolean(raw, "use_conv_bias", where, bool(raw.get("mamba_conv_bias", True))),
         proj_bias=_boolean(raw, "use_bias", where, False),
         time_step_limit=(float(limit[0]), float(limit[1])),
+        moe=_nemotron_h_moe(raw, where) if "moe" in kinds else None,
+    )
+
+
+def _nemotron_h_moe(raw: dict[str, Any], where: str) -> MoEConfig:
+    """The routing of Nemotron-H's mixture-of-experts layers, with transformers' defaults:
+    DeepSeek-V3's (sigmoid scores, ``noaux_tc`` groups, float32 router)."""
+    experts = _integer(raw, "n_routed_experts", where, minimum=1, default=8)
+    routing = {
+        "num_experts": experts,
+        "top_k": _integer(raw, "num_experts_per_tok", where, minimum=1, default=2),
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": _integer(raw, "n_group", where, minimum=1, default=1),
+        "topk_group": _integer(raw, "topk_group", where, minimum=1, default=1),
+    }
+    problem = _routing_problem(**routing)
+    if problem:
+        raise CheckpointError(f"{where}: {problem} in the file")
+    return MoEConfig(
+        **routing,
+        expert_intermediate_size=_integer(
+            raw, "moe_intermediate_size", where, minimum=1, default=7688
+        ),
+        norm_topk_prob=_boolean(raw, "norm_topk_prob", where, True),
+        shared_expert_intermediate_size=_integer(
+            raw, "moe_shared_expert_intermediate_size", where, minimum=1, default=7688
+        ),
+        routed_scaling_factor=_positive(
+            raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", where, "1.0 or 2.5"
+        ),
+        float32_router=True,
     )
 
 
@@ -884,6 +936,21 @@ def _mamba_dict(config: DecoderConfig) -> dict[str, Any]:
         "use_conv_bias": mamba.conv_bias,
         "use_bias": mamba.proj_bias,
         "time_step_limit": list(mamba.time_step_limit),
+        **(_nemotron_h_moe_dict(mamba.moe) if mamba.moe is not None else {}),
+    }
+
+
+def _nemotron_h_moe_dict(moe: MoEConfig) -> dict[str, Any]:
+    """Nemotron-H's routing keys."""
+    return {
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "norm_topk_prob": moe.norm_topk_prob,
     }
 
 
@@ -1040,7 +1107,7 @@ def _moe_settings(
     transformers' defaults for what the file leaves out. ``mlp_only_layers`` may name the
     ``nextn`` MTP layers after the ``num_layers`` decoder layers too: an MTP layer is built as
     the decoder would build a layer of its index (``decoder.decoder_layer``)."""
-    if arch not in _DENSE_ARCHITECTURES or arch == "NemotronHForCausalLM":  # MoE refused
+    if arch not in _DENSE_ARCHITECTURES or arch == "NemotronHForCausalLM":  # its own: mamba.moe
         return None
     if arch in _DEEPSEEK_STYLE_DEFAULTS:
         return _deepseek_moe_settings(raw, where, num_layers, _DEEPSEEK_STYLE_DEFAULTS[arch])

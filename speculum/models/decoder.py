@@ -6,7 +6,8 @@ cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:clas
 in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek checkpoints; in
 hybrids, recurrent layers with per-request state slots (Qwen3-Next's :class:`GatedDeltaNet`)
 or, for Nemotron-H, one mixer per layer (:class:`MixerLayer`: :class:`Mamba2Mixer`,
-:class:`NoPEAttention` or :class:`SquaredReluMLP`); the one forward runs them all.
+:class:`NoPEAttention`, :class:`SquaredReluMLP` or :class:`SquaredReluMoE`); the one forward
+runs them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
@@ -60,6 +61,8 @@ __all__ = [
     "MixerLayer",
     "NoPEAttention",
     "SquaredReluMLP",
+    "SquaredReluMoE",
+    "StackedExperts",
     "attention_block",
     "fuse_projections_",
     "fused_linear",
@@ -849,13 +852,7 @@ class SparseMoE(nn.Module):
             self.gate.weight,
             self.experts_gate_up,
             self.experts_down,
-            moe.top_k,
-            moe.norm_topk_prob,
-            moe.scoring_func,
-            moe.topk_method,
-            moe.n_group,
-            moe.topk_group,
-            moe.routed_scaling_factor,
+            *moe.routing,
             self.gate.e_score_correction_bias,
             moe.float32_router,
         )
@@ -936,17 +933,70 @@ class NoPEAttention(Attention):
 
 
 class SquaredReluMLP(nn.Module):
-    """Nemotron-H's non-gated MLP: ``down(relu(up(x)) ** 2)``."""
+    """Nemotron-H's non-gated MLP: ``down(relu(up(x)) ** 2)``, ``intermediate_size`` wide
+    (default: the config's)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, bias = config.hidden_size, config.mlp_bias
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """``down(relu(up(x)) ** 2)``."""
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class StackedExperts(nn.Module):
+    """Non-gated experts' weights stacked (transformers' ``NemotronHExperts``): ``up_proj [E,
+    I, H]`` and ``down_proj [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SquaredReluMoE(nn.Module):
+    """Nemotron-H's mixture of experts (``config.mamba.moe``): a float32 :class:`Router`
+    ``gate`` with DeepSeek-V3's grouped sigmoid routing, non-gated squared-ReLU experts
+    (:class:`StackedExperts`) and an ungated squared-ReLU ``shared_experts`` every token goes
+    through, added last.
+
+    The routed experts run densely, as ``kernels.model_ops.moe_reference`` runs SwiGLU ones:
+    every row through every expert, the outputs of experts a row did not select dropped by
+    ``where``; no host sync and no data-dependent shape (CUDA graphs capture it), at ``E /
+    top_k`` times routing's FLOPs."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        assert config.mamba is not None and config.mamba.moe is not None
+        moe = config.mamba.moe
+        self.moe = moe
+        h = config.hidden_size
+        self.gate = Router(h, moe.num_experts, correction_bias=True, keep_float32=True)
+        self.experts = StackedExperts(moe.num_experts, h, moe.expert_intermediate_size)
+        self.shared_experts = SquaredReluMLP(config, moe.shared_expert_intermediate_size)
+
+    def forward(self, x: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows hidden"]:
+        """The routed experts' weighted sum plus the shared expert."""
+        moe = self.moe
+        rows = x.reshape(-1, x.shape[-1])
+        weights = kernels.model_ops.moe_row_weights(
+            rows,
+            self.gate.weight,
+            *moe.routing,
+            self.gate.e_score_correction_bias,
+            moe.float32_router,
+        )
+        out = torch.zeros_like(rows)
+        for expert in range(moe.num_experts):
+            hidden = F.relu(F.linear(rows, self.experts.up_proj[expert])).square()
+            expert_out = F.linear(hidden, self.experts.down_proj[expert])
+            weight = weights[:, expert, None]
+            out = out + torch.where(weight != 0, (expert_out * weight).to(x.dtype), 0)
+        return out.view(x.shape) + self.shared_experts(x)
 
 
 class GroupGatedRMSNorm(nn.Module):
@@ -1031,8 +1081,8 @@ class Mamba2Mixer(nn.Module):
 class MixerLayer(ResidualLayer):
     """A layer of one mixer (Nemotron-H): ``x + mixer(norm(x))``, the mixer the layer plan's
     kind (``config.mamba.layer_types``): :class:`Mamba2Mixer`, attention
-    (:func:`attention_block`) or :class:`SquaredReluMLP`. Named as the hub names it
-    (``norm``, ``mixer``)."""
+    (:func:`attention_block`), :class:`SquaredReluMLP` or :class:`SquaredReluMoE`. Named as
+    the hub names it (``norm``, ``mixer``)."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -1044,9 +1094,11 @@ class MixerLayer(ResidualLayer):
             self.mixer = Mamba2Mixer(config, layer)
         elif kind == "full_attention":
             self.mixer = attention_block(config, layer)
+        elif kind == "moe":
+            self.mixer = SquaredReluMoE(config)
         else:
             self.mixer = SquaredReluMLP(config)
-        self.reads_cache = kind != "mlp"
+        self.reads_cache = kind in ("linear_attention", "full_attention")
 
     @property
     def input_layernorm(self) -> RMSNorm:

@@ -43,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from speculum.models.config import CheckpointError, DecoderConfig
-from speculum.models.decoder import DecoderModel, SparseMoE
+from speculum.models.decoder import DecoderModel, SparseMoE, SquaredReluMoE
 from speculum.models.parallel import Split, shard_, splits_of
 from speculum.state.parallel import SINGLE, TensorParallel
 
@@ -327,8 +327,10 @@ _NEMOTRON_H_KEYS = (
 
 
 def _nemotron_h_key(key: str | Stacked) -> str | Stacked:
-    """``key`` in Nemotron-H's spelling (``lm_head.weight`` stays)."""
-    assert isinstance(key, str)  # no stacked experts: Nemotron-H MoE layers are refused
+    """``key`` (each per-expert key of a stacked one) in Nemotron-H's spelling
+    (``lm_head.weight`` stays)."""
+    if isinstance(key, Stacked):
+        return Stacked(tuple(tuple(map(_nemotron_h_key, parts)) for parts in key.keys))
     for ours, theirs in _NEMOTRON_H_KEYS:
         if key.startswith(ours):
             return theirs + key[len(ours) :]
@@ -345,6 +347,12 @@ def layer_checkpoint_names(
     names: dict[str, str | Stacked] = {
         ours + name: theirs + name for name, _ in layer.named_parameters()
     }
+    mixer = getattr(layer, "mixer", None)
+    if isinstance(mixer, SquaredReluMoE):  # Nemotron-H: one up and one down per expert
+        mine, hub = f"{ours}mixer.experts.", f"{theirs}mixer.experts."
+        for proj in ("up_proj", "down_proj"):
+            experts = range(mixer.moe.num_experts)
+            names[mine + proj] = Stacked(tuple((f"{hub}{e}.{proj}.weight",) for e in experts))
     if not isinstance(getattr(layer, "mlp", None), SparseMoE):
         return names
     block, gate_up, down = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)

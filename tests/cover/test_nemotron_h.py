@@ -27,8 +27,15 @@ from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
 from test_models import assert_ragged_logits_equal
 
 from speculum import kernels
-from speculum.models.config import CheckpointError, DecoderConfig, MambaConfig, UnsupportedModel
-from speculum.models.decoder import Mamba2Mixer, NoPEAttention, SquaredReluMLP
+from speculum.models.config import (
+    NEMOTRON_H_KINDS,
+    CheckpointError,
+    DecoderConfig,
+    MambaConfig,
+    MoEConfig,
+    UnsupportedModel,
+)
+from speculum.models.decoder import Mamba2Mixer, NoPEAttention, SquaredReluMLP, SquaredReluMoE
 from speculum.models.loading import load_model, random_model, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
@@ -42,9 +49,10 @@ transformers.logging.disable_progress_bar()
 VOCAB = 128
 
 
-def hf_nemotron_h(pattern: str = "M*M-") -> transformers.PreTrainedModel:
-    """A float32 transformers Nemotron-H (Mamba-2, attention, Mamba-2, MLP layers by default),
-    every parameter random: norms, ``D`` and the step-size biases too, ``A_log`` in [0, 1)."""
+def hf_nemotron_h(pattern: str = "M*M-E") -> transformers.PreTrainedModel:
+    """A float32 transformers Nemotron-H (Mamba-2, attention, Mamba-2, MLP, MoE layers by
+    default), every parameter random: norms, ``D``, the step-size biases and the router's
+    correction biases too, ``A_log`` in [0, 1)."""
     config = transformers.NemotronHConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -59,6 +67,13 @@ def hf_nemotron_h(pattern: str = "M*M-") -> transformers.PreTrainedModel:
         n_groups=2,
         conv_kernel=4,
         chunk_size=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
     )
     model = transformers.NemotronHForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(0)
@@ -68,6 +83,9 @@ def hf_nemotron_h(pattern: str = "M*M-") -> transformers.PreTrainedModel:
             param.copy_(torch.randn(param.shape, generator=gen) * std)
             if name.endswith(("A_log", "dt_bias")):
                 param.copy_(torch.rand(param.shape, generator=gen))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
     model.generation_config.eos_token_id = None
     return model
 
@@ -82,13 +100,14 @@ def hf_checkpoint(tmp_path_factory) -> tuple[transformers.PreTrainedModel, Path]
 
 
 def test_the_checkpoint_loads_into_the_layer_plan(hf_checkpoint) -> None:
-    """Every weight of transformers' layout (``backbone.*``) loads strictly into one mixer per
-    layer; the pool holds K/V for the attention layer only and conv/SSM slots for the Mamba-2
-    layers (``[conv_dim, kernel - 1]`` and ``[heads, head_dim, d_state]``)."""
+    """Every weight of transformers' layout (``backbone.*``, experts one by one) loads strictly
+    into one mixer per layer; the pool holds K/V for the attention layer only and conv/SSM
+    slots for the Mamba-2 layers (``[conv_dim, kernel - 1]`` and ``[heads, head_dim,
+    d_state]``)."""
     _, folder = hf_checkpoint
     model = load_model(folder)
     kinds = [type(layer.mixer) for layer in model.model.layers]
-    assert kinds == [Mamba2Mixer, NoPEAttention, Mamba2Mixer, SquaredReluMLP]
+    assert kinds == [Mamba2Mixer, NoPEAttention, Mamba2Mixer, SquaredReluMLP, SquaredReluMoE]
     pool = model.new_pool(5, 4, state_slots=3, state_ring=6)
     assert pool.k.shape == (1, 5, 4, 2, 16)
     assert pool.recurrent.conv.shape == (2, 3, 6, 4 * 16 + 2 * 2 * 16, 3)
@@ -112,20 +131,17 @@ def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
 
 def test_the_older_pattern_spelling_reads_as_the_same_plan(hf_checkpoint) -> None:
     """Hub configs written before transformers 5 name the plan ``hybrid_override_pattern``
-    (and ``num_hidden_layers``): the same layer plan; MoE layers (``E``) are refused, naming
-    them, and a pattern with an unknown letter is a clear error."""
+    (and ``num_hidden_layers``): the same layer plan, MoE routing included. Experts behind
+    latent projections are refused, naming the key, and a pattern with an unknown letter is a
+    clear error."""
     raw = {k: v for k, v in hf_checkpoint[0].config.to_dict().items() if k != "layers_block_type"}
     new = DecoderConfig.from_dict(hf_checkpoint[0].config.to_dict())
-    old = DecoderConfig.from_dict({**raw, "hybrid_override_pattern": "M*M-"})
+    old = DecoderConfig.from_dict({**raw, "hybrid_override_pattern": "M*M-E"})
     assert old.mamba == new.mamba
-    assert old.mamba.layer_types == (
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-        "mlp",
-    )
-    with pytest.raises(UnsupportedModel, match="mixture-of-experts layers"):
-        DecoderConfig.from_dict({**raw, "hybrid_override_pattern": "M*ME"})
+    assert "".join(NEMOTRON_PATTERN[kind] for kind in old.mamba.layer_types) == "M*M-E"
+    assert old.mamba.moe.routed_scaling_factor == 1.5 and old.mamba.moe.n_group == 2
+    with pytest.raises(UnsupportedModel, match="moe_latent_size 16"):
+        DecoderConfig.from_dict({**raw, "hybrid_override_pattern": "M*ME", "moe_latent_size": 16})
     with pytest.raises(CheckpointError, match="hybrid_override_pattern"):
         DecoderConfig.from_dict({**raw, "hybrid_override_pattern": "M*X-"})
 
@@ -159,12 +175,14 @@ def test_saving_writes_a_folder_transformers_reads_back(hf_checkpoint, tmp_path)
     assert all(torch.equal(t, reloaded[k]) for k, t in model.state_dict().items())
 
 
-#: A Markov-ish Nemotron-H target (heads.markov_target): Mamba-2, attention, Mamba-2, MLP.
+#: Layer kind -> its letter in ``hybrid_override_pattern``.
+NEMOTRON_PATTERN = {kind: letter for letter, kind in NEMOTRON_H_KINDS.items()}
+#: A Markov-ish Nemotron-H target (heads.markov_target): Mamba-2, attention, Mamba-2, MoE.
 HYBRID = {
     "architecture": "NemotronHForCausalLM",
     "num_layers": 4,
     "mamba": MambaConfig(
-        layer_types=("linear_attention", "full_attention", "linear_attention", "mlp"),
+        layer_types=("linear_attention", "full_attention", "linear_attention", "moe"),
         num_heads=4,
         head_dim=8,
         state_size=8,
@@ -173,6 +191,18 @@ HYBRID = {
         conv_bias=True,
         proj_bias=False,
         time_step_limit=(0.0, float("inf")),
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_intermediate_size=16,
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=24,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            n_group=2,
+            topk_group=1,
+            float32_router=True,
+        ),
     ),
 }
 PIPE_VOCAB = 16
