@@ -64,7 +64,10 @@ Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it;
 a CPU smoke run of the script itself, whose numbers mean nothing). ``--tp 2`` shards target and
 draft over two GPUs (two worker processes started by the script, or ``torchrun
 --nproc-per-node 2 benchmarks/decode.py``); times are rank 0's, the roofline is one GPU's
-shard of the weights and KV cache over one GPU's bandwidth.
+shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks another target:
+``deepseek-v2-lite`` (latent attention and MoE, an MTP head) or ``nemotron-h-8b`` (a hybrid of
+Mamba-2, attention and MLP layers; its roofline adds each request's recurrent states, read and
+written once a step; the reference recurrence runs, token by token).
 """
 
 from __future__ import annotations
@@ -92,7 +95,13 @@ from torch.utils import _pytree as pytree
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from speculum.models.config import DecoderConfig, MLAConfig, MoEConfig  # noqa: E402
+from speculum.models.config import (  # noqa: E402
+    NEMOTRON_H_KINDS,
+    DecoderConfig,
+    MambaConfig,
+    MLAConfig,
+    MoEConfig,
+)
 from speculum.models.decoder import DecoderModel, SparseMoE, cache_kv_heads  # noqa: E402
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
 from speculum.models.fp8 import Fp8Scheme, quantize_  # noqa: E402
@@ -186,8 +195,37 @@ DEEPSEEK_V2_LITE = attrs.evolve(
 SMALL = attrs.evolve(
     LLAMA_8B, vocab_size=8192, rope_theta=10000.0, tie_word_embeddings=True, **SIZES["small"]
 )
+#: Nemotron-H-8B's shape (``--shape nemotron-h-8b``): 52 layers of one mixer each, 24 Mamba-2
+#: (128 heads of 64, state 128, 8 groups, conv 4), 4 attention without rotary embedding (32
+#: heads, 8 KV heads of 128) and 24 squared-ReLU MLPs (21504 wide); vocabulary 131072. The
+#: pattern spreads the 4 attention layers over the first two thirds, as the released 8B does.
+NEMOTRON_H_8B = attrs.evolve(
+    LLAMA_8B,
+    architecture="NemotronHForCausalLM",
+    vocab_size=131072,
+    intermediate_size=21504,
+    num_layers=52,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    mamba=MambaConfig(
+        layer_types=tuple(NEMOTRON_H_KINDS[c] for c in "M-M-M-M*-" * 4 + "M-" * 8),
+        num_heads=128,
+        head_dim=64,
+        state_size=128,
+        n_groups=8,
+        conv_kernel=4,
+        conv_bias=True,
+        proj_bias=False,
+        time_step_limit=(0.0, float("inf")),
+    ),
+)
 #: ``--shape`` -> the target's config.
-SHAPES = {"llama-3.1-8b": LLAMA_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE, "small": SMALL}
+SHAPES = {
+    "llama-3.1-8b": LLAMA_8B,
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    "nemotron-h-8b": NEMOTRON_H_8B,
+    "small": SMALL,
+}
 #: ``--shape`` -> its CPU smoke-run stand-in (``--tiny``).
 TINY_SHAPES = {
     "llama-3.1-8b": TINY,
@@ -205,6 +243,24 @@ TINY_SHAPES = {
             q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
         ),
         moe=attrs.evolve(DEEPSEEK_V2_LITE.moe, num_experts=8, top_k=2, expert_intermediate_size=16),
+    ),
+    "nemotron-h-8b": attrs.evolve(
+        NEMOTRON_H_8B,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mamba=attrs.evolve(
+            NEMOTRON_H_8B.mamba,
+            layer_types=tuple(NEMOTRON_H_KINDS[c] for c in "M*M-"),
+            num_heads=4,
+            head_dim=16,
+            state_size=16,
+            n_groups=2,
+        ),
     ),
 }
 DRAFT_VOCAB = 32000
@@ -319,7 +375,13 @@ def step_bytes(target: DecoderModel, batch: int, context: float) -> float:
         per_layer = c.mla.cache_dim
     else:
         per_layer = 2 * cache_kv_heads(target, c.num_kv_heads) * c.head_dim  # this rank's heads
-    return weights + batch * context * c.num_layers * per_layer * embedding.element_size()
+    cache = batch * context * c.num_kv_layers * per_layer * embedding.element_size()
+    if not c.is_hybrid:
+        return weights + cache
+    # A hybrid's recurrent layers read their states (conv and float32 SSM) and write them back.
+    states = target.new_pool(2, 1, state_slots=2, state_ring=2).recurrent
+    per_request = sum(t[:, 1, 0].numel() * t.element_size() for t in (states.conv, states.ssm))
+    return weights + cache + 2 * batch * per_request
 
 
 def make_engine(
@@ -596,7 +658,8 @@ def main() -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="llama-3.1-8b",
-        help="the target's shape (DeepSeek-V2-Lite's drafts with its NextN layer kind)",
+        help="the target's shape (DeepSeek-V2-Lite drafts with its NextN layer kind, the others "
+        "with an EAGLE-3 head)",
     )
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--profile", action="store_true", help="print kernel profiles last")

@@ -12,7 +12,10 @@ from speculum.models.loading import random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.runtime import scheduler
 from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
-from speculum.runtime.generate import run_to_completion
+from speculum.runtime.generate import generate, run_to_completion
+from speculum.spec.paged import causal_mask
+from speculum.spec.tree import tree_mask
+from speculum.state.tree import DraftTree
 
 
 def markov_target(vocab: int, head_scale: float = 1.0, **changes: object) -> DecoderModel:
@@ -129,3 +132,56 @@ def assert_sampled_snapshot_replays(engine, steps: int = 3, max_new_tokens: int 
     first = [finished[rid].output for rid in rids]
     _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
     assert [finished[rid].output for rid in rids] == first
+
+
+def assert_greedy_equals_transformers(hf, target: DecoderModel) -> None:
+    """Plain greedy decoding of ``target`` through the scheduler (chunked prefill, a batch of
+    prompts of several lengths) emits transformers' ``generate`` tokens of ``hf``, token for
+    token."""
+    engine = engine_from_model(target, page_size=4, max_context=64, prefill_budget=7)
+    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
+    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :]
+        assert list(result.token_ids) == expected.tolist()
+
+
+def assert_tree_states_follow_paths(run, parents: list[int], prefix: int, pools) -> None:
+    """Over a draft tree of ``parents``, a recurrent layer's output and candidate conv and
+    recurrent states at each node are exactly what running its path (root to node) as a chain
+    after the same committed state gives: a node's state follows its path, never a sibling's.
+
+    ``pools()`` gives fresh, equal ``(conv, ssm)`` states of one layer (``[slot, ring, ...]``);
+    ``run(conv, ssm, mask, nodes)`` runs the layer's scan at slot 1 after ``prefix`` committed
+    tokens over the inputs of ``nodes`` under ``mask`` and returns its outputs.
+    """
+    n = len(parents)
+    tree = DraftTree(
+        tokens=torch.zeros(1, n, dtype=torch.int64),
+        parents=torch.tensor([parents]),
+        depths=torch.zeros(1, n, dtype=torch.int64),
+    )
+    conv, ssm = pools()
+    ring = conv.shape[1]
+    out = run(conv, ssm, tree_mask(tree), list(range(n)))
+    for node in range(n):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        chain_conv, chain_ssm = pools()
+        chain = run(chain_conv, chain_ssm, causal_mask(1, len(path)), path)
+        assert torch.equal(out[:, node], chain[:, -1])
+        tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
+        assert torch.equal(ssm[1, tree_entry], chain_ssm[1, chain_entry])
+        assert torch.equal(conv[1, tree_entry], chain_conv[1, chain_entry])
+
+
+def assert_pipeline_equals_plain(engine_for, name: str, prompts, tree, **limits) -> None:
+    """Greedy decoding of ``prompts`` (10 new tokens) on ``engine_for(name, tree, **limits)``
+    emits exactly the tokens of ``engine_for("plain", tree, **limits)``."""
+    ours = generate(prompts, engine=engine_for(name, tree, **limits), max_new_tokens=10)
+    plain = generate(prompts, engine=engine_for("plain", tree, **limits), max_new_tokens=10)
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]

@@ -33,3 +33,11 @@ def shared_prefix_batches(vocab: int, max_batch: int = 5) -> st.SearchStrategy[l
         return st.lists(prompt.filter(len), min_size=1, max_size=max_batch)
 
     return st.lists(tokens, min_size=1, max_size=2).flatmap(batches)
+
+
+@st.composite
+def parent_lists(draw: st.DrawFn, max_nodes: int = 7) -> list[int]:
+    """A draft tree's parents in level order: node 0 the root (-1), every other node's parent
+    earlier."""
+    size = draw(st.integers(1, max_nodes))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]

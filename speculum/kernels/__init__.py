@@ -19,12 +19,13 @@ import torch
 
 from speculum.kernels import fp8, model_ops
 from speculum.kernels.attention import paged_attention, write_kv
-from speculum.kernels.recurrent import gated_delta_rule
+from speculum.kernels.recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = [
     "DEVICE_KERNELS",
     "fp8",
     "gated_delta_rule",
+    "mamba2_scan",
     "model_ops",
     "paged_attention",
     "register_device_kernels",

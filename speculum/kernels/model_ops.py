@@ -29,6 +29,7 @@ __all__ = [
     "moe",
     "moe_reference",
     "moe_routing_weights",
+    "moe_row_weights",
     "rms_norm",
     "rms_norm_reference",
     "rope",

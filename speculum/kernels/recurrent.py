@@ -1,5 +1,6 @@
-"""The gated DeltaNet op. Default kernel: the ``spec.recurrent`` reference (token by token),
-on every device; a CUDA kernel (fla-core's gated delta rule, say) would register here."""
+"""The recurrent-layer ops (gated DeltaNet, Mamba-2). Default kernels: the ``spec.recurrent``
+references (token by token), on every device; CUDA kernels (fla-core's gated delta rule,
+mamba-ssm's selective state update, say) would register here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import Tensor
 
 from speculum.spec import recurrent as spec_recurrent
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "mamba2_scan"]
 
 
 @torch.library.custom_op("speculum::gated_delta_rule", mutates_args=("conv", "ssm"))
@@ -36,3 +37,31 @@ def gated_delta_rule(
 @gated_delta_rule.register_fake
 def _(conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta, dims):
     return mixed.new_empty(*mixed.shape[:2], dims[2], dims[3])
+
+
+@torch.library.custom_op("speculum::mamba2_scan", mutates_args=("conv", "ssm"))
+def mamba2_scan(
+    conv: Tensor,
+    ssm: Tensor,
+    slots: Tensor,
+    prefix_lens: Tensor,
+    q_lens: Tensor,
+    new_mask: Tensor,
+    xbc: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    dt: Tensor,
+    A: Tensor,
+    D: Tensor,
+    dims: list[int],
+) -> Tensor:
+    """One Mamba-2 layer's outputs ``[batch, q, head, head_dim]``, each query's conv and SSM
+    states written into ``conv`` and ``ssm`` in place (see ``spec.recurrent.mamba2_scan``)."""
+    return spec_recurrent.mamba2_scan(
+        conv, ssm, slots, prefix_lens, q_lens, new_mask, xbc, conv_weight, conv_bias, dt, A, D, dims
+    )
+
+
+@mamba2_scan.register_fake
+def _(conv, ssm, slots, prefix_lens, q_lens, new_mask, xbc, conv_weight, conv_bias, dt, A, D, dims):
+    return xbc.new_empty(*xbc.shape[:2], dims[0], dims[1])

@@ -13,7 +13,10 @@ gated full-attention layers, zero-centred norms, Qwen2-MoE-style experts), whose
 linear-attention shapes are a :class:`LinearAttentionConfig`, and gpt-oss
 (``GptOssForCausalLM``: alternating windowed and full layers with attention sinks, biased
 q/k/v/o, YaRN rope, MoE with a biased router, biased experts and a clamped GLU; MXFP4
-checkpoints are refused, naming the fix). Both spellings of the rotary settings are read:
+checkpoints are refused, naming the fix), and the hybrid
+``NemotronHForCausalLM`` (one mixer per layer: Mamba-2, attention without rotary embedding or a
+squared-ReLU MLP or a mixture of squared-ReLU experts), whose layer plan, Mamba-2 shapes and
+routing are a :class:`MambaConfig`. Both spellings of the rotary settings are read:
 ``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
@@ -51,6 +54,7 @@ __all__ = [
     "DecoderConfig",
     "LinearAttentionConfig",
     "MLAConfig",
+    "MambaConfig",
     "MoEConfig",
     "UnsupportedModel",
     "SUPPORTED_ARCHITECTURES",
@@ -73,6 +77,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM",
     "GptOssForCausalLM",
+    "NemotronHForCausalLM",
 )
 #: architecture -> transformers' ``model_type``
 MODEL_TYPES = {
@@ -88,6 +93,7 @@ MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
+    "NemotronHForCausalLM": "nemotron_h",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Architectures whose every layer takes ``sliding_window`` (transformers reads no
@@ -137,6 +143,7 @@ _DENSE_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM": "Qwen3ForCausalLM",
     "GptOssForCausalLM": "LlamaForCausalLM",
+    "NemotronHForCausalLM": "LlamaForCausalLM",
 }
 #: Architectures with DeepSeek-style MoE settings (``n_routed_experts``, ``n_shared_experts``,
 #: ``first_k_dense_replace``, ``n_group`` ...) -> transformers' defaults for the routing keys
@@ -244,6 +251,21 @@ class MoEConfig:
         )
         if problem:
             raise ValueError(f"MoEConfig: {problem}")
+
+    @property
+    def routing(self) -> tuple[int, bool, str, str, int, int, float]:
+        """The routing arguments of ``kernels.model_ops.moe`` and ``moe_row_weights``, in
+        their order: ``top_k``, ``norm_topk_prob``, ``scoring_func``, ``topk_method``,
+        ``n_group``, ``topk_group``, ``routed_scaling_factor``."""
+        return (
+            self.top_k,
+            self.norm_topk_prob,
+            self.scoring_func,
+            self.topk_method,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+        )
 
     @property
     def has_correction_bias(self) -> bool:
@@ -356,8 +378,65 @@ class LinearAttentionConfig:
 
     def ordinal(self, layer: int) -> int:
         """Layer ``layer``'s index among the layers of its own kind (its pool layer)."""
-        kind = self.layer_types[layer]
-        return sum(t == kind for t in self.layer_types[:layer])
+        return kind_ordinal(self.layer_types, layer)
+
+
+def kind_ordinal(layer_types: tuple[str, ...], layer: int) -> int:
+    """Layer ``layer``'s index among the layers of its own kind in ``layer_types`` (its layer
+    in the KV pool for an attention layer, in the recurrent pool for a recurrent one)."""
+    kind = layer_types[layer]
+    return sum(t == kind for t in layer_types[:layer])
+
+
+#: Nemotron-H's layer kinds as transformers 5 writes them (``layers_block_type``), and the
+#: letters of the older ``hybrid_override_pattern`` spelling: one mixer per layer.
+NEMOTRON_H_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+@attrs.define(frozen=True, slots=True, kw_only=True)
+class MambaConfig:
+    """Shapes of a hybrid decoder's Mamba-2 layers and its layer plan (Nemotron-H; all static).
+
+    ``layer_types[n]`` is decoder layer ``n``'s one mixer: ``"linear_attention"`` (Mamba-2),
+    ``"full_attention"`` (attention without rotary embedding), ``"mlp"`` (a non-gated
+    squared-ReLU MLP) or ``"moe"`` (a mixture of such MLPs routed by ``moe``: DeepSeek-V3's
+    grouped sigmoid routing, plus an ungated squared-ReLU shared expert
+    ``moe.shared_expert_intermediate_size`` wide). A Mamba-2 layer projects each token to a
+    gate ``z``, the conv inputs ``xBC`` (``num_heads * head_dim`` values ``x``, then
+    ``n_groups`` groups of ``state_size`` input and output projections ``B`` and ``C``) and a
+    step size per head; the causal conv1d of ``conv_kernel`` taps (with a bias when
+    ``conv_bias``) and SiLU run over ``xBC``, then the selective state-space recurrence per
+    head (see ``spec.recurrent.mamba2_scan``) with step sizes clamped to ``time_step_limit``.
+    ``proj_bias``: the in/out projections' biases."""
+
+    layer_types: tuple[str, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    time_step_limit: tuple[float, float]
+    moe: MoEConfig | None = None
+
+    @property
+    def inner_size(self) -> int:
+        """Width of ``x``, of the gate ``z`` and of the output projection's input."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: ``x``, ``B`` and ``C`` concatenated."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
+    def is_mamba(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a Mamba-2 layer."""
+        return self.layer_types[layer] == "linear_attention"
+
+    def ordinal(self, layer: int) -> int:
+        """Layer ``layer``'s index among the layers of its own kind (its pool layer)."""
+        return kind_ordinal(self.layer_types, layer)
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
@@ -422,13 +501,35 @@ class DecoderConfig:
     #: Added to every RMSNorm weight but the DeltaNet's output norm: 1.0 for Qwen3-Next,
     #: whose checkpoints store zero-centred norm weights (scale ``1 + weight``).
     norm_offset: float = 0.0
+    #: Nemotron-H's layer plan and Mamba-2 shapes (one mixer per layer: Mamba-2, attention
+    #: without rotary embedding, or a squared-ReLU MLP); ``None`` for every other family.
+    mamba: MambaConfig | None = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep recurrent state (gated DeltaNet or Mamba-2) in a
+        ``RecurrentPool`` rather than K/V."""
+        return self.linear is not None or self.mamba is not None
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` keeps recurrent state (and no K/V)."""
+        if self.mamba is not None:
+            return self.mamba.is_mamba(layer)
+        return self.linear is not None and self.linear.is_linear(layer)
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers whose K/V the paged pool holds: every layer but the linear-attention ones."""
-        if self.linear is None:
-            return self.num_layers
-        return sum(not self.linear.is_linear(n) for n in range(self.num_layers))
+        """Layers whose K/V the paged pool holds: the attention layers."""
+        if self.mamba is not None:
+            return self.mamba.layer_types.count("full_attention")
+        return sum(not self.is_recurrent(n) for n in range(self.num_layers))
+
+    def cache_layer(self, layer: int) -> int:
+        """The pool layer of decoder layer ``layer``: its index among the layers of its kind
+        in a hybrid (attention layers in the KV pool, recurrent ones in the recurrent pool),
+        itself otherwise."""
+        plan = self.mamba or self.linear
+        return layer if plan is None else plan.ordinal(layer)
 
     @property
     def rotary_dim(self) -> int:
@@ -445,11 +546,18 @@ class DecoderConfig:
         docstring)."""
         if not isinstance(raw, dict):
             raise UnsupportedModel(f"{where} must hold a JSON object, not {type(raw).__name__}")
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
+        mamba = _mamba_settings(raw, where) if arch == "NemotronHForCausalLM" else None
+        if mamba is not None:  # Nemotron-H's names for the shared keys
+            raw = {
+                **raw,
+                "num_hidden_layers": len(mamba.layer_types),
+                "rms_norm_eps": raw.get("layer_norm_epsilon", 1e-5),
+            }
         missing = [k for k in _REQUIRED if raw.get(k) is None]
         if missing:
             raise UnsupportedModel(f"{where} lacks required keys {missing}")
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(
                 f"{where}: architecture {arch!r} is not supported; speculum runs "
@@ -517,6 +625,7 @@ class DecoderConfig:
             attention_output_gate=qwen3_next,
             norm_offset=1.0 if qwen3_next else 0.0,
             attention_sinks=gpt_oss,
+            mamba=mamba,
         )
 
     @classmethod
@@ -551,6 +660,7 @@ class DecoderConfig:
             architecture=_DENSE_ARCHITECTURES.get(self.architecture, self.architecture),
             moe=None,
             linear=None,
+            mamba=None,
             attention_output_gate=False,
             norm_offset=0.0,
             attention_sinks=False,
@@ -594,6 +704,7 @@ class DecoderConfig:
             **(_glm4_moe_dict(self) if self.architecture == "Glm4MoeForCausalLM" else {}),
             **(_mla_dict(self) if self.mla is not None else {}),
             **(_linear_dict(self.linear) if self.linear is not None else {}),
+            **(_mamba_dict(self) if self.mamba is not None else {}),
         }
 
 
@@ -757,6 +868,137 @@ def _linear_settings(raw: dict[str, Any], where: str, num_layers: int) -> Linear
         v_dim=dims["linear_value_head_dim"],
         conv_kernel=dims["linear_conv_kernel_dim"],
     )
+
+
+def _mamba_settings(raw: dict[str, Any], where: str) -> MambaConfig:
+    """Nemotron-H's layer plan (``layers_block_type``, or the older ``hybrid_override_pattern``
+    string) and Mamba-2 shapes, with transformers' defaults (and its older key spellings,
+    ``mamba_n_groups`` ...). Mixture-of-experts layers (``"moe"``, ``E``) behind latent
+    projections (``moe_latent_size``) are refused."""
+    kinds = raw.get("layers_block_type") or raw.get("layer_types")
+    pattern = raw.get("hybrid_override_pattern")
+    if kinds is None and isinstance(pattern, str) and set(pattern) <= set(NEMOTRON_H_KINDS):
+        kinds = [NEMOTRON_H_KINDS[c] for c in pattern]
+    if not (
+        isinstance(kinds, list) and kinds and all(k in NEMOTRON_H_KINDS.values() for k in kinds)
+    ):
+        raise CheckpointError(
+            f"{where}: the layer plan is {kinds or pattern!r}; layers_block_type must list one "
+            f"of {', '.join(NEMOTRON_H_KINDS.values())} per layer (or hybrid_override_pattern "
+            "one of the letters M * - E): fix it in the file"
+        )
+    if "moe" in kinds and raw.get("moe_latent_size") is not None:
+        raise UnsupportedModel(
+            f"{where}: Nemotron-H mixture-of-experts layers with latent projections "
+            f"(moe_latent_size {raw['moe_latent_size']}) are not supported yet; use a "
+            "checkpoint whose experts read the hidden state (moe_latent_size null)"
+        )
+    for key, wanted in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if raw.get(key, wanted) != wanted:
+            raise UnsupportedModel(f"{where}: {key} {raw[key]!r}: only {wanted!r} is supported")
+
+    def size(key: str, old: str, default: int) -> int:
+        value = _integer(raw, key, where, minimum=1)
+        return _integer(raw, old, where, minimum=1, default=default) if value is None else value
+
+    heads, state, groups = (
+        _integer(raw, "mamba_num_heads", where, minimum=1, default=128),
+        _integer(raw, "ssm_state_size", where, minimum=1, default=128),
+        size("n_groups", "mamba_n_groups", 8),
+    )
+    if heads % groups:
+        raise CheckpointError(
+            f"{where}: mamba_num_heads {heads} is not a multiple of n_groups {groups} (each "
+            "group of B/C projections serves as many heads): fix one of them"
+        )
+    limit = raw.get("time_step_limit", raw.get("mamba_dt_limit", (0.0, math.inf)))
+    if isinstance(limit, (list, tuple)):  # transformers writes infinity as {"__float__": ..}
+        limit = [b["__float__"] if isinstance(b, dict) and "__float__" in b else b for b in limit]
+    numbers = isinstance(limit, list) and all(
+        isinstance(b, (int, float, str)) and not isinstance(b, bool) for b in limit
+    )
+    if not (numbers and len(limit) == 2):
+        raise CheckpointError(
+            f"{where}: time_step_limit is {limit!r}; it must be [low, high]: fix it in the file"
+        )
+    return MambaConfig(
+        layer_types=tuple(kinds),
+        num_heads=heads,
+        head_dim=_integer(raw, "mamba_head_dim", where, minimum=1, default=64),
+        state_size=state,
+        n_groups=groups,
+        conv_kernel=size("conv_kernel", "mamba_d_conv", 4),
+        conv_bias=_boolean(raw, "use_conv_bias", where, bool(raw.get("mamba_conv_bias", True))),
+        proj_bias=_boolean(raw, "use_bias", where, False),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        moe=_nemotron_h_moe(raw, where) if "moe" in kinds else None,
+    )
+
+
+def _nemotron_h_moe(raw: dict[str, Any], where: str) -> MoEConfig:
+    """The routing of Nemotron-H's mixture-of-experts layers, with transformers' defaults:
+    DeepSeek-V3's (sigmoid scores, ``noaux_tc`` groups, float32 router)."""
+    experts = _integer(raw, "n_routed_experts", where, minimum=1, default=8)
+    routing = {
+        "num_experts": experts,
+        "top_k": _integer(raw, "num_experts_per_tok", where, minimum=1, default=2),
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": _integer(raw, "n_group", where, minimum=1, default=1),
+        "topk_group": _integer(raw, "topk_group", where, minimum=1, default=1),
+    }
+    problem = _routing_problem(**routing)
+    if problem:
+        raise CheckpointError(f"{where}: {problem} in the file")
+    return MoEConfig(
+        **routing,
+        expert_intermediate_size=_integer(
+            raw, "moe_intermediate_size", where, minimum=1, default=7688
+        ),
+        norm_topk_prob=_boolean(raw, "norm_topk_prob", where, True),
+        shared_expert_intermediate_size=_integer(
+            raw, "moe_shared_expert_intermediate_size", where, minimum=1, default=7688
+        ),
+        routed_scaling_factor=_positive(
+            raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", where, "1.0 or 2.5"
+        ),
+        float32_router=True,
+    )
+
+
+def _mamba_dict(config: DecoderConfig) -> dict[str, Any]:
+    """Nemotron-H's own keys (transformers 5's spelling)."""
+    mamba = config.mamba
+    assert mamba is not None
+    return {
+        "layers_block_type": list(mamba.layer_types),
+        "layer_norm_epsilon": config.rms_norm_eps,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "mamba_num_heads": mamba.num_heads,
+        "mamba_head_dim": mamba.head_dim,
+        "ssm_state_size": mamba.state_size,
+        "n_groups": mamba.n_groups,
+        "conv_kernel": mamba.conv_kernel,
+        "use_conv_bias": mamba.conv_bias,
+        "use_bias": mamba.proj_bias,
+        "time_step_limit": list(mamba.time_step_limit),
+        **(_nemotron_h_moe_dict(mamba.moe) if mamba.moe is not None else {}),
+    }
+
+
+def _nemotron_h_moe_dict(moe: MoEConfig) -> dict[str, Any]:
+    """Nemotron-H's routing keys."""
+    return {
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "norm_topk_prob": moe.norm_topk_prob,
+    }
 
 
 def _mla_dict(config: DecoderConfig) -> dict[str, Any]:
@@ -940,7 +1182,7 @@ def _moe_settings(
     transformers' defaults for what the file leaves out. ``mlp_only_layers`` may name the
     ``nextn`` MTP layers after the ``num_layers`` decoder layers too: an MTP layer is built as
     the decoder would build a layer of its index (``decoder.decoder_layer``)."""
-    if arch not in _DENSE_ARCHITECTURES:
+    if arch not in _DENSE_ARCHITECTURES or arch == "NemotronHForCausalLM":  # its own: mamba.moe
         return None
     if arch in _DEEPSEEK_STYLE_DEFAULTS:
         return _deepseek_moe_settings(raw, where, num_layers, _DEEPSEEK_STYLE_DEFAULTS[arch])

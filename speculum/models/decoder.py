@@ -5,7 +5,11 @@ Each layer composes an attention block and an MLP block chosen from the config: 
 cache of latents); the dense SwiGLU :class:`MLP`, or a mixture of experts (:class:`SparseMoE`)
 in the sparse layers of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek and gpt-oss
 checkpoints (gpt-oss's attention sinks, biased experts and clamped GLU are options of the same
-blocks); the one forward runs them all.
+blocks); in
+hybrids, recurrent layers with per-request state slots (Qwen3-Next's :class:`GatedDeltaNet`)
+or, for Nemotron-H, one mixer per layer (:class:`MixerLayer`: :class:`Mamba2Mixer`,
+:class:`NoPEAttention`, :class:`SquaredReluMLP` or :class:`SquaredReluMoE`); the one forward
+runs them all.
 
 Module and parameter names mirror transformers' (``model.layers.0.self_attn.q_proj.weight``), so
 a Hugging Face state dict loads without renaming. The forward reads a :class:`ForwardBatch`,
@@ -40,6 +44,7 @@ __all__ = [
     "LMHead",
     "MLP",
     "RMSNorm",
+    "ResidualLayer",
     "Router",
     "SparseMoE",
     "apply_rope",
@@ -55,7 +60,14 @@ __all__ = [
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "GroupGatedRMSNorm",
     "LatentAttention",
+    "Mamba2Mixer",
+    "MixerLayer",
+    "NoPEAttention",
+    "SquaredReluMLP",
+    "SquaredReluMoE",
+    "StackedExperts",
     "attention_block",
     "fuse_projections_",
     "fused_linear",
@@ -693,15 +705,18 @@ def attention_block(
 ) -> Attention | LatentAttention | GatedDeltaNet:
     """The attention kind of decoder layer ``layer``: a gated DeltaNet in a hybrid config's
     linear-attention layers; else gated attention where the config has an output gate
-    (Qwen3-Next), latent attention where it has MLA shapes, or grouped-query attention, each
-    reading its pool layer (a hybrid's pool holds its attention layers only)."""
+    (Qwen3-Next), latent attention where it has MLA shapes, attention without rotary
+    embedding in Nemotron-H, or grouped-query attention, each reading its pool layer (a
+    hybrid's pool holds its attention layers only)."""
     if config.linear is not None and config.linear.is_linear(layer):
         return GatedDeltaNet(config, layer)
-    cache_layer = layer if config.linear is None else config.linear.ordinal(layer)
+    cache_layer = config.cache_layer(layer)
     if config.attention_output_gate:
         return GatedAttention(config, cache_layer)
     if config.mla is not None:
         return LatentAttention(config, cache_layer)
+    if config.mamba is not None:
+        return NoPEAttention(config, cache_layer)
     return Attention(config, cache_layer)
 
 
@@ -720,7 +735,7 @@ def pool_for(
     ``head_dim`` (this rank's heads when ``module`` is sharded)."""
     weight = next(module.parameters())
     dtype, device = dtype or weight.dtype, weight.device
-    if config.linear is not None:
+    if config.is_hybrid:
         num_layers = config.num_kv_layers
     common = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size)
     if config.mla is not None and any(isinstance(m, LatentAttention) for m in module.modules()):
@@ -743,22 +758,30 @@ def pool_for(
 def recurrent_pool_for(
     config: DecoderConfig, num_slots: int, ring: int, dtype: torch.dtype
 ) -> RecurrentPool:
-    """A zeroed recurrent pool for ``config``'s linear-attention layers: ``num_slots`` slots
-    (one per request that may be live at once, plus the padding sink) keeping ``ring``
-    consecutive states each (more than any round writes past the committed prefix: the
-    pipeline's KV lookahead + 1)."""
-    linear = config.linear
-    if linear is None:
-        raise ValueError(f"{config.architecture} has no linear-attention layers (config.linear)")
+    """A zeroed recurrent pool for ``config``'s recurrent layers (gated DeltaNet or Mamba-2):
+    ``num_slots`` slots (one per request that may be live at once, plus the padding sink)
+    keeping ``ring`` consecutive states each (more than any round writes past the committed
+    prefix: the pipeline's KV lookahead + 1). A Mamba-2 layer's SSM state ``[head, head_dim,
+    d_state]`` takes the delta rule's ``[head, k_dim, v_dim]`` place."""
+    if config.mamba is not None:
+        mamba = config.mamba
+        shapes = (mamba.conv_channels, mamba.conv_kernel, mamba.num_heads)
+        dims = (mamba.head_dim, mamba.state_size)
+    elif config.linear is not None:
+        linear = config.linear
+        shapes = (linear.conv_channels, linear.conv_kernel, linear.num_v_heads)
+        dims = (linear.k_dim, linear.v_dim)
+    else:
+        raise ValueError(f"{config.architecture} has no recurrent layers")
     return RecurrentPool.allocate(
-        num_layers=config.num_layers - config.num_kv_layers,
+        num_layers=sum(config.is_recurrent(n) for n in range(config.num_layers)),
         num_slots=num_slots,
         ring=ring,
-        channels=linear.conv_channels,
-        kernel=linear.conv_kernel,
-        heads=linear.num_v_heads,
-        k_dim=linear.k_dim,
-        v_dim=linear.v_dim,
+        channels=shapes[0],
+        kernel=shapes[1],
+        heads=shapes[2],
+        k_dim=dims[0],
+        v_dim=dims[1],
         dtype=dtype,
     )
 
@@ -984,13 +1007,7 @@ class SparseMoE(nn.Module):
             self.gate.weight,
             self.experts_gate_up,
             self.experts_down,
-            moe.top_k,
-            moe.norm_topk_prob,
-            moe.scoring_func,
-            moe.topk_method,
-            moe.n_group,
-            moe.topk_group,
-            moe.routed_scaling_factor,
+            *moe.routing,
             self.gate.e_score_correction_bias,
             moe.float32_router,
             self.gate.bias,
@@ -1014,9 +1031,21 @@ def mlp_block(config: DecoderConfig, layer: int) -> MLP | SparseMoE:
     return MLP(config)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections; the MLP block is the
-    layer's kind (:func:`mlp_block`)."""
+class ResidualLayer(nn.Module):
+    """A decoder layer: its ``blocks`` (the layer short of its last residual add, from the
+    stream and its ``input_layernorm``-ed copy) and that add."""
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Tensor:
+        """The stream leaving the layer: ``x`` plus what its blocks add."""
+        out, x = self.blocks(self.input_layernorm(x), x, batch, pool, inv_freq)
+        return x + out
+
+
+class DecoderLayer(ResidualLayer):
+    """Pre-norm attention and MLP blocks with residual connections (``x + attn(norm(x))``,
+    then ``+ mlp(norm(.))``); the MLP block is the layer's kind (:func:`mlp_block`)."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -1028,13 +1057,6 @@ class DecoderLayer(nn.Module):
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
-
-    def forward(
-        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
-    ) -> Tensor:
-        """One residual block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
-        out, x = self.blocks(self.input_layernorm(x), x, batch, pool, inv_freq)
-        return x + out
 
     def blocks(
         self,
@@ -1051,6 +1073,211 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.scale, norm.eps)
         return self.mlp(normed), x
+
+
+class NoPEAttention(Attention):
+    """Grouped-query attention without positional embedding (Nemotron-H's attention layers:
+    the Mamba-2 layers carry the order), over the paged cache."""
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Project, write K/V into the pool unrotated, attend, and project back (with
+        ``pool=None``, the queries attend to each other's keys under ``batch.new_mask``)."""
+        qs, ks, vs = self.heads(x)
+        if pool is None:
+            return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
+        kernels.write_kv(pool.k[self.layer], batch.slots, ks)
+        kernels.write_kv(pool.v[self.layer], batch.slots, vs)
+        return self.attend(qs, batch, pool)
+
+
+class SquaredReluMLP(nn.Module):
+    """Nemotron-H's non-gated MLP: ``down(relu(up(x)) ** 2)``, ``intermediate_size`` wide
+    (default: the config's)."""
+
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        h, bias = config.hidden_size, config.mlp_bias
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``down(relu(up(x)) ** 2)``."""
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class StackedExperts(nn.Module):
+    """Non-gated experts' weights stacked (transformers' ``NemotronHExperts``): ``up_proj [E,
+    I, H]`` and ``down_proj [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SquaredReluMoE(nn.Module):
+    """Nemotron-H's mixture of experts (``config.mamba.moe``): a float32 :class:`Router`
+    ``gate`` with DeepSeek-V3's grouped sigmoid routing, non-gated squared-ReLU experts
+    (:class:`StackedExperts`) and an ungated squared-ReLU ``shared_experts`` every token goes
+    through, added last.
+
+    The routed experts run densely, as ``kernels.model_ops.moe_reference`` runs SwiGLU ones:
+    every row through every expert, the outputs of experts a row did not select dropped by
+    ``where``; no host sync and no data-dependent shape (CUDA graphs capture it), at ``E /
+    top_k`` times routing's FLOPs."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        assert config.mamba is not None and config.mamba.moe is not None
+        moe = config.mamba.moe
+        self.moe = moe
+        h = config.hidden_size
+        self.gate = Router(h, moe.num_experts, correction_bias=True, keep_float32=True)
+        self.experts = StackedExperts(moe.num_experts, h, moe.expert_intermediate_size)
+        self.shared_experts = SquaredReluMLP(config, moe.shared_expert_intermediate_size)
+
+    def forward(self, x: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows hidden"]:
+        """The routed experts' weighted sum plus the shared expert."""
+        moe = self.moe
+        rows = x.reshape(-1, x.shape[-1])
+        weights = kernels.model_ops.moe_row_weights(
+            rows,
+            self.gate.weight,
+            *moe.routing,
+            self.gate.e_score_correction_bias,
+            moe.float32_router,
+        )
+        out = torch.zeros_like(rows)
+        for expert in range(moe.num_experts):
+            hidden = F.relu(F.linear(rows, self.experts.up_proj[expert])).square()
+            expert_out = F.linear(hidden, self.experts.down_proj[expert])
+            weight = weights[:, expert, None]
+            out = out + torch.where(weight != 0, (expert_out * weight).to(x.dtype), 0)
+        return out.view(x.shape) + self.shared_experts(x)
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba-2's output norm (transformers' ``NemotronHRMSNormGated``): ``x * silu(gate)``
+    RMS-normed in float32 over groups of ``group_size`` channels, scaled by ``weight``."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        """``weight * group_rms_norm(x * silu(gate))``, in ``x``'s dtype."""
+        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 layer (Nemotron-H's ``mixer``) over the recurrent pool.
+
+    Parameters carry the hub's names: ``in_proj`` (the gate ``z``, the conv inputs ``xBC``,
+    then one step-size input per head), ``conv1d`` (depthwise), ``dt_bias``, ``A_log``,
+    ``D``, ``norm`` (:class:`GroupGatedRMSNorm`, one group per B/C group) and ``out_proj``.
+    The per-request conv and SSM states live in ``pool.recurrent`` at the batch's state
+    slots, layer ``self.layer`` (its ordinal among Mamba-2 layers); ``spec.recurrent``'s
+    :func:`~speculum.spec.recurrent.mamba2_scan` runs the recurrence, each token from its
+    parent's state, so tree verify keeps a candidate state per node, as for gated DeltaNet.
+    """
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        mamba = config.mamba
+        if mamba is None:
+            raise ValueError("Mamba2Mixer needs a config with Mamba-2 settings (config.mamba)")
+        self.mamba = mamba
+        self.layer = mamba.ordinal(layer)
+        h, inner, channels = config.hidden_size, mamba.inner_size, mamba.conv_channels
+        self.in_proj = nn.Linear(h, inner + channels + mamba.num_heads, bias=mamba.proj_bias)
+        self.conv1d = nn.Conv1d(
+            channels, channels, mamba.conv_kernel, groups=channels, bias=mamba.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(mamba.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(mamba.num_heads))
+        self.D = nn.Parameter(torch.ones(mamba.num_heads))
+        self.norm = GroupGatedRMSNorm(inner, inner // mamba.n_groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(inner, h, bias=mamba.proj_bias)
+
+    def forward(
+        self, x: Tensor, batch: ForwardBatch, pool: KVPool | None, inv_freq: Tensor
+    ) -> Float[Tensor, "batch q hidden"]:
+        """Conv and state-space update from each token's parent state (written into the pool
+        at the batch's state slots), gated norm and output projection."""
+        if pool is None or pool.recurrent is None:
+            raise ValueError(
+                "a Mamba-2 layer needs the recurrent pool (build the pool with the model's "
+                "new_pool, and give each request its own PagedKV.state_slots); cache-free "
+                "training is not supported for hybrid models"
+            )
+        m = self.mamba
+        z, xbc, dt = self.in_proj(x).split([m.inner_size, m.conv_channels, m.num_heads], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
+        out = kernels.mamba2_scan(
+            pool.recurrent.conv[self.layer],
+            pool.recurrent.ssm[self.layer],
+            batch.state_slots,
+            batch.prefix_lens,
+            batch.q_lens,
+            batch.new_mask,
+            xbc,
+            self.conv1d.weight[:, 0],
+            self.conv1d.bias,
+            dt,
+            -self.A_log.float().exp(),
+            self.D,
+            [m.num_heads, m.head_dim, m.n_groups, m.state_size],
+        )
+        return self.out_proj(self.norm(out.flatten(2), z))
+
+
+class MixerLayer(ResidualLayer):
+    """A layer of one mixer (Nemotron-H): ``x + mixer(norm(x))``, the mixer the layer plan's
+    kind (``config.mamba.layer_types``): :class:`Mamba2Mixer`, attention
+    (:func:`attention_block`), :class:`SquaredReluMLP` or :class:`SquaredReluMoE`. Named as
+    the hub names it (``norm``, ``mixer``)."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        assert config.mamba is not None
+        kind = config.mamba.layer_types[layer]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer: nn.Module
+        if kind == "linear_attention":
+            self.mixer = Mamba2Mixer(config, layer)
+        elif kind == "full_attention":
+            self.mixer = attention_block(config, layer)
+        elif kind == "moe":
+            self.mixer = SquaredReluMoE(config)
+        else:
+            self.mixer = SquaredReluMLP(config)
+        self.reads_cache = kind in ("linear_attention", "full_attention")
+
+    @property
+    def input_layernorm(self) -> RMSNorm:
+        """The pre-norm (what :class:`DecoderModel` fuses the previous residual add into)."""
+        return self.norm
+
+    def blocks(
+        self,
+        normed: Tensor,
+        x: Tensor,
+        batch: ForwardBatch,
+        pool: KVPool | None,
+        inv_freq: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """``(mixer_out, x)``, whose sum is the stream leaving the layer (as
+        :meth:`DecoderLayer.blocks`)."""
+        if self.reads_cache:
+            return self.mixer(normed, batch, pool, inv_freq), x
+        return self.mixer(normed), x
 
 
 def decoder_layer(config: DecoderConfig, layer: int, cache_layer: int) -> DecoderLayer:
@@ -1073,7 +1300,8 @@ class Backbone(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        layer = DecoderLayer if config.mamba is None else MixerLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
@@ -1157,7 +1385,7 @@ class DecoderModel(nn.Module):
         model's also holds ``state_slots`` recurrent-state slots (slot 0 the padding sink) of
         ``state_ring`` entries each (:func:`recurrent_pool_for`), ignored otherwise."""
         pool = pool_for(self, self.config, self.config.num_layers, num_pages, page_size, dtype)
-        if self.config.linear is None:
+        if not self.config.is_hybrid:
             return pool
         states = recurrent_pool_for(self.config, state_slots, state_ring, pool.k.dtype)
         return attrs.evolve(pool, recurrent=states.to(pool.k.device))

@@ -11,8 +11,10 @@ The only tolerated extras are a tied ``lm_head.weight`` (some exporters write it
 ``inv_freq`` buffers (older exporters wrote them), neither of which carries information the
 config does not, and the multi-token-prediction layers ``model.layers.{L} ..`` after the ``L``
 decoder layers when ``config.json`` declares ``num_nextn_predict_layers`` (an MTP draft loads
-those, see ``speculum.models.draft_loading``), and Qwen3-Next's MTP weights ``mtp.*``, which
-transformers ignores too.
+those, see ``speculum.models.draft_loading``), and Qwen3-Next's and Nemotron-H's MTP weights
+``mtp.*``, which transformers ignores too. Nemotron-H checkpoints name the backbone
+``backbone.*`` (``backbone.embeddings``, ``backbone.layers.{n}.{norm,mixer}``,
+``backbone.norm_f``); :func:`checkpoint_names` maps the decoder's names onto them.
 
 Mixture-of-experts layers keep their experts stacked (``SparseMoE.experts_gate_up [E, 2I, H]``
 and ``experts_down [E, H, I]``) where checkpoints hold one tensor per expert, in the hub's
@@ -50,7 +52,7 @@ from speculum.models.config import (
     UnsupportedModel,
     read_json_object,
 )
-from speculum.models.decoder import DecoderModel, SparseMoE
+from speculum.models.decoder import DecoderModel, SparseMoE, SquaredReluMoE
 from speculum.models.fp8 import (
     check_fp8_weights,
     fp8_scheme,
@@ -381,7 +383,30 @@ def checkpoint_names(model: DecoderModel) -> dict[str, str | Stacked | Relaid]:
     for n, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{n}."
         names |= layer_checkpoint_names(layer, model.config.architecture, prefix, prefix)
-    return names | scale_keys(model)
+    names |= scale_keys(model)
+    if model.config.mamba is not None:
+        return {name: _nemotron_h_key(key) for name, key in names.items()}
+    return names
+
+
+#: Nemotron-H's names for the backbone's parts (``backbone.*``, as its hub checkpoints and
+#: transformers' ``save_pretrained`` spell them).
+_NEMOTRON_H_KEYS = (
+    ("model.embed_tokens.", "backbone.embeddings."),
+    ("model.norm.", "backbone.norm_f."),
+    ("model.", "backbone."),
+)
+
+
+def _nemotron_h_key(key: str | Stacked) -> str | Stacked:
+    """``key`` (each per-expert key of a stacked one) in Nemotron-H's spelling
+    (``lm_head.weight`` stays)."""
+    if isinstance(key, Stacked):
+        return Stacked(tuple(tuple(map(_nemotron_h_key, parts)) for parts in key.keys))
+    for ours, theirs in _NEMOTRON_H_KEYS:
+        if key.startswith(ours):
+            return theirs + key[len(ours) :]
+    return key
 
 
 def layer_checkpoint_names(
@@ -394,7 +419,13 @@ def layer_checkpoint_names(
     names: dict[str, str | Stacked | Relaid] = {
         ours + name: theirs + name for name, _ in layer.named_parameters()
     }
-    if not isinstance(layer.mlp, SparseMoE):
+    mixer = getattr(layer, "mixer", None)
+    if isinstance(mixer, SquaredReluMoE):  # Nemotron-H: one up and one down per expert
+        mine, hub = f"{ours}mixer.experts.", f"{theirs}mixer.experts."
+        for proj in ("up_proj", "down_proj"):
+            experts = range(mixer.moe.num_experts)
+            names[mine + proj] = Stacked(tuple((f"{hub}{e}.{proj}.weight",) for e in experts))
+    if not isinstance(getattr(layer, "mlp", None), SparseMoE):
         return names
     if architecture == "GptOssForCausalLM":
         return names | _gpt_oss_expert_names(ours + "mlp.", theirs + "mlp.")
@@ -491,7 +522,7 @@ def load_model(
     nextn = range(config.num_layers, config.num_layers + config.num_nextn_predict_layers)
     prefixes = tuple(f"model.layers.{n}." for n in nextn)
     tolerated |= {k for k in found if k.startswith(prefixes)}
-    if config.linear is not None:  # Qwen3-Next's MTP layer (not built yet: docs/hybrid.md)
+    if config.is_hybrid:  # Qwen3-Next's, Nemotron-H's MTP layers (not built: docs/hybrid.md)
         tolerated |= {k for k in found if k.startswith("mtp.")}
     scale_shapes = {} if scheme is None else load_fp8_layers_(model, scheme, found, str(folder))
     names = checkpoint_names(model)

@@ -34,8 +34,8 @@ multiple of ``tp`` with zero rows, whose logits are dropped after the gather, so
 size splits; query heads, K/V heads and the intermediate size must split evenly, and
 :class:`UnsupportedSplit` names the one that does not. Mixture-of-experts models
 (``decoder.SparseMoE``), latent attention (``decoder.LatentAttention``), Qwen3-Next's
-gated DeltaNet and gated attention, and FP8 layers (``decoder.Fp8Linear``) are not split yet:
-sharding one raises :class:`UnsupportedSplit`.
+gated DeltaNet and gated attention, Nemotron-H's Mamba-2 and FP8 layers (``decoder.Fp8Linear``)
+are not split yet: sharding one raises :class:`UnsupportedSplit`.
 
 Page tables do not change: every rank's pool has the same pages, holding its own heads, so one
 allocator and one scheduler serve all ranks.
@@ -60,6 +60,7 @@ from speculum.models.decoder import (
     GatedDeltaNet,
     LatentAttention,
     LMHead,
+    Mamba2Mixer,
     SparseMoE,
     float32_logits,
 )
@@ -313,8 +314,8 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
     module to copy its parts out. Fuse projections after sharding (the local q/k/v and
     gate/up fuse as usual). Raises :class:`UnsupportedSplit` for heads or an intermediate size
     that do not split over ``tp`` and for mixture-of-experts, latent attention, Qwen3-Next's
-    and FP8 layers (not split yet), and ``ValueError`` for a module already sharded or fused;
-    either way the module is left unchanged.
+    and FP8 layers and Nemotron-H's recurrent layers (not split yet), and ``ValueError`` for a
+    module already sharded or fused; either way the module is left unchanged.
     """
     if tp.size == 1:
         return module
@@ -328,6 +329,11 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
             f"tp={tp.size}: multi-head latent attention layers cannot be split over "
             "tensor-parallel ranks yet (every rank would need the whole latent cache); run "
             "this model with tp=1"
+        )
+    if any(isinstance(m, Mamba2Mixer) for m in module.modules()):
+        raise UnsupportedSplit(
+            f"tp={tp.size}: Nemotron-H's Mamba-2 layers cannot be split over tensor-parallel "
+            "ranks yet (their recurrent states are not sharded); run this model with tp=1"
         )
     if any(isinstance(m, (GatedDeltaNet, GatedAttention)) for m in module.modules()):
         raise UnsupportedSplit(

@@ -572,9 +572,9 @@ def engine_from_model(
     )
 
 
-#: Algorithms refused on a hybrid target (gated DeltaNet layers): their drafts read or extend
-#: the target's per-layer K/V (which a hybrid keeps for its attention layers only), or their
-#: draft layers are MTP layers of the target's kind (Qwen3-Next's MTP is not loaded yet); see
+#: Algorithms refused on a hybrid target (gated DeltaNet or Mamba-2 layers): their drafts read
+#: or extend the target's per-layer K/V (which a hybrid keeps for its attention layers only),
+#: or their draft layers are MTP layers of the target's kind (not loaded yet); see
 #: docs/hybrid.md.
 HYBRID_REFUSED = frozenset(
     {"mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp", "dflash", "dspark"}
@@ -585,13 +585,13 @@ def _check_hybrid(target: Any, algorithm: str) -> None:
     """Refuse what a hybrid target cannot run yet, naming the reason (before anything is
     built)."""
     config = getattr(target, "config", None)
-    if getattr(config, "linear", None) is None:
+    if not getattr(config, "is_hybrid", False):
         return
     if algorithm in HYBRID_REFUSED:
         raise UnsupportedModel(
             f"algorithm={algorithm!r} is not supported on the hybrid target "
-            f"{config.architecture} (gated DeltaNet layers): MTP layers (mtp, nextn, "
-            "multi_layer_eagle) of Qwen3-Next are not built yet, and frozen-KV and block "
+            f"{config.architecture} (recurrent layers): MTP layers (mtp, nextn, "
+            "multi_layer_eagle) of hybrid models are not built yet, and frozen-KV and block "
             "drafters read the target's per-layer K/V, which a hybrid keeps for its attention "
             "layers only. Use eagle, eagle3, standalone, ngram or plain"
         )
@@ -603,11 +603,11 @@ def _check_hybrid(target: Any, algorithm: str) -> None:
 
 
 def _hybrid(model: Any, states: dict[str, int]) -> dict[str, int]:
-    """``states`` (the recurrent pool's sizes) for a model with linear-attention layers (a
+    """``states`` (the recurrent pool's sizes) for a model with recurrent layers (a
     hybrid target, or a standalone draft that is one), else nothing: other models' pools take
     no such sizes."""
     decoder = model.model if isinstance(model, StandaloneHead) else model
-    hybrid = isinstance(decoder, DecoderModel) and decoder.config.linear is not None
+    hybrid = isinstance(decoder, DecoderModel) and decoder.config.is_hybrid
     return states if hybrid else {}
 
 

@@ -1,5 +1,6 @@
-"""Reference gated DeltaNet over the recurrent pool: short causal conv and gated delta rule,
-token by token, each token starting from its parent's state. Pure torch, eager.
+"""Reference recurrent layers over the recurrent pool: short causal conv, then the gated delta
+rule (gated DeltaNet) or the Mamba-2 state-space update, token by token, each token starting
+from its parent's state. Pure torch, eager.
 
 The same function runs prefill chunks, decode steps, draft steps and tree verify: a query's
 parent is the latest tail index its mask row allows before itself (its predecessor for causal
@@ -11,7 +12,7 @@ the round ends, and commit picks the accepted one (:func:`commit_states`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from speculum.state.kv import KVPool, PagedKV
 from speculum.state.recurrent import PADDING_SLOT
 from speculum.state.tree import AcceptResult
 
-__all__ = ["node_parents", "l2norm", "gated_delta_rule", "commit_states"]
+__all__ = ["node_parents", "l2norm", "gated_delta_rule", "mamba2_scan", "commit_states"]
 
 
 def node_parents(new_mask: Bool[Tensor, "batch q tail"]) -> Int[Tensor, "batch q"]:
@@ -39,6 +40,45 @@ def node_parents(new_mask: Bool[Tensor, "batch q tail"]) -> Int[Tensor, "batch q
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x`` divided by its L2 norm over the last axis (as transformers and FLA compute it)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _scan(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring *state"],
+    slots: Int[Tensor, " batch"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    mixed: Float[Tensor, "batch q channels"],
+    conv_weight: Float[Tensor, "channels kernel"],
+    conv_bias: Float[Tensor, " channels"] | None,
+    cell: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]],
+) -> Float[Tensor, "batch q *out"]:
+    """The recurrence every recurrent-state kind shares: each query starts from its parent's
+    conv and recurrent states (its ring entry, zeros before the first token), runs the causal
+    conv over its window and SiLU, then ``cell(i, conv_out, state) -> (out, state)`` (the
+    kind's own update), and writes both states at its own cache index's ring entry before
+    the next query reads. Padded queries (``i >= q_lens``) write to the padding slot."""
+    ring = conv.shape[1]
+    q, tail = mixed.shape[1], new_mask.shape[2]
+    parents = node_parents(new_mask)
+    outputs = []
+    for i in range(q):
+        parent = prefix_lens + parents[:, i]
+        started = (parent >= 0)[:, None, None]
+        conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
+        state = ssm[slots, parent.remainder(ring)]
+        state = torch.where(started.view(-1, *[1] * (state.dim() - 1)), state, 0.0)
+        window = torch.cat([conv_in, mixed[:, i, :, None].to(conv.dtype)], -1)
+        x = (window * conv_weight).sum(-1)
+        out, state = cell(i, F.silu(x if conv_bias is None else x + conv_bias), state)
+        outputs.append(out)
+        # Written before the next query reads: a later query may be this one's child.
+        where = prefix_lens + tail - q + i
+        slot = torch.where(i < q_lens, slots, PADDING_SLOT)
+        conv[slot, where.remainder(ring)] = window[..., 1:]
+        ssm[slot, where.remainder(ring)] = state
+    return torch.stack(outputs, 1).to(mixed.dtype)
 
 
 def gated_delta_rule(
@@ -63,21 +103,11 @@ def gated_delta_rule(
     v_heads, v_dim)``. Padded queries (``i >= q_lens``) write to the padding slot.
     """
     k_heads, k_dim, v_heads, v_dim = dims
-    ring = conv.shape[1]
-    batch, q, _ = mixed.shape
-    tail = new_mask.shape[2]
-    parents = node_parents(new_mask)
-    outputs = []
-    for i in range(q):
-        # The parent's state: its ring entry, or zeros before the first token.
-        parent = prefix_lens + parents[:, i]
-        started = (parent >= 0)[:, None, None]
-        conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
-        state = torch.where(started[..., None], ssm[slots, parent.remainder(ring)], 0.0)
-        window = torch.cat([conv_in, mixed[:, i, :, None].to(conv.dtype)], -1)
-        x = F.silu((window * conv_weight).sum(-1))
+    batch = mixed.shape[0]
+    group = v_heads // k_heads
+
+    def cell(i: int, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         query, key, value = x.split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], -1)
-        group = v_heads // k_heads
         query = l2norm(query.view(batch, k_heads, k_dim).float()).repeat_interleave(group, 1)
         key = l2norm(key.view(batch, k_heads, k_dim).float()).repeat_interleave(group, 1)
         value = value.view(batch, v_heads, v_dim).float()
@@ -85,18 +115,56 @@ def gated_delta_rule(
         remembered = (state * key[..., None]).sum(-2)
         delta = (value - remembered) * beta[:, i].float()[..., None]
         state = state + key[..., None] * delta[..., None, :]
-        outputs.append((state * (query / k_dim**0.5)[..., None]).sum(-2))
-        # Written before the next query reads: a later query may be this one's child.
-        where = prefix_lens + tail - q + i
-        slot = torch.where(i < q_lens, slots, PADDING_SLOT)
-        conv[slot, where.remainder(ring)] = window[..., 1:]
-        ssm[slot, where.remainder(ring)] = state
-    return torch.stack(outputs, 1).to(mixed.dtype)
+        return (state * (query / k_dim**0.5)[..., None]).sum(-2), state
+
+    return _scan(conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, None, cell)
+
+
+def mamba2_scan(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring head head_dim d_state"],
+    slots: Int[Tensor, " batch"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    xbc: Float[Tensor, "batch q channels"],
+    conv_weight: Float[Tensor, "channels kernel"],
+    conv_bias: Float[Tensor, " channels"] | None,
+    dt: Float[Tensor, "batch q head"],
+    A: Float[Tensor, " head"],
+    D: Float[Tensor, " head"],
+    dims: Sequence[int],
+) -> Float[Tensor, "batch q head head_dim"]:
+    """Mamba-2 (SSD) outputs of ``q`` queries of one layer, writing each query's conv and
+    SSM states into that layer's ``conv`` and ``ssm`` at its slot and cache index's ring
+    entry, in place, exactly as :func:`gated_delta_rule` does.
+
+    ``xbc`` are the conv inputs (``x``, then ``B`` and ``C`` of ``n_groups`` groups); ``dt``
+    the step sizes (softplus-ed and clamped); ``A`` the negative decay rates (``-exp(A_log)``)
+    and ``D`` the skip weights per head; ``dims`` is ``(heads, head_dim, n_groups,
+    d_state)``. Per head ``h`` of group ``g``, after the conv and SiLU:
+    ``S = exp(dt A) S + dt x ⊗ B_g`` and ``y = S C_g + D x``, in float32.
+    """
+    heads, head_dim, groups, d_state = dims
+    batch = xbc.shape[0]
+    per_group = heads // groups
+
+    def cell(i: int, out: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        x, b, c = out.float().split([heads * head_dim, groups * d_state, groups * d_state], -1)
+        x = x.view(batch, heads, head_dim)
+        b, c = (t.view(batch, groups, d_state).repeat_interleave(per_group, 1) for t in (b, c))
+        step = dt[:, i].float()
+        decay = (step * A.float()).exp()[..., None, None]
+        state = state * decay + (step[..., None] * x)[..., None] * b[:, :, None]
+        y = (state * c[:, :, None]).sum(-1) + D.float()[:, None] * x
+        return y, state
+
+    return _scan(conv, ssm, slots, prefix_lens, q_lens, new_mask, xbc, conv_weight, conv_bias, cell)
 
 
 def commit_states(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> None:
     """Copy the state after the accepted path's last node (at its own cache index) to the
-    entry of the accepted depth, where the next round reads it, in every linear-attention
+    entry of the accepted depth, where the next round reads it, in every recurrent
     layer, in place (chains: the same entry, a no-op). A rejected node's state stays behind in
     an entry no record points at."""
     states = pool.recurrent

@@ -1,7 +1,9 @@
-"""Recurrent state of hybrid models (gated DeltaNet layers): an owned resource like KV pages.
+"""Recurrent state of hybrid models (gated DeltaNet, Mamba-2 layers): an owned resource like
+KV pages.
 
-Each linear-attention layer keeps, per request, a short-convolution state (the last
-``kernel - 1`` inputs of its causal conv1d) and a delta-rule state (``[head, k_dim, v_dim]``).
+Each recurrent layer keeps, per request, a short-convolution state (the last ``kernel - 1``
+inputs of its causal conv1d) and a recurrent state: the delta rule's ``[head, k_dim, v_dim]``
+(gated DeltaNet) or the SSM state ``[head, head_dim, d_state]`` (Mamba-2).
 They live in a :class:`RecurrentPool`, allocated once and written in place by contract, one
 *slot* per request (slot 0 is the padding sink, never handed out). Records name slots
 (``PagedKV.state_slots``), as they name pages.
@@ -32,10 +34,12 @@ PADDING_SLOT = 0
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
 class RecurrentPool:
-    """The conv and delta-rule states of one model's linear-attention layers.
+    """The conv and recurrent states of one model's recurrent layers (gated DeltaNet or
+    Mamba-2).
 
     ``conv`` is ``[layer, slot, ring, channels, kernel - 1]`` and ``ssm`` is ``[layer, slot,
-    ring, head, k_dim, v_dim]`` (layer ``i`` is the model's ``i``-th linear-attention layer).
+    ring, head, k_dim, v_dim]`` (a Mamba-2 layer's ``[head, head_dim, d_state]`` in the last
+    three places; layer ``i`` is the model's ``i``-th recurrent layer).
     ``ring`` is how many consecutive cache indices' states a slot keeps (see the module
     docstring).
     """
@@ -58,7 +62,7 @@ class RecurrentPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> RecurrentPool:
-        """Zero-filled pool of ``num_slots`` slots (slot 0 is the padding sink). The delta-rule
+        """Zero-filled pool of ``num_slots`` slots (slot 0 is the padding sink). The recurrent
         state is float32 whatever ``dtype`` the conv inputs are, as transformers keeps it."""
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots}: need at least 2 (slot 0 is reserved)")

@@ -14,6 +14,7 @@ import transformers
 from conftest import tiny_config
 from heads import (
     agreeing_head,
+    assert_greedy_equals_transformers,
     assert_sampled_snapshot_replays,
     draw_correction_biases_,
     markov_target,
@@ -23,7 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from strategies import page_sizes, prefill_budgets, prompt_batches
-from test_models import edit_config, edit_weights, page_table, relative_error, run_in_steps
+from test_models import (
+    RAGGED_PROMPTS,
+    assert_ragged_logits_equal,
+    edit_config,
+    edit_weights,
+    relative_error,
+)
 from test_training_draft import assert_decodes_like_plain, train, write_target
 
 from speculum import kernels
@@ -140,14 +147,7 @@ def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
     """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts) emits
     transformers' ``generate`` tokens, token for token."""
     hf, folder = hf_checkpoint
-    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
-    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
-    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(prompts, results, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-        assert list(result.token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(hf, load_model(folder))
 
 
 def test_logits_match_transformers_through_the_latent_cache(hf_checkpoint) -> None:
@@ -155,16 +155,11 @@ def test_logits_match_transformers_through_the_latent_cache(hf_checkpoint) -> No
     cache-free (training) forward give transformers' logits (float32)."""
     hf, folder = hf_checkpoint
     ours = load_model(folder)
-    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
-    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
-    lengths = [len(p) for p in prompts]
-    table = page_table(lengths, 3, list(range(1, 12)), extra=1)
-    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
-    for prompt, streams in zip(prompts, stepped, strict=True):
+    assert_ragged_logits_equal(hf, ours)
+    for prompt in RAGGED_PROMPTS:
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]
             dense, _ = ours(dense_batch(torch.tensor([prompt])), None)
-        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
         assert relative_error(ours.logits(dense[0]), expected) < 1e-5
 
 

@@ -225,10 +225,15 @@ def run_in_steps(
 
     Rows out of chunks ride along as padding (``q_lens == 0``), shorter chunks are padded up to
     the step's longest, and padded positions hold a non-zero id, which ``extend_batch`` must mask.
+    Each row keeps its recurrent state (a hybrid's) in a slot of its own.
     Returns per row ``[1 + len(capture), seq, hidden]``: final-normed hidden, then captures.
     """
     batch = len(prompts)
-    pool = model.new_pool(int(table.max()) + 1, page_size)
+    # Each row its own recurrent-state slot (hybrids; other models' pools ignore these), the
+    # ring longer than any chunk.
+    states = {"state_slots": batch + 1, "state_ring": max(map(max, chunks)) + 1}
+    pool = model.new_pool(int(table.max()) + 1, page_size, **states)
+    slots = torch.arange(1, batch + 1)
     seq_lens = torch.zeros(batch, dtype=torch.int64)
     streams: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     for step in range(max(map(len, chunks))):
@@ -237,7 +242,7 @@ def run_in_steps(
         for b, n in enumerate(q_lens):
             start = int(seq_lens[b])
             ids[b, :n] = torch.tensor(prompts[b][start : start + n])
-        kv = PagedKV(page_table=table, seq_lens=seq_lens, page_size=page_size)
+        kv = PagedKV(page_table=table, seq_lens=seq_lens, page_size=page_size, state_slots=slots)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         with torch.no_grad():
             hidden, captured = model(extend_batch(kv, ids, q_lens_t), pool, capture)
@@ -246,6 +251,22 @@ def run_in_steps(
             streams[b].append(stacked[b, :, :n])
         seq_lens = seq_lens + q_lens_t
     return [torch.cat(s, dim=1) for s in streams]
+
+
+#: A ragged batch of prompts, and how :func:`assert_ragged_logits_equal` feeds each.
+RAGGED_PROMPTS = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
+RAGGED_CHUNKS = [[3, 1, 1, 2], [4, 7], [1, 1]]
+
+
+def assert_ragged_logits_equal(hf: transformers.PreTrainedModel, ours: DecoderModel) -> None:
+    """Chunked prefill and decode of :data:`RAGGED_PROMPTS` through the paged cache (pages of
+    3 tokens), in a ragged batch, give ``hf``'s float32 logits at every position."""
+    table = page_table([len(p) for p in RAGGED_PROMPTS], 3, list(range(1, 12)), extra=1)
+    stepped = run_in_steps(ours, RAGGED_PROMPTS, RAGGED_CHUNKS, table, 3, ())
+    for prompt, streams in zip(RAGGED_PROMPTS, stepped, strict=True):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
 
 
 @st.composite

@@ -12,6 +12,7 @@ import transformers
 from conftest import tiny_config
 from heads import (
     agreeing_head,
+    assert_greedy_equals_transformers,
     assert_sampled_snapshot_replays,
     draw_correction_biases_,
     markov_target,
@@ -24,12 +25,11 @@ from strategies import page_sizes, prefill_budgets, prompt_batches
 from test_eagle_stats import CHUNK, SEEDS, exact_joint, joint_stats, lossless, sample_tokens
 from test_models import (
     CASES,
+    assert_ragged_logits_equal,
     edit_config,
     edit_weights,
-    page_table,
     random_tensors,
     relative_error,
-    run_in_steps,
 )
 
 from speculum.kernels import model_ops
@@ -115,30 +115,14 @@ def test_logits_match_transformers_through_the_paged_cache(hf_checkpoint) -> Non
     """Chunked prefill and decode through the cache, in a ragged batch, give transformers'
     logits (float32)."""
     hf, folder = hf_checkpoint
-    ours = load_model(folder)
-    prompts = [[3, 17, 42, 5, 88, 1, 9], [9] * 11, [60, 2]]
-    chunks = [[3, 1, 1, 2], [4, 7], [1, 1]]
-    lengths = [len(p) for p in prompts]
-    table = page_table(lengths, 3, list(range(1, 12)), extra=1)
-    stepped = run_in_steps(ours, prompts, chunks, table, 3, ())
-    for prompt, streams in zip(prompts, stepped, strict=True):
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        assert relative_error(ours.logits(streams[0]), expected) < 1e-5
+    assert_ragged_logits_equal(hf, load_model(folder))
 
 
 def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
     """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts) emits
     transformers' ``generate`` tokens, token for token."""
     hf, folder = hf_checkpoint
-    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
-    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2]]
-    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(prompts, results, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-        assert list(result.token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(hf, load_model(folder))
 
 
 def test_saving_writes_the_hub_layout_back_exactly(hf_checkpoint, tmp_path: Path) -> None:

@@ -12,13 +12,21 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, assert_sampled_snapshot_replays, markov_target, pipeline_engine
+from heads import (
+    agreeing_head,
+    assert_greedy_equals_transformers,
+    assert_pipeline_equals_plain,
+    assert_sampled_snapshot_replays,
+    assert_tree_states_follow_paths,
+    markov_target,
+    pipeline_engine,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 from safetensors.torch import load_file, save_file
 from stats import chi2_stat, chi2_threshold, tv_bound
-from strategies import page_sizes, prefill_budgets, prompt_batches
+from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
 from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
 from speculum import kernels
@@ -37,15 +45,13 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
-from speculum.spec.paged import causal_mask, extend_batch
+from speculum.spec.paged import extend_batch
 from speculum.spec.recurrent import gated_delta_rule
-from speculum.spec.tree import tree_mask
 from speculum.state.batch import take_rows
 from speculum.state.kv import PagedKV, allocated_pages
 from speculum.state.parallel import TensorParallel
 from speculum.state.record import tree_equal
 from speculum.state.recurrent import PADDING_SLOT
-from speculum.state.tree import DraftTree
 
 transformers.logging.disable_progress_bar()
 
@@ -101,14 +107,7 @@ def test_greedy_decoding_equals_transformers_generate(hf_checkpoint) -> None:
     """Plain greedy decoding through the scheduler (chunked prefill, a batch of prompts of
     several lengths) emits transformers' ``generate`` tokens, token for token."""
     hf, folder = hf_checkpoint
-    engine = engine_from_model(load_model(folder), page_size=4, max_context=64, prefill_budget=7)
-    prompts = [[3, 17, 42, 5], [9] * 11, [1, 2], [60, 7, 7, 31, 2, 88, 4, 50, 11, 19, 23, 5, 6]]
-    results = generate(prompts, engine=engine, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(prompts, results, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
-        assert list(result.token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(hf, load_model(folder))
 
 
 def test_the_checkpoint_loads_into_the_hybrid_layer_plan(hf_checkpoint) -> None:
@@ -200,9 +199,7 @@ def test_every_pipeline_equals_plain_greedy_on_a_hybrid_target(
     tree shape: each draft node's candidate state follows its path, commit keeps the
     accepted one, and a rejected draft token leaves no trace."""
     limits = {"page_size": page_size, "prefill_budget": prefill_budget}
-    ours = generate(prompts, engine=hybrid_engine(name, tree, **limits), max_new_tokens=10)
-    plain = generate(prompts, engine=hybrid_engine("plain", tree, **limits), max_new_tokens=10)
-    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+    assert_pipeline_equals_plain(hybrid_engine, name, prompts, tree, **limits)
 
 
 def decoded(engine, prompts: list[list[int]], max_new_tokens: int) -> list[scheduler.Request]:
@@ -455,14 +452,6 @@ def test_saving_writes_a_folder_transformers_reads_back(hf_checkpoint, tmp_path:
     assert all(torch.equal(t, reloaded[k]) for k, t in model.state_dict().items())
 
 
-@st.composite
-def parent_lists(draw, max_nodes: int = 7) -> list[int]:
-    """A tree's parents in level order: node 0 the root (-1), every other node's parent
-    earlier."""
-    size = draw(st.integers(1, max_nodes))
-    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
-
-
 @settings(max_examples=25)
 @given(parents=parent_lists(), prefix=st.integers(0, 5), seed=st.integers(0, 2**16))
 def test_each_tree_node_gets_the_state_of_its_own_path(parents, prefix, seed) -> None:
@@ -475,37 +464,20 @@ def test_each_tree_node_gets_the_state_of_its_own_path(parents, prefix, seed) ->
 
     def pools():
         g = torch.Generator().manual_seed(seed)
-        conv = torch.randn(1, 2, ring, channels, 3, generator=g)
-        return conv, torch.randn(1, 2, ring, 2, 4, 3, generator=g)
+        conv = torch.randn(2, ring, channels, 3, generator=g)
+        return conv, torch.randn(2, ring, 2, 4, 3, generator=g)
 
     mixed = torch.randn(1, n, channels, generator=gen)
     weight, gate = torch.randn(channels, 4, generator=gen), -torch.rand(1, n, 2, generator=gen)
     beta = torch.rand(1, n, 2, generator=gen)
-    tree = DraftTree(
-        tokens=torch.zeros(1, n, dtype=torch.int64),
-        parents=torch.tensor([parents]),
-        depths=torch.zeros(1, n, dtype=torch.int64),
-    )
-    slot, prefix_lens = torch.tensor([1]), torch.tensor([prefix])
-    conv, ssm = pools()
-    out = gated_delta_rule(
-        conv[0], ssm[0], slot, prefix_lens, torch.tensor([n]), tree_mask(tree),
-        mixed, weight, gate, beta, dims,
-    )  # fmt: skip
-    for node in range(n):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path.reverse()
-        chain_conv, chain_ssm = pools()
-        chain = gated_delta_rule(
-            chain_conv[0], chain_ssm[0], slot, prefix_lens, torch.tensor([len(path)]),
-            causal_mask(1, len(path)), mixed[:, path], weight, gate[:, path], beta[:, path], dims,
+
+    def run(conv, ssm, mask, nodes):
+        return gated_delta_rule(
+            conv, ssm, torch.tensor([1]), torch.tensor([prefix]), torch.tensor([len(nodes)]),
+            mask, mixed[:, nodes], weight, gate[:, nodes], beta[:, nodes], dims,
         )  # fmt: skip
-        assert torch.equal(out[:, node], chain[:, -1])
-        tree_entry, chain_entry = (prefix + node) % ring, (prefix + len(path) - 1) % ring
-        assert torch.equal(ssm[0, 1, tree_entry], chain_ssm[0, 1, chain_entry])
-        assert torch.equal(conv[0, 1, tree_entry], chain_conv[0, 1, chain_entry])
+
+    assert_tree_states_follow_paths(run, parents, prefix, pools)
 
 
 def test_tensor_parallelism_refuses_a_hybrid() -> None:

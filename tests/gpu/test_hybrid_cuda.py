@@ -1,5 +1,5 @@
-"""Hybrid targets (Qwen3-Next's gated DeltaNet) on the GPU: the reference recurrence and its
-state pool inside captured rounds.
+"""Hybrid targets (Qwen3-Next's gated DeltaNet, Nemotron-H's Mamba-2) on the GPU: the
+reference recurrences and their state pool inside captured rounds.
 
 - fp32: plain decoding and every pipeline a hybrid runs, as captured rounds over several batch
   buckets, emit exactly plain eager greedy decoding's tokens (the target drafting for itself
@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_config
 from test_graphs_cuda import CHAIN, PROMPTS, TREE, VOCAB, _tokens
 
-from speculum.models.config import LinearAttentionConfig, MoEConfig
+from speculum.models.config import LinearAttentionConfig, MambaConfig, MoEConfig
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
 from speculum.models.standalone import StandaloneHead
@@ -46,8 +46,27 @@ HYBRID = {
 }
 
 
-def _hybrid_target(dtype: torch.dtype = torch.float32):
-    config = tiny_config(vocab_size=VOCAB, num_layers=4, hidden_size=64, head_dim=16, **HYBRID)
+#: Nemotron-H: Mamba-2, attention (no rotary), Mamba-2, squared-ReLU MLP.
+NEMOTRON_H = {
+    "architecture": "NemotronHForCausalLM",
+    "mamba": MambaConfig(
+        layer_types=("linear_attention", "full_attention", "linear_attention", "mlp"),
+        num_heads=4,
+        head_dim=16,
+        state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        conv_bias=True,
+        proj_bias=False,
+        time_step_limit=(0.0, float("inf")),
+    ),
+}
+KINDS = {"qwen3_next": HYBRID, "nemotron_h": NEMOTRON_H}
+
+
+def _hybrid_target(kind: str = "qwen3_next", dtype: torch.dtype = torch.float32):
+    changes = KINDS[kind]
+    config = tiny_config(vocab_size=VOCAB, num_layers=4, hidden_size=64, head_dim=16, **changes)
     return random_model(config, seed=5, std=0.3).to("cuda", dtype)
 
 
@@ -60,9 +79,10 @@ def _drafts(target) -> dict:
     }
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("label", ["eagle chain", "eagle3 tree", "standalone self tree", "ngram"])
-def test_fp32_captured_rounds_on_a_hybrid_target_equal_plain(label):
-    target = _hybrid_target()
+def test_fp32_captured_rounds_on_a_hybrid_target_equal_plain(label, kind):
+    target = _hybrid_target(kind)
     algorithm, draft, spec = _drafts(target)[label]
     plain = _tokens(target, cuda_graphs=False)
     assert _tokens(target) == plain
@@ -71,8 +91,9 @@ def test_fp32_captured_rounds_on_a_hybrid_target_equal_plain(label):
     assert _tokens(target, overlap=True, **options) == plain
 
 
-def test_bf16_captured_hybrid_rounds_run():
-    target = _hybrid_target(torch.bfloat16)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_bf16_captured_hybrid_rounds_run(kind):
+    target = _hybrid_target(kind, torch.bfloat16)
     algorithm, draft, spec = _drafts(target)["standalone self tree"]
     tokens = _tokens(target, algorithm=algorithm, draft=draft, spec=spec)
     assert [len(t) for t in tokens] == [24] * len(PROMPTS)
