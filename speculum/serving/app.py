@@ -132,6 +132,13 @@ async def _json(request: Request) -> Any:
 
 async def _respond(request: Request, job: Job, engine: Engine, loop: EngineLoop) -> Response:
     """Submit ``job`` and answer: a stream of chunks, or the whole response."""
+    if len(job.prompts) > loop.max_live:
+        raise APIError(
+            f"the request asks for {len(job.prompts)} completions (n per prompt) and this server "
+            f"holds at most {loop.max_live} live requests (--max-batch plus --max-queue); ask "
+            "for fewer",
+            param="n",
+        )
     channel = Channel(asyncio.get_running_loop())
     try:
         ticket = loop.submit(list(zip(job.prompts, job.settings)), channel)
