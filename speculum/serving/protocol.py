@@ -240,15 +240,17 @@ def _response_format(form: Any) -> Mapping[str, Any] | None:
     any object for ``{"type": "json_object"}``, the schema of ``{"type": "json_schema",
     "json_schema": {"name", "schema", "description", "strict"}}`` (its output always follows
     the schema, which is what ``strict`` asks)."""
+    if form is None:
+        return None
     kind = form.get("type") if isinstance(form, dict) else None
-    if form is None or kind == "text" and set(form) == {"type"}:
+    if kind == "text" and set(form) == {"type"}:
         return None
     if kind == "json_object" and set(form) == {"type"}:
         return _ANY_OBJECT
     spec = form.get("json_schema") if kind == "json_schema" else None
     if (
-        set(form) == {"type", "json_schema"}
-        and isinstance(spec, dict)
+        isinstance(spec, dict)
+        and set(form) == {"type", "json_schema"}
         and isinstance(spec.get("schema"), dict)
         and set(spec) <= {"name", "description", "schema", "strict"}
     ):
