@@ -803,6 +803,48 @@ def test_serve_command_drains_running_requests_on_sigterm(folders) -> None:
         process.stderr.close()
 
 
+#: ``generate``'s per-request flags, each with the request field that carries it over HTTP.
+REQUEST_FLAGS = {
+    "--max-new-tokens": "max_tokens",
+    "--n": "n",
+    "--temperature": "temperature",
+    "--top-k": "top_k",
+    "--top-p": "top_p",
+    "--min-p": "min_p",
+    "--seed": "seed",
+    "--logprobs": "logprobs",
+    "--logit-bias": "logit_bias",
+    "--repetition-penalty": "repetition_penalty",
+    "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty",
+    "--min-tokens": "min_tokens",
+    "--json-schema": "guided_json",
+    "--regex": "guided_regex",
+    "--grammar": "guided_grammar",
+    "--stop": "stop",
+    "--include-stop-str-in-output": "include_stop_str_in_output",
+    "--ignore-eos": "ignore_eos",
+}
+#: ``generate``'s flags about its own prompts and printing, which a server has no use for.
+OUTPUT_FLAGS = {"--prompt", "--prompt-ids", "--prompts-file", "--output", "--json", "--no-stream"}
+OUTPUT_FLAGS |= {"--compare-plain", "--passes"}
+
+
+def test_serve_takes_every_engine_flag_of_generate_and_requests_carry_the_rest() -> None:
+    """Every flag of ``generate`` is a flag of ``serve`` too, but for its request settings,
+    which are fields of each HTTP request (both endpoints read each), and its output options."""
+    from speculum.runtime.cli import parser
+    from speculum.serving import protocol
+
+    commands = parser()._subparsers._group_actions[0].choices
+    flags = {
+        name: {option for action in commands[name]._actions for option in action.option_strings}
+        for name in ("generate", "serve")
+    }
+    assert flags["generate"] - flags["serve"] == set(REQUEST_FLAGS) | OUTPUT_FLAGS
+    assert set(REQUEST_FLAGS.values()) <= protocol._COMPLETION_FIELDS & protocol._CHAT_FIELDS
+
+
 def test_serve_applies_penalties_unless_told_not_to() -> None:
     from speculum.runtime.cli import parser
 
