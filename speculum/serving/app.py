@@ -110,12 +110,14 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request) -> Response:
-        job = protocol.completion_job(await _json(request), engine, names)
+        body = await _json(request)
+        job = protocol.completion_job(body, engine, names, max_choices=loop.max_live)
         return await _respond(request, job, engine, loop)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request) -> Response:
-        job = protocol.chat_job(await _json(request), engine, names, chat_template)
+        body = await _json(request)
+        job = protocol.chat_job(body, engine, names, chat_template, max_choices=loop.max_live)
         return await _respond(request, job, engine, loop)
 
     return app
@@ -132,13 +134,6 @@ async def _json(request: Request) -> Any:
 
 async def _respond(request: Request, job: Job, engine: Engine, loop: EngineLoop) -> Response:
     """Submit ``job`` and answer: a stream of chunks, or the whole response."""
-    if len(job.prompts) > loop.max_live:
-        raise APIError(
-            f"the request asks for {len(job.prompts)} completions (n per prompt) and this server "
-            f"holds at most {loop.max_live} live requests (--max-batch plus --max-queue); ask "
-            "for fewer",
-            param="n",
-        )
     channel = Channel(asyncio.get_running_loop())
     try:
         ticket = loop.submit(list(zip(job.prompts, job.settings)), channel)

@@ -142,7 +142,8 @@ _CHAT_FIELDS = {
 }
 #: OpenAI's default completion budget of ``/v1/completions`` (chat's is the rest of the context).
 COMPLETION_MAX_TOKENS = 16
-#: OpenAI's and vLLM's penalties, and vLLM's ``min_tokens``: ``scheduler.Sampling``'s names.
+#: OpenAI's presence and frequency penalties and vLLM's repetition penalty, by
+#: ``scheduler.Sampling``'s names (which are theirs).
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -262,13 +263,21 @@ def _response_format(form: Any) -> Mapping[str, Any] | None:
     )
 
 
-def _n(body: Mapping[str, Any]) -> int:
-    """How many choices each prompt gets (``n``, 1 by default); ``best_of``, where given, must
-    equal it (every completion decoded is returned)."""
+def _n(body: Mapping[str, Any], prompts: int, max_choices: int) -> int:
+    """How many choices each of the ``prompts`` gets (``n``, 1 by default), at most
+    ``max_choices`` in all; ``best_of``, where given, must equal it (every completion decoded
+    is returned)."""
     n = _typed(body, "n", (int,), "an integer >= 1")
     if n is not None and n < 1:
         raise APIError(f"n={n}: expected an integer >= 1", param="n")
     n = n or 1
+    if n * prompts > max_choices:
+        raise APIError(
+            f"the request asks for {n * prompts} completions ({prompts} prompts, n={n}) and "
+            f"this server holds at most {max_choices} live requests (--max-batch plus "
+            "--max-queue); ask for fewer",
+            param="n" if n > 1 else "prompt",
+        )
     best_of = _typed(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != n:
         raise APIError(
@@ -364,7 +373,12 @@ def _check_engine_applies(
 
 
 def _common(
-    body: Mapping[str, Any], engine: Engine, served: Sequence[str], prompts, param: str
+    body: Mapping[str, Any],
+    engine: Engine,
+    served: Sequence[str],
+    prompts,
+    param: str,
+    max_choices: int,
 ) -> dict[str, Any]:
     """What both endpoints read alike, checked: the model, the sampling and stop settings, the
     budget, the stream flags, each prompt against the context."""
@@ -402,7 +416,7 @@ def _common(
         )
     return {
         "model": model,
-        "n": _n(body),
+        "n": _n(body, len(prompts), max_choices),
         "sampling": sampling,
         "stops": _stops(body, vocab),
         "stream": stream,
@@ -497,14 +511,15 @@ def _prompt_ids(engine: Engine, prompt: Any) -> list[tuple[int, ...]]:
     return prompts
 
 
-def completion_job(body: Any, engine: Engine, served: Sequence[str]) -> Job:
-    """A ``/v1/completions`` request body as a :class:`Job`; :class:`APIError` when refused."""
+def completion_job(body: Any, engine: Engine, served: Sequence[str], *, max_choices: int) -> Job:
+    """A ``/v1/completions`` request body as a :class:`Job` of at most ``max_choices`` engine
+    requests (``n`` per prompt); :class:`APIError` when refused."""
     body = _object(body)
     _check_fields(body, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise APIError("prompt is required", param="prompt", code="missing_required_parameter")
     prompts = _prompt_ids(engine, body["prompt"])
-    common = _common(body, engine, served, prompts, "prompt")
+    common = _common(body, engine, served, prompts, "prompt", max_choices)
     logprobs = _logprobs_wanted(_typed(body, "logprobs", (int,), "an integer"), engine, "logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
     context = engine.config.max_context
@@ -534,11 +549,16 @@ def _message_text(message: Any, index: int) -> dict[str, Any]:
 
 
 def chat_job(
-    body: Any, engine: Engine, served: Sequence[str], template: ChatTemplate | None
+    body: Any,
+    engine: Engine,
+    served: Sequence[str],
+    template: ChatTemplate | None,
+    *,
+    max_choices: int,
 ) -> Job:
-    """A ``/v1/chat/completions`` request body as a :class:`Job`, its messages rendered with
-    the model's chat ``template``; :class:`APIError` when refused (also when the model folder
-    has no template)."""
+    """A ``/v1/chat/completions`` request body as a :class:`Job` of at most ``max_choices``
+    engine requests (``n``), its messages rendered with the model's chat ``template``;
+    :class:`APIError` when refused (also when the model folder has no template)."""
     body = _object(body)
     _check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
@@ -563,7 +583,7 @@ def chat_job(
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
     if not prompt:
         raise APIError("messages: the rendered prompt is empty", param="messages")
-    common = _common(body, engine, served, [prompt], "messages")
+    common = _common(body, engine, served, [prompt], "messages", max_choices)
     wants = _typed(body, "logprobs", (bool,), "true or false")
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not wants:
