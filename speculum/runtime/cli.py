@@ -594,6 +594,13 @@ def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParse
         help="refuse logit_bias and keep no [batch, vocab] bias rows on the device",
     )
     own.add_argument(
+        "--no-penalties",
+        dest="penalties",
+        action="store_false",
+        help="refuse presence_penalty, frequency_penalty, repetition_penalty and min_tokens, "
+        "and keep no per-request token counts on the device",
+    )
+    own.add_argument(
         "--no-overlap",
         action="store_true",
         help="on CUDA, step synchronously (there the server overlaps scheduling by default)",
@@ -1083,7 +1090,12 @@ def _serve_command(args: argparse.Namespace) -> int:
         algorithm = _chosen_algorithm(args)
         options = _engine_options(args, algorithm)
         options["overlap"] = args.overlap or (args.device == "cuda" and not args.no_overlap)
-        engine = engine_for(**options, max_logprobs=args.max_logprobs, logit_bias=args.logit_bias)
+        engine = engine_for(
+            **options,
+            max_logprobs=args.max_logprobs,
+            logit_bias=args.logit_bias,
+            penalties=args.penalties,
+        )
         folder = default_model_dir() if args.model is None else Path(args.model)
         template = load_chat_template(folder)
     except (ValueError, RuntimeError, KeyError, MemoryError, OSError) as err:

@@ -110,12 +110,14 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request) -> Response:
-        job = protocol.completion_job(await _json(request), engine, names)
+        body = await _json(request)
+        job = protocol.completion_job(body, engine, names, max_choices=loop.max_live)
         return await _respond(request, job, engine, loop)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request) -> Response:
-        job = protocol.chat_job(await _json(request), engine, names, chat_template)
+        body = await _json(request)
+        job = protocol.chat_job(body, engine, names, chat_template, max_choices=loop.max_live)
         return await _respond(request, job, engine, loop)
 
     return app

@@ -1,12 +1,13 @@
 """OpenAI's request and response shapes, to and from the scheduler's requests and outputs.
 
 :func:`completion_job` and :func:`chat_job` check a request body and turn it into a :class:`Job`
-(the token ids of each prompt and ``scheduler.add_request``'s settings), raising
+(the token ids of each choice's prompt and ``scheduler.add_request``'s settings), raising
 :class:`APIError` (HTTP 400 with OpenAI's error object) for anything they cannot honour: a
 malformed or mistyped field, an unknown field, a prompt that fills the context, a model name the
-server does not serve, or a control the scheduler does not support yet. Nothing is silently
-ignored. :class:`ResponseBuilder` turns a job's ``scheduler.RequestOutput`` values into OpenAI's
-response, whole or as stream chunks.
+server does not serve, a control the engine was started without, or one speculum serve does
+not do (``echo``, ``suffix``, tools). Nothing is silently ignored. :class:`ResponseBuilder`
+turns a job's ``scheduler.RequestOutput`` values into OpenAI's response, whole or as stream
+chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import attrs
 
 from speculum.runtime import scheduler
 from speculum.runtime.engine import Engine
-from speculum.runtime.generate import _TextStream, acceptance_stats
+from speculum.runtime.generate import _TextStream, acceptance_stats, completion_seed
 from speculum.serving.chat import ChatTemplate, TemplateError, render
 
 __all__ = [
@@ -70,9 +71,10 @@ def error_body(
 
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class Job:
-    """A checked OpenAI request: one engine request per prompt (``prompts``, token ids), each
-    with ``settings``, ``scheduler.add_request``'s keyword arguments (the sampling settings, the
-    token budget, the stop conditions). ``top_logprobs`` is how many alternatives each token's
+    """A checked OpenAI request: one engine request per choice (``prompts``, token ids: ``n``
+    per prompt of the request, prompt after prompt), each with ``settings``,
+    ``scheduler.add_request``'s keyword arguments (the sampling settings, the token budget,
+    the stop conditions). ``top_logprobs`` is how many alternatives each token's
     log-probability shows (None: no log-probabilities); ``include_usage`` asks a stream for a
     last chunk with the usage; ``return_token_ids`` (vLLM's extension) adds each choice's
     generated ``token_ids``."""
@@ -81,96 +83,83 @@ class Job:
     model: str
     prompts: tuple[tuple[int, ...], ...]
     settings: tuple[Mapping[str, Any], ...]
+    n: int
     stream: bool
     include_usage: bool
     top_logprobs: int | None
     return_token_ids: bool = False
 
 
+#: vLLM's structured-output fields, each with the ``scheduler.Sampling`` field it sets.
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
 #: Fields every request may carry, besides its prompt and the endpoint's own fields.
 _COMMON = (
     "model",
     "max_tokens",
+    "n",
     "temperature",
     "top_p",
     "top_k",
     "min_p",
     "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
     "stop",
     "stop_token_ids",
     "ignore_eos",
     "include_stop_str_in_output",
     "logit_bias",
+    "response_format",
+    *_GUIDED,
     "stream",
     "stream_options",
     "return_token_ids",
     "user",
 )
-#: Fields accepted at their no-op value only, each with that value: the scheduler does not do
-#: them yet (penalties pass through once ``scheduler.Sampling`` has a field of that name).
-_NOT_YET = {
-    "n": 1,
-    "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
+#: Fields speculum serve does not do, each accepted at its no-op value only (``best_of`` is
+#: read with ``n``: it may equal it).
+_UNSUPPORTED = {
     "echo": False,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
     "functions": None,
     "function_call": None,
-    "response_format": None,
 }
-_COMPLETION_FIELDS = {"prompt", "logprobs", *_COMMON} | {
-    "n",
-    "best_of",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "echo",
-    "suffix",
-}
-_CHAT_FIELDS = {"messages", "logprobs", "top_logprobs", "max_completion_tokens", *_COMMON} | {
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
+_COMPLETION_FIELDS = {"prompt", "logprobs", "best_of", "echo", "suffix", *_COMMON}
+_CHAT_FIELDS = {
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
     "tools",
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
+    *_COMMON,
 }
 #: OpenAI's default completion budget of ``/v1/completions`` (chat's is the rest of the context).
 COMPLETION_MAX_TOKENS = 16
-
-
-#: OpenAI's (and vLLM's) penalties, passed to ``scheduler.Sampling`` once it has those fields.
+#: OpenAI's presence and frequency penalties and vLLM's repetition penalty, by
+#: ``scheduler.Sampling``'s names (which are theirs).
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def _penalties_supported() -> frozenset[str]:
-    """The penalties ``scheduler.Sampling`` has fields for."""
-    return frozenset(_PENALTIES) & frozenset(attrs.fields_dict(scheduler.Sampling))
-
-
 def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
-    """Refuse unknown fields, and fields the scheduler cannot honour yet at another value than
-    their no-op one (a penalty passes once ``scheduler.Sampling`` has it)."""
+    """Refuse unknown fields, and fields speculum serve does not do at another value than
+    their no-op one."""
     for name in body:
         if name not in allowed:
             raise APIError(
                 f"unknown field {name!r}; this endpoint reads {', '.join(sorted(allowed))}",
                 param=name,
             )
-    for name, noop in _NOT_YET.items():
-        value = body.get(name, noop)
-        if name in body and value != noop and name not in _penalties_supported():
-            if name == "response_format" and value == {"type": "text"}:
-                continue
+    for name, noop in _UNSUPPORTED.items():
+        if body.get(name, noop) != noop:
             raise APIError(
-                f"{name}={value!r} is not supported yet by speculum serve; leave it out "
+                f"{name}={body[name]!r} is not supported by speculum serve; leave it out "
                 f"(or {noop!r})",
                 param=name,
                 code="unsupported_parameter",
@@ -194,30 +183,110 @@ _NUMBER = ((int, float), "a number")
 def _sampling(body: Mapping[str, Any]) -> scheduler.Sampling:
     """The request's sampling settings, OpenAI's defaults where absent (temperature 1, a
     random seed), each field checked by ``scheduler.Sampling`` on its own so that an error
-    names it."""
+    names it (``response_format`` and the ``guided_*`` fields by their own names)."""
     given: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", *_PENALTIES):
         value = _typed(body, name, *_NUMBER)
         if value is not None:
             given[name] = value
     top_k = _typed(body, "top_k", (int,), "an integer")
     if top_k is not None:
         given["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1 is off, as 0 is here
+    min_tokens = _typed(body, "min_tokens", (int,), "an integer")
+    if min_tokens is not None:
+        given["min_tokens"] = min_tokens
     seed = _typed(body, "seed", (int,), "an integer")
     given["seed"] = secrets.randbits(63) if seed is None else seed
     bias = _typed(body, "logit_bias", (dict,), "an object mapping token ids to biases")
     if bias:
         given["logit_bias"] = bias
-    for name in _penalties_supported():
-        if body.get(name) is not None:
-            given[name] = body[name]
     given.setdefault("temperature", 1.0)
+    params = {name: name for name in given}
+    structured = _structured(body)
+    if structured is not None:
+        param, field, value = structured
+        given[field], params[field] = value, param
     for name, value in given.items():
         try:
             scheduler.Sampling(**{name: value})
-        except (TypeError, ValueError) as err:
-            raise APIError(str(err), param=name) from err
+        except (TypeError, ValueError, ImportError) as err:
+            where = "" if params[name] == name else f"{params[name]}: "
+            raise APIError(f"{where}{err}", param=params[name]) from err
     return scheduler.Sampling(**given)
+
+
+def _structured(body: Mapping[str, Any]) -> tuple[str, str, Any] | None:
+    """The request's constraint on its output as ``(param, field, value)``: the request field
+    that gives it, the ``scheduler.Sampling`` field it sets and that field's value; None when
+    the output is free. At most one of ``response_format`` and vLLM's ``guided_*`` fields."""
+    found = []
+    form = _response_format(body.get("response_format"))
+    if form is not None:
+        found.append(("response_format", "json_schema", form))
+    found += [(p, field, body[p]) for p, field in _GUIDED.items() if body.get(p) is not None]
+    if len(found) > 1:
+        raise APIError(
+            f"{found[0][0]} and {found[1][0]} both constrain the output; give one",
+            param=found[1][0],
+        )
+    return found[0] if found else None
+
+
+#: The JSON schema of ``{"type": "json_object"}``: any JSON object.
+_ANY_OBJECT = {"type": "object"}
+
+
+def _response_format(form: Any) -> Mapping[str, Any] | None:
+    """The JSON schema OpenAI's ``response_format`` asks for: None for ``{"type": "text"}``,
+    any object for ``{"type": "json_object"}``, the schema of ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "description", "strict"}}`` (its output always follows
+    the schema, which is what ``strict`` asks)."""
+    if form is None:
+        return None
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text" and set(form) == {"type"}:
+        return None
+    if kind == "json_object" and set(form) == {"type"}:
+        return _ANY_OBJECT
+    spec = form.get("json_schema") if kind == "json_schema" else None
+    if (
+        isinstance(spec, dict)
+        and set(form) == {"type", "json_schema"}
+        and isinstance(spec.get("schema"), dict)
+        and set(spec) <= {"name", "description", "schema", "strict"}
+    ):
+        return spec["schema"]
+    raise APIError(
+        f"response_format={form!r}: expected {{'type': 'text'}}, {{'type': 'json_object'}} "
+        "or {'type': 'json_schema', 'json_schema': {'name': NAME, 'schema': {...}}}",
+        param="response_format",
+    )
+
+
+def _n(body: Mapping[str, Any], prompts: int, max_choices: int) -> int:
+    """How many choices each of the ``prompts`` gets (``n``, 1 by default), at most
+    ``max_choices`` in all; ``best_of``, where given, must equal it (every completion decoded
+    is returned)."""
+    n = _typed(body, "n", (int,), "an integer >= 1")
+    if n is not None and n < 1:
+        raise APIError(f"n={n}: expected an integer >= 1", param="n")
+    n = n or 1
+    if n * prompts > max_choices:
+        raise APIError(
+            f"the request asks for {n * prompts} completions ({prompts} prompts, n={n}) and "
+            f"this server holds at most {max_choices} live requests (--max-batch plus "
+            "--max-queue); ask for fewer",
+            param="n" if n > 1 else "prompt",
+        )
+    best_of = _typed(body, "best_of", (int,), "an integer")
+    if best_of is not None and best_of != n:
+        raise APIError(
+            f"best_of={best_of} is not supported by speculum serve: it returns every "
+            f"completion it decodes; leave it out (or {n}, as n)",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    return n
 
 
 def _stops(body: Mapping[str, Any], vocab: int) -> dict[str, Any]:
@@ -279,8 +348,37 @@ def _logprobs_wanted(count: int | None, engine: Engine, param: str) -> int | Non
     return count
 
 
+def _check_engine_applies(
+    body: Mapping[str, Any], sampling: scheduler.Sampling, engine: Engine
+) -> None:
+    """Refuse a penalty the server was started without, and structured output an engine
+    cannot follow (an overlapped one, or one without a tokenizer), naming the field."""
+    if sampling.penalized and not engine.config.penalties:
+        name = next(n for n in (*_PENALTIES, "min_tokens") if body.get(n) is not None)
+        raise APIError(f"{name}: this server was started with --no-penalties", param=name)
+    structured = _structured(body)
+    if structured is None:
+        return
+    if engine.config.overlap:
+        why = "overlaps rounds (the default on CUDA); start it with --no-overlap"
+    elif engine.tokenizer is None:
+        why = "has no tokenizer.json to read token texts from"
+    else:
+        return
+    raise APIError(
+        f"{structured[0]}: structured output needs each round's masks from the output before "
+        f"it, and this server {why}",
+        param=structured[0],
+    )
+
+
 def _common(
-    body: Mapping[str, Any], engine: Engine, served: Sequence[str], prompts, param: str
+    body: Mapping[str, Any],
+    engine: Engine,
+    served: Sequence[str],
+    prompts,
+    param: str,
+    max_choices: int,
 ) -> dict[str, Any]:
     """What both endpoints read alike, checked: the model, the sampling and stop settings, the
     budget, the stream flags, each prompt against the context."""
@@ -301,6 +399,7 @@ def _common(
             "logit_bias: this server was started with --no-logit-bias", param="logit_bias"
         )
     sampling = _sampling(body)
+    _check_engine_applies(body, sampling, engine)
     bad = [t for t, _ in sampling.logit_bias if t >= vocab]
     if bad:
         raise APIError(
@@ -317,6 +416,7 @@ def _common(
         )
     return {
         "model": model,
+        "n": _n(body, len(prompts), max_choices),
         "sampling": sampling,
         "stops": _stops(body, vocab),
         "stream": stream,
@@ -334,22 +434,35 @@ def _job(
     top_logprobs: int | None,
     context: int,
 ) -> Job:
-    sampling = common["sampling"]
+    """The job of ``prompts``: ``n`` engine requests per prompt, prompt after prompt (choice
+    ``i * n + j`` is completion ``j`` of prompt ``i``, as vLLM numbers them), completion ``j``
+    seeded as ``generate``'s (``generate.completion_seed``)."""
+    sampling, n = common["sampling"], common["n"]
     if top_logprobs is not None:  # 0 alternatives still report the token's own value
         sampling = attrs.evolve(sampling, logprobs=max(top_logprobs, 1))
-    settings = tuple(
-        {
-            "sampling": sampling,
-            "max_new_tokens": max_tokens or default_budget or context - len(prompt),
-            **common["stops"],
-        }
-        for prompt in prompts
-    )
+    settings = []
+    for prompt in prompts:
+        budget = max_tokens or default_budget or context - len(prompt)
+        if sampling.min_tokens > budget:
+            raise APIError(
+                f"min_tokens={sampling.min_tokens} exceeds the completion's budget of {budget} "
+                "tokens (max_tokens); lower min_tokens or raise max_tokens",
+                param="min_tokens",
+            )
+        settings += [
+            {
+                "sampling": attrs.evolve(sampling, seed=completion_seed(sampling.seed, j)),
+                "max_new_tokens": budget,
+                **common["stops"],
+            }
+            for j in range(n)
+        ]
     return Job(
         chat=chat,
         model=common["model"],
-        prompts=tuple(prompts),
-        settings=settings,
+        prompts=tuple(p for p in prompts for _ in range(n)),
+        settings=tuple(settings),
+        n=n,
         stream=common["stream"],
         include_usage=common["include_usage"],
         top_logprobs=top_logprobs,
@@ -398,14 +511,15 @@ def _prompt_ids(engine: Engine, prompt: Any) -> list[tuple[int, ...]]:
     return prompts
 
 
-def completion_job(body: Any, engine: Engine, served: Sequence[str]) -> Job:
-    """A ``/v1/completions`` request body as a :class:`Job`; :class:`APIError` when refused."""
+def completion_job(body: Any, engine: Engine, served: Sequence[str], *, max_choices: int) -> Job:
+    """A ``/v1/completions`` request body as a :class:`Job` of at most ``max_choices`` engine
+    requests (``n`` per prompt); :class:`APIError` when refused."""
     body = _object(body)
     _check_fields(body, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise APIError("prompt is required", param="prompt", code="missing_required_parameter")
     prompts = _prompt_ids(engine, body["prompt"])
-    common = _common(body, engine, served, prompts, "prompt")
+    common = _common(body, engine, served, prompts, "prompt", max_choices)
     logprobs = _logprobs_wanted(_typed(body, "logprobs", (int,), "an integer"), engine, "logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
     context = engine.config.max_context
@@ -435,11 +549,16 @@ def _message_text(message: Any, index: int) -> dict[str, Any]:
 
 
 def chat_job(
-    body: Any, engine: Engine, served: Sequence[str], template: ChatTemplate | None
+    body: Any,
+    engine: Engine,
+    served: Sequence[str],
+    template: ChatTemplate | None,
+    *,
+    max_choices: int,
 ) -> Job:
-    """A ``/v1/chat/completions`` request body as a :class:`Job`, its messages rendered with
-    the model's chat ``template``; :class:`APIError` when refused (also when the model folder
-    has no template)."""
+    """A ``/v1/chat/completions`` request body as a :class:`Job` of at most ``max_choices``
+    engine requests (``n``), its messages rendered with the model's chat ``template``;
+    :class:`APIError` when refused (also when the model folder has no template)."""
     body = _object(body)
     _check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
@@ -464,7 +583,7 @@ def chat_job(
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
     if not prompt:
         raise APIError("messages: the rendered prompt is empty", param="messages")
-    common = _common(body, engine, served, [prompt], "messages")
+    common = _common(body, engine, served, [prompt], "messages", max_choices)
     wants = _typed(body, "logprobs", (bool,), "true or false")
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not wants:
@@ -610,7 +729,9 @@ class ResponseBuilder:
         extension: ``accept_length_mean`` (tokens per decoding round, bonus included),
         ``accepted_draft_tokens`` and ``num_rounds``."""
         requests = [c.request for c in self.choices if c.request is not None]
-        prompt = sum(len(r.prompt) for r in requests)
+        # A prompt counts once, however many choices it has (as OpenAI's and vLLM's usage).
+        firsts = [c.request for c in self.choices[:: self.job.n] if c.request is not None]
+        prompt = sum(len(r.prompt) for r in firsts)
         completion = sum(len(r.output) for r in requests)
         histogram = _sum_histograms([r.round_lengths for r in requests])
         stats = acceptance_stats(histogram)
@@ -618,7 +739,7 @@ class ResponseBuilder:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
             "speculative": {
                 "algorithm": self.engine.pipeline.name,
                 "num_rounds": stats["num_rounds"],

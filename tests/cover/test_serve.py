@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,7 +106,9 @@ def wait_for(condition: Callable[[], bool]) -> None:
 @pytest.fixture(scope="module")
 def main_url(folders) -> Iterator[str]:
     target = folders["target"]
-    engine = engine_for(model=target, draft=target, max_logprobs=5, logit_bias=True, **SPEC)
+    engine = engine_for(
+        model=target, draft=target, max_logprobs=5, logit_bias=True, penalties=True, **SPEC
+    )
     app = create_app(engine, served_model_names=["tiny"], chat_template=load_chat_template(target))
     with running(app) as url:
         yield url
@@ -148,6 +151,18 @@ def idle(url: str) -> bool:
 
 
 PROMPTS = [f"def f{i}(x):\n    return x * {i}" for i in range(16)]
+#: A JSON schema the tiny model's answers follow (short, so that they finish).
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def _schema_format(schema: dict) -> dict:
+    """OpenAI's ``response_format`` for ``schema``."""
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
 def test_sixteen_concurrent_greedy_requests_each_equal_generate(main_url, folders) -> None:
@@ -298,6 +313,152 @@ def test_a_stop_string_ends_the_text_before_it(main_url, folders) -> None:
     assert choice.text == free.text[: free.text.index(stop)]
 
 
+def ids_by_choice(choices) -> dict[int, list[int]]:
+    """Each choice's ``token_ids`` (vLLM's ``return_token_ids``), by its ``index``; streamed
+    choices' pieces joined in order."""
+    ids: dict[int, list[int]] = {}
+    for choice in choices:
+        ids.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+    return ids
+
+
+def test_n_choices_are_generates_completions_streamed_or_not(main_url, folders) -> None:
+    """``n``: each prompt gets ``n`` choices, numbered prompt after prompt (choice ``i * n + j``
+    is completion ``j`` of prompt ``i``), each exactly ``generate(..., n=n)``'s completion with
+    the same seed, log-probabilities included; a stream tags every chunk with its choice.
+    Greedy choices are all alike; the prompt counts once in the usage."""
+    sampled = dict(temperature=0.9, top_k=40, seed=11, logprobs=2)
+    expected = reference(folders, PROMPTS[:2], 8, n=2, **sampled)
+    api = client(main_url)
+    options = dict(model="tiny", prompt=PROMPTS[:2], max_tokens=8, n=2)
+    extra = {"extra_body": {"return_token_ids": True, "top_k": 40}}
+    done = api.completions.create(**options, **extra, temperature=0.9, seed=11, logprobs=2)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert ids_by_choice(done.choices) == {i: list(r.token_ids) for i, r in enumerate(expected)}
+    for choice, want in zip(done.choices, expected):
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [e["logprob"] for e in want.logprobs], abs=1e-4
+        )
+    assert expected[0].token_ids != expected[1].token_ids  # the completions differ
+    tokenizer = load_tokenizer(folders["target"])
+    assert done.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS[:2])
+    stream = api.completions.create(**options, **extra, temperature=0.9, seed=11, stream=True)
+    assert ids_by_choice(c for chunk in stream for c in chunk.choices) == ids_by_choice(
+        done.choices
+    )
+    alike = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=2,
+        temperature=0,
+    )
+    assert [c.index for c in alike.choices] == [0, 1]
+    assert alike.choices[0].message.content == alike.choices[1].message.content
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            n=2,
+            temperature=0,
+            stream=True,
+        )
+    )
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {i: c.message.content for i, c in enumerate(alike.choices)}
+    assert sum(c.choices[0].delta.role == "assistant" for c in chunks) == 2  # one per choice
+
+
+def test_penalties_and_min_tokens_equal_generate(main_url, folders) -> None:
+    """OpenAI's presence and frequency penalties, vLLM's repetition penalty and ``min_tokens``
+    give ``generate``'s tokens with the same settings, greedy and seeded; ``min_tokens``
+    holds a stop token off until that many tokens are out."""
+    api = client(main_url)
+    free = (
+        api.completions.create(
+            model="tiny",
+            prompt=PROMPTS[4],
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )
+    stop = [free[1]]  # ends a free completion at its second token
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    cases = [
+        dict(penalties, temperature=0.0),
+        dict(penalties, temperature=0.8, seed=5),
+        dict(stop_token_ids=stop, temperature=0.0),
+        dict(stop_token_ids=stop, min_tokens=6, temperature=0.0),
+    ]
+    expected = reference(folders, [{"prompt": PROMPTS[4], **case} for case in cases], 12)
+    assert list(expected[0].token_ids) != free  # the penalties change the output
+    assert len(expected[2].token_ids) == 2 and len(expected[3].token_ids) >= 6
+    for case, want in zip(cases, expected):
+        openai_names = {"presence_penalty", "frequency_penalty", "temperature", "seed"}
+        done = api.completions.create(
+            model="tiny",
+            prompt=PROMPTS[4],
+            max_tokens=12,
+            **{k: v for k, v in case.items() if k in openai_names},
+            extra_body={
+                "return_token_ids": True,
+                **{k: v for k, v in case.items() if k not in openai_names},
+            },
+        )
+        assert done.choices[0].model_extra["token_ids"] == list(want.token_ids)
+        assert done.choices[0].finish_reason == want.finish_reason
+
+
+def test_response_format_and_guided_regex_constrain_the_output(main_url, folders) -> None:
+    """``response_format`` ``json_schema`` gives JSON valid under the schema, ``json_object``
+    any JSON object (``generate``'s tokens under those schemas, greedy and seeded), vLLM's
+    ``guided_regex`` a full match; each finishes with ``stop`` once its grammar is complete."""
+    messages = [{"role": "user", "content": "answer"}]
+    text = render(load_chat_template(folders["target"]), messages)
+    prompt = load_tokenizer(folders["target"]).encode(text, add_special_tokens=False)
+    seeded = dict(temperature=1.0, seed=0)  # a seed whose object has keys
+    cases = [
+        ({"json_schema": SCHEMA}, _schema_format(SCHEMA)),
+        ({"json_schema": {"type": "object"}}, {"type": "json_object"}),
+        ({"json_schema": {"type": "object"}, **seeded}, {"type": "json_object"}),
+    ]
+    expected = reference(folders, [{"prompt": prompt, **case} for case, _ in cases], 40)
+    api = client(main_url)
+
+    def ask(case: dict, form: dict):
+        return api.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=40,
+            response_format=form,
+            extra_body={"return_token_ids": True},
+            **{"temperature": 0.0, **{k: v for k, v in case.items() if k in seeded}},
+        ).choices[0]
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # decoded together, as a server would
+        answers = list(pool.map(ask, *zip(*cases)))
+    for answer, want in zip(answers, expected):
+        assert answer.model_extra["token_ids"] == list(want.token_ids)
+    value = json.loads(answers[0].message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    assert answers[0].finish_reason == answers[1].finish_reason == "stop"
+    assert isinstance(json.loads(answers[1].message.content), dict)
+    assert answers[2].message.content.startswith('{"')  # keys of its own choosing
+    pattern = "[a-z]{3}-[0-9]{2}"
+    guided = api.completions.create(
+        model="tiny", prompt="id:", max_tokens=20, extra_body={"guided_regex": pattern}
+    )
+    assert re.fullmatch(pattern, guided.choices[0].text)
+    assert guided.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -305,7 +466,31 @@ def test_a_stop_string_ends_the_text_before_it(main_url, folders) -> None:
         ({"prompt": "x", "model": "gpt-4"}, "model", "does not exist"),
         ({"prompt": "x" * 300}, "prompt", "context"),
         ({"prompt": "x", "colour": 3}, "colour", "unknown field"),
-        ({"prompt": "x", "n": 2}, "n", "not supported yet"),
+        ({"prompt": "x", "n": 0}, "n", "expected an integer >= 1"),
+        ({"prompt": "x", "n": 10**9}, "n", "at most 272 live requests"),
+        ({"prompt": ["x"] * 300}, "prompt", "at most 272 live requests"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "not supported"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+        ({"prompt": "x", "min_tokens": 20}, "min_tokens", "exceeds the completion's budget"),
+        ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format", "expected"),
+        (
+            {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+            "expected",
+        ),
+        (
+            {"prompt": "x", "response_format": _schema_format({"type": "nonsense"})},
+            "response_format",
+            "not a valid JSON schema",
+        ),
+        (
+            {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "guided_regex",
+            "give one",
+        ),
+        ({"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex", "regular expression"),
         ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
         ({"prompt": "x", "logprobs": 9}, "logprobs", "at most 5"),
         ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias", "outside the vocabulary"),
@@ -328,17 +513,10 @@ def test_bad_requests_get_400_with_an_error_object_and_the_server_serves_on(
     assert ok.status_code == 200
 
 
-def test_malformed_json_and_penalties_not_supported_yet(main_url) -> None:
-    """A body that is not JSON is a 400; a penalty the scheduler does not have yet is a 400
-    naming it (it passes once ``scheduler.Sampling`` has the field), never ignored."""
+def test_a_body_that_is_not_json_is_a_400(main_url) -> None:
     bad = httpx.post(f"{main_url}/v1/chat/completions", content=b'{"messages": [')
     assert bad.status_code == 400
     assert bad.json()["error"]["code"] == "invalid_json"
-    if "presence_penalty" not in attrs.fields_dict(scheduler.Sampling):
-        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-            client(main_url).chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "a"}], presence_penalty=0.5
-            )
 
 
 def test_metrics_parse_and_count_what_was_generated(main_url) -> None:
@@ -428,6 +606,11 @@ def test_overlapped_serving_equals_generate_and_cancels_cleanly(folders, monkeyp
             return await asyncio.gather(*(one(p) for p in PROMPTS[:6]))
 
         assert asyncio.run(all_of_them()) == [list(r.token_ids) for r in expected]
+        with pytest.raises(openai.BadRequestError, match="--no-overlap") as refused:
+            client(url).completions.create(
+                model="tiny", prompt="x", extra_body={"response_format": {"type": "json_object"}}
+            )
+        assert refused.value.body["param"] == "response_format"
         wait_for(lambda: idle(url))
         steps, limited, step = threading.Semaphore(2), threading.Event(), scheduler.step
 
@@ -547,6 +730,17 @@ def test_a_step_that_raises_fails_the_live_requests_and_the_loop_serves_on(
     wait_for(lambda: idle(small_url))
 
 
+@pytest.mark.parametrize("field", ["presence_penalty", "min_tokens"])
+def test_penalties_on_a_server_started_without_them_are_a_400(small_url, field) -> None:
+    """The small server's engine keeps no penalty state (``--no-penalties``): a request that
+    asks for a penalty or ``min_tokens`` is refused, naming the field and the flag."""
+    with pytest.raises(openai.BadRequestError, match="--no-penalties") as refused:
+        small(small_url).completions.create(
+            model="small", prompt="x", max_tokens=4, extra_body={field: 1}
+        )
+    assert refused.value.body["param"] == field
+
+
 def test_chat_without_a_template_is_a_clear_400(small_url) -> None:
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         small(small_url).chat.completions.create(
@@ -611,6 +805,55 @@ def test_serve_command_drains_running_requests_on_sigterm(folders) -> None:
         if process.poll() is None:
             process.kill()
         process.stderr.close()
+
+
+#: ``generate``'s per-request flags, each with the request field that carries it over HTTP.
+REQUEST_FLAGS = {
+    "--max-new-tokens": "max_tokens",
+    "--n": "n",
+    "--temperature": "temperature",
+    "--top-k": "top_k",
+    "--top-p": "top_p",
+    "--min-p": "min_p",
+    "--seed": "seed",
+    "--logprobs": "logprobs",
+    "--logit-bias": "logit_bias",
+    "--repetition-penalty": "repetition_penalty",
+    "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty",
+    "--min-tokens": "min_tokens",
+    "--json-schema": "guided_json",
+    "--regex": "guided_regex",
+    "--grammar": "guided_grammar",
+    "--stop": "stop",
+    "--include-stop-str-in-output": "include_stop_str_in_output",
+    "--ignore-eos": "ignore_eos",
+}
+#: ``generate``'s flags about its own prompts and printing, which a server has no use for.
+OUTPUT_FLAGS = {"--prompt", "--prompt-ids", "--prompts-file", "--output", "--json", "--no-stream"}
+OUTPUT_FLAGS |= {"--compare-plain", "--passes"}
+
+
+def test_serve_takes_every_engine_flag_of_generate_and_requests_carry_the_rest() -> None:
+    """Every flag of ``generate`` is a flag of ``serve`` too, but for its request settings,
+    which are fields of each HTTP request (both endpoints read each), and its output options."""
+    from speculum.runtime.cli import parser
+    from speculum.serving import protocol
+
+    commands = parser()._subparsers._group_actions[0].choices
+    flags = {
+        name: {option for action in commands[name]._actions for option in action.option_strings}
+        for name in ("generate", "serve")
+    }
+    assert flags["generate"] - flags["serve"] == set(REQUEST_FLAGS) | OUTPUT_FLAGS
+    assert set(REQUEST_FLAGS.values()) <= protocol._COMPLETION_FIELDS & protocol._CHAT_FIELDS
+
+
+def test_serve_applies_penalties_unless_told_not_to() -> None:
+    from speculum.runtime.cli import parser
+
+    assert parser().parse_args(["serve"]).penalties
+    assert not parser().parse_args(["serve", "--no-penalties"]).penalties
 
 
 def test_serve_refuses_tensor_parallelism(capsys) -> None:
