@@ -584,8 +584,8 @@ def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParse
         type=_number("--max-logprobs", int, 0),
         default=20,
         metavar="N",
-        help="most top_logprobs a request may ask for; every round computes N alternatives "
-        "per token, 0 computes none (%(default)s)",
+        help="most top_logprobs (or prompt_logprobs) a request may ask for; every round "
+        "computes N alternatives per token, 0 computes none (%(default)s)",
     )
     own.add_argument(
         "--no-logit-bias",

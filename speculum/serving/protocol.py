@@ -77,7 +77,8 @@ class Job:
     the stop conditions). ``top_logprobs`` is how many alternatives each token's
     log-probability shows (None: no log-probabilities); ``include_usage`` asks a stream for a
     last chunk with the usage; ``return_token_ids`` (vLLM's extension) adds each choice's
-    generated ``token_ids``."""
+    generated ``token_ids``; ``prompt_logprobs`` (vLLM's extension) is how many alternatives
+    each prompt token's log-probability shows (None: none asked for)."""
 
     chat: bool
     model: str
@@ -88,6 +89,7 @@ class Job:
     include_usage: bool
     top_logprobs: int | None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None
 
 
 #: vLLM's structured-output fields, each with the ``scheduler.Sampling`` field it sets.
@@ -116,6 +118,7 @@ _COMMON = (
     "stream",
     "stream_options",
     "return_token_ids",
+    "prompt_logprobs",
     "user",
 )
 #: Fields speculum serve does not do, each accepted at its no-op value only (``best_of`` is
@@ -330,12 +333,22 @@ def _model(body: Mapping[str, Any], served: Sequence[str]) -> str:
     return model
 
 
-def _logprobs_wanted(count: int | None, engine: Engine, param: str) -> int | None:
-    """``count`` alternatives per token, checked against what the engine computes."""
+def _logprobs_wanted(
+    count: int | None, engine: Engine, param: str, *, least: int = 1
+) -> int | None:
+    """``count`` alternatives per token, checked against what the engine computes: at most
+    ``max_logprobs``, and at least ``least`` computed whatever the count (a generated token's
+    own value is read from one computed alternative; a prompt token's needs none)."""
     if count is None:
         return None
+    if count < 0:
+        raise APIError(
+            f"{param}={count}: expected an integer >= 0 (vLLM's -1, the whole vocabulary, is "
+            "not supported)",
+            param=param,
+        )
     most = engine.config.max_logprobs
-    if count < 0 or max(count, 1) > most:
+    if max(count, least) > most:
         fix = (
             "start the server with --max-logprobs N to allow them"
             if most == 0
@@ -407,6 +420,7 @@ def _common(
             param="logit_bias",
         )
     stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    prompt_logprobs = _prompt_logprobs(body, engine, stream)
     options = _typed(body, "stream_options", (dict,), "an object") or {}
     include_usage = options.get("include_usage", False)
     if set(options) - {"include_usage"} or not isinstance(include_usage, bool):
@@ -417,12 +431,26 @@ def _common(
     return {
         "model": model,
         "n": _n(body, len(prompts), max_choices),
-        "sampling": sampling,
+        "sampling": attrs.evolve(sampling, prompt_logprobs=prompt_logprobs),
         "stops": _stops(body, vocab),
         "stream": stream,
         "include_usage": stream and include_usage,
         "return_token_ids": bool(_typed(body, "return_token_ids", (bool,), "true or false")),
     }
+
+
+def _prompt_logprobs(body: Mapping[str, Any], engine: Engine, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token (None: none), at most the
+    server's ``--max-logprobs``; refused with ``stream`` (as vLLM refuses it)."""
+    count = _typed(body, "prompt_logprobs", (int,), "an integer >= 0")
+    count = _logprobs_wanted(count, engine, "prompt_logprobs", least=0)
+    if count is not None and stream:
+        raise APIError(
+            "prompt_logprobs are not available with stream: true (as in vLLM); ask for them "
+            "without streaming",
+            param="prompt_logprobs",
+        )
+    return count
 
 
 def _job(
@@ -467,6 +495,7 @@ def _job(
         include_usage=common["include_usage"],
         top_logprobs=top_logprobs,
         return_token_ids=common["return_token_ids"],
+        prompt_logprobs=sampling.prompt_logprobs,
     )
 
 
@@ -659,10 +688,7 @@ class ResponseBuilder:
     def _logprobs(self, choice: _Choice, entries) -> Any:
         """``entries`` (``scheduler.TokenLogprob``) in the endpoint's log-probability format,
         also kept for the whole response."""
-        top, tokenizer = self.job.top_logprobs, self.engine.tokenizer
-
-        def token(token_id: int) -> str:
-            return tokenizer.decode([token_id]) if tokenizer else str(token_id)
+        top, tokenizer, token = self.job.top_logprobs, self.engine.tokenizer, self._token
 
         def chat_entry(token_id: int, logprob: float) -> dict[str, Any]:
             data = tokenizer.token_bytes(token_id) if tokenizer else b""
@@ -691,6 +717,31 @@ class ResponseBuilder:
         }
         choice.logprobs.append(part)
         return part
+
+    def _token(self, token_id: int) -> str:
+        """A token's own text (its id, without a tokenizer)."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer else str(token_id)
+
+    def _prompt_logprobs(self, request: scheduler.Request) -> dict[str, Any]:
+        """``{"prompt_logprobs": [...]}``, vLLM's, when the job asked for them: None for the
+        first prompt token, then per token an object mapping token ids (as text) to
+        ``{"logprob", "rank", "decoded_token"}``: the prompt token's first, then its
+        alternatives, most likely first (``rank`` 1, 2, ...; the prompt token's rank is None
+        unless it is among them)."""
+        if self.job.prompt_logprobs is None:
+            return {}
+
+        def entry(e: scheduler.TokenLogprob) -> dict[str, dict[str, Any]]:
+            ranks = {t: rank for rank, (t, _) in enumerate(e.top_logprobs, 1)}
+            shown = {e.token_id: e.logprob}
+            shown.update((t, lp) for t, lp in e.top_logprobs if t != e.token_id)
+            return {
+                str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": self._token(t)}
+                for t, lp in shown.items()
+            }
+
+        return {"prompt_logprobs": [e and entry(e) for e in request.prompt_logprobs]}
 
     def _chunk_choice(self, index: int, piece: str, logprobs: Any, reason: str | None) -> dict:
         if self.job.chat:
@@ -763,8 +814,17 @@ class ResponseBuilder:
             else:
                 content = {"text": choice.text}
             ids = {"token_ids": list(choice.request.output)} if self.job.return_token_ids else {}
+            # Completions carry each choice's prompt's (vLLM's places them), chat the response.
+            prompt = {} if self.job.chat else self._prompt_logprobs(choice.request)
             choices.append(
-                {"index": index, **content, "logprobs": logprobs, "finish_reason": reason, **ids}
+                {
+                    "index": index,
+                    **content,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    **ids,
+                    **prompt,
+                }
             )
         return {
             "id": self.id,
@@ -773,6 +833,7 @@ class ResponseBuilder:
             "model": self.job.model,
             "choices": choices,
             "usage": self.usage(),
+            **(self._prompt_logprobs(self.choices[0].request) if self.job.chat else {}),
         }
 
 

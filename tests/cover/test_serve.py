@@ -290,6 +290,58 @@ def test_logprobs_in_openai_formats_equal_generate(main_url, folders) -> None:
         assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
 
 
+def assert_vllm_prompt_logprobs(got: list, expected: list, top: int, tokenizer) -> None:
+    """vLLM's ``prompt_logprobs`` (None, then per prompt token ``{"token id": {"logprob",
+    "rank", "decoded_token"}}``, the prompt token first) holding ``generate``'s entries."""
+    assert got[0] is None and expected[0] is None
+    assert len(got) == len(expected)
+    for shown, want in zip(got[1:], expected[1:]):
+        token, alternatives = str(want["token_id"]), want["top_logprobs"]
+        assert len(alternatives) == top
+        assert next(iter(shown)) == token
+        assert set(shown) == {token} | {str(a["token_id"]) for a in alternatives}
+        assert shown[token]["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+        ranks = {str(a["token_id"]): rank for rank, a in enumerate(alternatives, 1)}
+        assert shown[token]["rank"] == ranks.get(token)
+        for a in alternatives:
+            entry = shown[str(a["token_id"])]
+            assert entry["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
+            assert entry["rank"] == ranks[str(a["token_id"])]
+        for key, entry in shown.items():
+            assert entry["decoded_token"] == tokenizer.decode([int(key)])
+
+
+def test_prompt_logprobs_in_vllms_format_equal_generate(main_url, folders) -> None:
+    """vLLM's ``prompt_logprobs``: each completions choice carries its prompt's, a chat
+    response the rendered template's, with ``generate(..., prompt_logprobs=2)``'s values;
+    refused with a 400 naming the field on chat too, and the server serves on."""
+    tokenizer = load_tokenizer(folders["target"])
+    messages = [{"role": "user", "content": "hi"}]
+    text = render(load_chat_template(folders["target"]), messages)
+    prompts = [tokenizer.encode(PROMPTS[5]), tokenizer.encode(PROMPTS[6])]
+    prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    expected = reference(folders, prompts, 2, prompt_logprobs=2)
+    api = client(main_url)
+    extra = {"prompt_logprobs": 2}
+    done = api.completions.create(
+        model="tiny", prompt=PROMPTS[5:7], max_tokens=2, temperature=0, extra_body=extra
+    )
+    for choice, want in zip(done.choices, expected):
+        got = choice.model_extra["prompt_logprobs"]
+        assert_vllm_prompt_logprobs(got, want.prompt_logprobs, 2, tokenizer)
+    chat = api.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0, extra_body=extra
+    )
+    got = chat.model_extra["prompt_logprobs"]
+    assert_vllm_prompt_logprobs(got, expected[2].prompt_logprobs, 2, tokenizer)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 9}
+        )
+    assert refused.value.body["param"] == "prompt_logprobs"
+    assert api.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices
+
+
 @pytest.mark.parametrize("text", ["héllo € 😀", "plain ascii", "\u0000\x7f"])
 def test_token_bytes_add_up_to_the_text_even_inside_a_character(folders, text) -> None:
     """Chat log-probabilities' ``bytes``: each token's own bytes, so that the pieces of a
@@ -493,6 +545,10 @@ def test_response_format_and_guided_regex_constrain_the_output(main_url, folders
         ({"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex", "regular expression"),
         ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
         ({"prompt": "x", "logprobs": 9}, "logprobs", "at most 5"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", "an integer >= 0"),
+        ({"prompt": "x", "prompt_logprobs": "x"}, "prompt_logprobs", "an integer >= 0"),
+        ({"prompt": "x", "prompt_logprobs": 6}, "prompt_logprobs", "at most 5"),
+        ({"prompt": "x", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs", "stream"),
         ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias", "outside the vocabulary"),
         ({"prompt": [1, 2, 9999]}, "prompt", "neither text nor"),
         ({}, "prompt", "required"),
@@ -817,6 +873,7 @@ REQUEST_FLAGS = {
     "--min-p": "min_p",
     "--seed": "seed",
     "--logprobs": "logprobs",
+    "--prompt-logprobs": "prompt_logprobs",
     "--logit-bias": "logit_bias",
     "--repetition-penalty": "repetition_penalty",
     "--presence-penalty": "presence_penalty",
