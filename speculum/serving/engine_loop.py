@@ -204,7 +204,7 @@ class EngineLoop:
                 added, rid = scheduler.add_request(self.engine, added, prompt, **settings)
                 rids.append(rid)
         except (TypeError, ValueError, KVPoolExhausted) as err:
-            self._release(len(ticket.requests))
+            self._release(len(ticket.requests))  # before the answer: a client may resubmit at once
             ticket.channel.put(Failed(str(err), 400))
             return state
         for index, (rid, (prompt, _)) in enumerate(zip(rids, ticket.requests)):
@@ -216,7 +216,6 @@ class EngineLoop:
     def _dispatch(self, live: dict[int, _Live], outputs: list[scheduler.RequestOutput]) -> None:
         """Post each output to its request's channel, and count it in the metrics."""
         now = time.perf_counter()
-        finished = 0
         for output in outputs:
             entry = live.get(output.rid)
             if entry is None:  # cancelled meanwhile
@@ -232,20 +231,21 @@ class EngineLoop:
                 self.metrics.generation_tokens.inc(len(output.new_token_ids))
             self.metrics.observe_rounds(entry.round_lengths, output.request.round_lengths)
             entry.round_lengths = output.request.round_lengths
-            entry.ticket.channel.put(Emitted(entry.index, output))
             if output.finished:
+                # Released before its last output is posted: a client that has its answer may
+                # submit the next request at once and find the room this one leaves.
                 del live[output.rid]
-                finished += 1
+                self._release(1)
                 self.metrics.finished.labels(output.finish_reason).inc()
                 self.metrics.e2e.observe(now - entry.ticket.arrived)
-        self._release(finished)
+            entry.ticket.channel.put(Emitted(entry.index, output))
 
     def _fail_all(self, live: dict[int, _Live], message: str) -> scheduler.SchedulerState:
         """Fail every live job and start over from an empty state."""
         tickets = {id(e.ticket): e.ticket for e in live.values()}
+        self._release(len(live))  # before the answers, as for finished requests
         for ticket in tickets.values():
             ticket.channel.put(Failed(message, 500))
-        self._release(len(live))
         for _ in live:
             self.metrics.finished.labels("error").inc()
         live.clear()
