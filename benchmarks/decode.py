@@ -137,9 +137,8 @@ LLAMA_8B = attrs.evolve(
     bos_token_id=None,
     dtype="bfloat16",
 )
-#: The CPU smoke-run stand-in: same code paths, tiny sizes.
-TINY = attrs.evolve(
-    LLAMA_8B,
+#: The sizes of the CPU smoke-run stand-ins (``--tiny``).
+TINY_SIZES = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -148,6 +147,8 @@ TINY = attrs.evolve(
     num_kv_heads=2,
     head_dim=16,
 )
+#: The CPU smoke-run stand-in: same code paths, tiny sizes.
+TINY = attrs.evolve(LLAMA_8B, **TINY_SIZES)
 #: DeepSeek-V2-Lite's shape (``--shape deepseek-v2-lite``): 27 layers of multi-head latent
 #: attention (16 heads, kv_lora_rank 512, rope 64, YaRN 40x), layer 0 dense (10944 wide), the
 #: others 64 routed experts (1408 wide, top 6, softmax, not renormalised) plus 2 shared. Its
@@ -246,13 +247,7 @@ TINY_SHAPES = {
     ),
     "nemotron-h-8b": attrs.evolve(
         NEMOTRON_H_8B,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
+        **TINY_SIZES,
         mamba=attrs.evolve(
             NEMOTRON_H_8B.mamba,
             layer_types=tuple(NEMOTRON_H_KINDS[c] for c in "M*M-"),

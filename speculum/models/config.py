@@ -61,6 +61,8 @@ __all__ = [
     "ROPE_TYPES",
     "SCORING_FUNCS",
     "TOPK_METHODS",
+    "FP8_QUANT_METHODS",
+    "check_quantization_method",
     "read_json_object",
 ]
 
@@ -563,7 +565,7 @@ class DecoderConfig:
                 f"{where}: architecture {arch!r} is not supported; speculum runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        _check_unquantized(raw, where)
+        check_quantization_method(raw, where)
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(
                 f"{where}: hidden_act {raw['hidden_act']!r}: only 'silu' is supported"
@@ -1071,10 +1073,11 @@ def _glm4_moe_dict(config: DecoderConfig) -> dict[str, Any]:
 FP8_QUANT_METHODS = ("fp8", "compressed-tensors")
 
 
-def _check_unquantized(raw: dict[str, Any], where: str) -> None:
+def check_quantization_method(raw: dict[str, Any], where: str) -> None:
     """Refuse checkpoints quantized other than in FP8 (``quantization_config``; ``models.fp8``
-    reads and checks the FP8 layouts). The released gpt-oss checkpoints are MXFP4; the error
-    says how to dequantize."""
+    reads and checks the FP8 layouts): the one place other methods are refused, for targets
+    and drafts alike. The released gpt-oss checkpoints are MXFP4; the error says how to
+    dequantize."""
     quant = raw.get("quantization_config")
     if not quant:
         return

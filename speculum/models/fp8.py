@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from speculum import kernels
-from speculum.models.config import CheckpointError, UnsupportedModel
+from speculum.models.config import CheckpointError, UnsupportedModel, check_quantization_method
 from speculum.models.decoder import MLP, Attention, DecoderModel, Fp8Linear, SparseMoE
 
 __all__ = [
@@ -147,16 +147,10 @@ def fp8_scheme(raw: dict[str, Any], where: str) -> Fp8Scheme | None:
         return None
     if not isinstance(quant, dict):
         raise CheckpointError(f"{where}: quantization_config must be a JSON object")
-    method = quant.get("quant_method")
-    if method == "fp8":
+    check_quantization_method(raw, where)  # any other method is refused there, with its fix
+    if quant["quant_method"] == "fp8":
         return _fp8_method(quant, where)
-    if method == "compressed-tensors":
-        return _compressed_tensors(quant, where)
-    raise UnsupportedModel(
-        f"{where}: quantization_config quant_method {method!r} is not supported; speculum "
-        "loads FP8 checkpoints (quant_method 'fp8', or 'compressed-tensors' with 8-bit float "
-        "weights): use an unquantized or FP8 checkpoint"
-    )
+    return _compressed_tensors(quant, where)
 
 
 def _block(value: Any, key: str, where: str) -> tuple[int, int]:

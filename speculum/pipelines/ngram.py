@@ -258,16 +258,14 @@ def decode(
     state: NgramState,
     *,
     config: NgramPipelineConfig,
-    corpus: CorpusIndex | None = None,
-    device_round: Callable[[Resources, NgramRound], tuple[PagedKV, Tensor, StepOutput]]
-    | None = None,
+    corpus: CorpusIndex | None,
+    device_round: Callable[[Resources, NgramRound], tuple[PagedKV, Tensor, StepOutput]],
 ) -> tuple[NgramState, StepOutput]:
-    """One round: match (host), verify, accept, commit (``device_round``, by default
-    :func:`verified_round`), record the emitted tokens (host)."""
+    """One round: match (host), verify, accept, commit (``device_round``: :func:`verified_round`
+    or a captured version of it), record the emitted tokens (host)."""
     drafted = draft(resources, state, config, corpus)
     round_ = make(NgramRound, kv=state.kv, sampling=state.sampling, tree=drafted.tree)
-    run = functools.partial(verified_round, config=config) if device_round is None else device_round
-    kv, bonus, output = run(resources, round_)
+    kv, bonus, output = device_round(resources, round_)
     # A faulty row emits fewer tokens than it accepted; it is finished with an error, so its
     # history no longer matters.
     packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1).cpu()  # one copy
@@ -319,12 +317,13 @@ def pipeline(
     config = NgramPipelineConfig(
         matcher=matcher, tree_depth=depth, max_children=max_children, flush_tokens=flush_tokens
     )
+    device_round = functools.partial(verified_round, config=config)
     return Pipeline(
         name="ngram",
         prefill=functools.partial(prefill, config=config),
-        decode=functools.partial(decode, config=config, corpus=corpus),
+        decode=functools.partial(decode, config=config, corpus=corpus, device_round=device_round),
         max_tokens_per_step=depth + 1,
         kv_lookahead=num_draft_tokens,
         host_work=True,
-        device_round=functools.partial(verified_round, config=config),
+        device_round=device_round,
     )

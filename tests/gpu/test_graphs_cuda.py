@@ -111,8 +111,7 @@ def test_ngram_captured_device_rounds_equal_eager_ones_sampled_and_penalized():
     tokens its eager rounds draw, with sampling, penalties and logprobs; its graphs are
     captured per bucket like any round's."""
     target = _target()
-    engine = engine_from_model(
-        target,
+    settings = dict(
         algorithm="ngram",
         page_size=4,
         max_context=96,
@@ -121,17 +120,8 @@ def test_ngram_captured_device_rounds_equal_eager_ones_sampled_and_penalized():
         max_logprobs=2,
         spec=SpecOptions(num_draft_tokens=6),
     )
-    eager = engine_from_model(
-        target,
-        algorithm="ngram",
-        page_size=4,
-        max_context=96,
-        max_batch=8,
-        penalties=True,
-        max_logprobs=2,
-        spec=SpecOptions(num_draft_tokens=6),
-        cuda_graphs=False,
-    )
+    engine = engine_from_model(target, **settings)
+    eager = engine_from_model(target, **settings, cuda_graphs=False)
     options = dict(max_new_tokens=24, temperature=0.8, seed=3, presence_penalty=0.5, logprobs=2)
     captured = generate(PROMPTS, engine=engine, **options)
     reference = generate(PROMPTS, engine=eager, **options)
