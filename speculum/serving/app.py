@@ -246,7 +246,7 @@ def serve(
     served at full speed."""
     import uvicorn
 
-    if engine.config.device.type == "cuda":
+    if engine.device.type == "cuda":
         print("speculum: warming up (CUDA graphs for every batch bucket)", file=sys.stderr)
         scheduler.warm_up(engine)
 
