@@ -34,8 +34,9 @@ Design
 * **Split-KV** (flash-decoding), as in the grouped-query kernel and with its rule: when the
   grid's programs would leave SMs idle, each request's cache indices are cut into ``splits``
   fixed chunks of whole tiles over the page table's capacity, each program writes a partial
-  (max, sum, unnormalised accumulator) and the grouped-query kernel's combine kernel merges
-  them. Split count and chunk come from shapes and the device alone.
+  (max, sum, unnormalised accumulator) and the grouped-query kernel's combine
+  (``combine_splits``, 128 output columns a program) merges them. Split count and chunk come
+  from shapes and the device alone.
 * **Batch invariance** (bfloat16 speculative decoding emits plain decoding's tokens): every call
   of up to 8 query tokens of one batch (decode, draft steps, chain verify, small trees) runs
   the same ``BLOCK_M`` rows, the same key tiles at the same cache indices and the same split
@@ -62,10 +63,10 @@ from torch import Tensor
 from speculum.kernels.triton_attention import (
     _INTERPRET,
     _INVARIANT_TOKENS,
-    _combine_kernel,
     _load_seen,
     _num_splits,
     _split_chunk,
+    combine_splits,
 )
 from speculum.spec.attention import check_latent_shapes
 
@@ -403,22 +404,7 @@ def latent_attention_triton(
         num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        _combine_kernel[(batch * num_q * heads,)](
-            acc,
-            m,
-            l_sum,
-            m,  # no sinks: any pointer stands in
-            out,
-            num_q,
-            heads,
-            *out.stride(),
-            SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=latent_dim,
-            BLOCK_D=max(smallest, triton.next_power_of_2(latent_dim)),
-            HAS_SINKS=False,
-            num_warps=4,
-        )
+        combine_splits(acc, m, l_sum, out)
     return out
 
 
