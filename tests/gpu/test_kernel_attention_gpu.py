@@ -136,7 +136,8 @@ def test_prefill_chunk(dtype):
 
 
 #: DeepSeek-V2-Lite's latent attention, absorbed: 16 query heads on one cache "head" of the
-#: 512-value latent and the 64-value rotary key, the latent as the values.
+#: 512-value latent and the 64-value rotary key, the latent as the values. MLA layers run the
+#: latent kernel (test_kernel_mla_gpu.py); the grouped-query op still accepts such calls.
 MLA_LITE = {"heads": 16, "kv_heads": 1, "head_dim": 576, "latent_dim": 512, "page_size": 16}
 
 
