@@ -72,10 +72,10 @@ def check(inputs: dict, dtype: torch.dtype, num_splits: int | None = None) -> No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [LITE, V3])
-@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize(("batch", "heads"), [(1, LITE), (32, LITE), (1, V3), (8, V3)])
 def test_decode(batch, heads, dtype):
-    """One token per request over prefixes near 4096; batch 1 splits KV."""
+    """One token per request over prefixes near 4096; batch 1 splits KV. (V3's heads at batch
+    8: the reference expands the latent per head, 10 GB at batch 8.)"""
     prefix = [4096 - 37 * b for b in range(batch)]
     mask = causal_mask(batch, 1)
     check(make_inputs(prefix_lens=prefix, q_lens=[1] * batch, new_mask=mask, heads=heads), dtype)
