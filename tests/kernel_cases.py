@@ -289,6 +289,23 @@ def run_latent(
     return got, want
 
 
+def assert_verify_equals_decode_steps(kernel, chain: dict) -> None:
+    """``kernel(**chain)`` over a causal chain of ``t`` tokens per request gives each token
+    exactly the bits of its own decode step (``kernel`` on that token alone, after a prefix
+    one token longer per step)."""
+    verify = kernel(**chain)
+    batch, t = chain["q"].shape[:2]
+    for j in range(t):
+        step = {
+            **chain,
+            "q": chain["q"][:, j : j + 1],
+            "prefix_lens": chain["prefix_lens"] + j,
+            "q_lens": torch.ones_like(chain["q_lens"]),
+            "new_mask": causal_mask(batch, 1).to(chain["q"].device),
+        }
+        assert torch.equal(kernel(**step)[:, 0], verify[:, j]), j
+
+
 # ---------------------------------------------------------------- sampling
 
 ATOL = 1e-6

@@ -173,6 +173,58 @@ def _visible(mask_rows, j, stride_mj, row_ok, num_tail):
 
 
 @triton.jit
+def _write_rows(
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc,
+    m_i,
+    l_i,
+    row_in,
+    row_ok,
+    b,
+    qi,
+    head,
+    d,
+    d_ok,
+    split,
+    num_q,
+    num_heads,
+    stride_ob,
+    stride_oi,
+    stride_oh,
+    stride_od,
+    V_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Store a program's rows (query ``qi``, head ``head``; ``row_in``: rows of the output,
+    ``row_ok``: real queries) at value columns ``d``: with ``SPLITS == 1`` the normalised
+    output into ``out_ptr``; otherwise the unnormalised accumulator into the contiguous
+    ``[batch, q, head, splits, V_DIM]`` float32 partials at ``out_ptr`` and the row max / row
+    sum into ``m_ptr`` / ``l_ptr``. Padding rows, and rows that saw no key (``l == 0``, ``acc ==
+    0``), come out as zeros."""
+    acc = tl.where(row_ok[:, None], acc, 0.0)
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + b * stride_ob
+            + qi[:, None] * stride_oi
+            + head[:, None] * stride_oh
+            + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_in[:, None] & d_ok[None, :],
+        )
+    else:
+        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
+        tl.store(
+            out_ptr + part[:, None] * V_DIM + d[None, :], acc, mask=row_in[:, None] & d_ok[None, :]
+        )
+        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
+        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -346,33 +398,14 @@ def _attention_kernel(
             l_acc, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
-    # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
-    acc = tl.where(row_ok[:, None], acc, 0.0)
     l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
-    if SPLITS == 1:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
-            l_i += tl.exp2(sink - m_i)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + b * stride_ob
-            + qi[:, None] * stride_oi
-            + head[:, None] * stride_oh
-            + dv[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & dv_ok[None, :],
-        )
-    else:
-        num_heads = num_kv_heads * GROUP
-        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
-        tl.store(
-            out_ptr + part[:, None] * V_DIM + dv[None, :],
-            acc,
-            mask=row_in[:, None] & dv_ok[None, :],
-        )
-        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
-        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+    if SPLITS == 1 and HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
+        l_i += tl.exp2(sink - m_i)
+    _write_rows(
+        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, head, dv, dv_ok, split,
+        num_q, num_kv_heads * GROUP, stride_ob, stride_oi, stride_oh, stride_od, V_DIM, SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit

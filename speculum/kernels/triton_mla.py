@@ -66,6 +66,7 @@ from speculum.kernels.triton_attention import (
     _load_seen,
     _num_splits,
     _split_chunk,
+    _write_rows,
     combine_splits,
 )
 from speculum.spec.attention import check_latent_shapes
@@ -272,29 +273,11 @@ def _latent_kernel(
             DOT_PRECISION,
         )  # fmt: skip
 
-    # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
-    acc = tl.where(row_ok[:, None], acc, 0.0)
     l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
-    if SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + b * stride_ob
-            + qi[:, None] * stride_oi
-            + head[:, None] * stride_oh
-            + cols[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & l_ok[None, :],
-        )
-    else:
-        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
-        tl.store(
-            out_ptr + part[:, None] * LATENT + cols[None, :],
-            acc,
-            mask=row_in[:, None] & l_ok[None, :],
-        )
-        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
-        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+    _write_rows(
+        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, head, cols, l_ok, split,
+        num_q, num_heads, stride_ob, stride_oi, stride_oh, stride_od, LATENT, SPLITS,
+    )  # fmt: skip
 
 
 def latent_tiles(dtype: torch.dtype) -> LatentTiles:

@@ -232,17 +232,7 @@ def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
     gives, whatever the prefix lengths, page size and split count: greedy speculative decoding
     in bfloat16 then emits plain decoding's tokens. (Triton's interpreter cannot show this on
     the CPU: numpy's matmul rounds a row differently by its place in the tile.)"""
-    verify = paged_attention_triton(**chain)
-    batch, t = chain["q"].shape[:2]
-    for j in range(t):
-        step = {
-            **chain,
-            "q": chain["q"][:, j : j + 1],
-            "prefix_lens": chain["prefix_lens"] + j,
-            "q_lens": torch.ones_like(chain["q_lens"]),
-            "new_mask": causal_mask(batch, 1).cuda(),
-        }
-        assert torch.equal(paged_attention_triton(**step)[:, 0], verify[:, j]), j
+    kc.assert_verify_equals_decode_steps(paged_attention_triton, chain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

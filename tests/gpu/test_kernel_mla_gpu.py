@@ -182,14 +182,4 @@ def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
     """A verify over a chain gives each token exactly the bits its own decode step gives,
     whatever the prefix lengths, heads, page size and split count: greedy speculative decoding
     in bfloat16 then emits plain decoding's tokens (as the grouped-query kernel's test)."""
-    verify = latent_attention_triton(**chain)
-    batch, t = chain["q"].shape[:2]
-    for j in range(t):
-        step = {
-            **chain,
-            "q": chain["q"][:, j : j + 1],
-            "prefix_lens": chain["prefix_lens"] + j,
-            "q_lens": torch.ones_like(chain["q_lens"]),
-            "new_mask": causal_mask(batch, 1).cuda(),
-        }
-        assert torch.equal(latent_attention_triton(**step)[:, 0], verify[:, j]), j
+    kc.assert_verify_equals_decode_steps(latent_attention_triton, chain)
