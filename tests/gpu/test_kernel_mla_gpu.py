@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernel_attention_gpu import make_inputs as grouped_query_inputs
 
 from speculum.kernels.triton_mla import latent_attention_triton, register
 from speculum.spec.attention import latent_attention
@@ -28,34 +29,17 @@ LATENT, ROPE = 512, 64
 LITE, V3 = 16, 128
 
 
-def make_inputs(
-    *,
-    prefix_lens: list[int],
-    q_lens: list[int],
-    new_mask: torch.Tensor,
-    heads: int = LITE,
-    page_size: int = 16,
-    spare_pages: int = 2,
-    seed: int = 0,
-) -> dict:
-    """Float32 CUDA inputs over a latent cache: pages shuffled, unseen slots and padded query
-    rows garbage."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    counts = kc.pages_needed(prefix_lens, new_mask.shape[2], page_size)
-    num_pages = 1 + sum(counts) + spare_pages
-    order = (torch.randperm(num_pages - 1, generator=gen, device="cuda") + 1).tolist()
-    return kc.attention_inputs(
-        gen,
-        prefix_lens=prefix_lens,
-        q_lens=q_lens,
-        new_mask=new_mask,
-        page_table=kc.page_table(order, counts, max(1, *counts) + spare_pages, device="cuda"),
-        num_pages=num_pages,
+def make_inputs(*, heads: int = LITE, page_size: int = 16, **lengths) -> dict:
+    """Float32 CUDA inputs over a latent cache (``test_kernel_attention_gpu.make_inputs``'s:
+    pages shuffled, unseen slots and padded query rows garbage); ``lengths``: its
+    ``prefix_lens``, ``q_lens``, ``new_mask``, ``spare_pages`` and ``seed``."""
+    return grouped_query_inputs(
         heads=heads,
         kv_heads=1,
         head_dim=LATENT + ROPE,
-        page_size=page_size,
         latent_dim=LATENT,
+        page_size=page_size,
+        **lengths,
     )
 
 
