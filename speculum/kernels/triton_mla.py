@@ -90,11 +90,10 @@ class LatentTiles(NamedTuple):
 #: tile fit the 228 KiB of shared memory. Not yet measured: `benchmarks/mla_attention.py
 #: --sweep` times the alternatives.
 _HALF_TILES = LatentTiles(rows=64, keys=32, num_warps=8, num_stages=2)
-#: float32 (parity tests) multiplies on CUDA cores: smaller tiles keep operands in shared memory.
-_FLOAT_TILES = LatentTiles(rows=16, keys=16, num_warps=4, num_stages=1)
-#: Under the interpreter: tiles small enough that tiny test shapes cross key-tile, split and
+#: float32 (parity tests) multiplies on CUDA cores: smaller tiles keep its operands in shared
+#: memory. The interpreter takes them too, so that tiny test shapes cross key-tile, split and
 #: head-block boundaries.
-_INTERPRET_TILES = LatentTiles(rows=16, keys=16, num_warps=4, num_stages=1)
+_SMALL_TILES = LatentTiles(rows=16, keys=16, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -283,9 +282,7 @@ def _latent_kernel(
 def latent_tiles(dtype: torch.dtype) -> LatentTiles:
     """The launch shape for queries of ``dtype`` (a function of the dtype alone, so every call
     of a batch tiles alike)."""
-    if _INTERPRET:
-        return _INTERPRET_TILES
-    return _FLOAT_TILES if dtype == torch.float32 else _HALF_TILES
+    return _SMALL_TILES if _INTERPRET or dtype == torch.float32 else _HALF_TILES
 
 
 def latent_attention_triton(
