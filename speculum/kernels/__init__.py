@@ -33,7 +33,13 @@ __all__ = [
 ]
 
 #: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
-TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")
+TRITON_MODULES = (
+    "triton_attention",
+    "triton_model_ops",
+    "triton_recurrent",
+    "triton_sampling",
+    "triton_tree",
+)
 #: Modules whose ``register()`` installs CUDA kernels built on torch alone (no Triton needed).
 TORCH_CUDA_MODULES = ("grouped_moe", "fp8")
 
