@@ -67,7 +67,10 @@ draft over two GPUs (two worker processes started by the script, or ``torchrun
 shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks another target:
 ``deepseek-v2-lite`` (latent attention and MoE, an MTP head) or ``nemotron-h-8b`` (a hybrid of
 Mamba-2, attention and MLP layers; its roofline adds each request's recurrent states, read and
-written once a step; the reference recurrence runs, token by token).
+written once a step). A hybrid's recurrent layers run the Triton kernels
+(``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels reference`` runs the
+``spec.recurrent`` reference (a Python loop of small ops per query) instead, for the
+baseline rows.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ from torch.utils import _pytree as pytree
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from speculum.kernels import recurrent as recurrent_ops  # noqa: E402
 from speculum.models.config import (  # noqa: E402
     NEMOTRON_H_KINDS,
     DecoderConfig,
@@ -114,6 +118,7 @@ from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 from speculum.runtime.generate import acceptance_stats, run_to_completion  # noqa: E402
 from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
+from speculum.spec import recurrent as spec_recurrent  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
 from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
@@ -707,6 +712,13 @@ def main() -> None:
     parser.add_argument(
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
     )
+    parser.add_argument(
+        "--recurrent-kernels",
+        choices=["triton", "reference"],
+        default="triton",
+        help="a hybrid's recurrent layers on the GPU: the Triton kernels, or spec.recurrent's "
+        "token-by-token reference (the baseline)",
+    )
     args = parser.parse_args()
     if args.tp > 1 and not distributed.launched():
         distributed.launch(functools.partial(measure, args), args.tp)
@@ -718,6 +730,8 @@ def measure(args: argparse.Namespace) -> None:
     """Every measurement ``args`` asks for, printed as tables by rank 0 (transformers' peer is
     left out under tensor parallelism: it runs unsharded)."""
     device = "cpu" if args.tiny else "cuda"
+    if args.recurrent_kernels == "reference" and device == "cuda":
+        use_reference_recurrence()
     tp = distributed.tensor_parallel(args.tp, device)
     report = print if tp.is_leader else lambda *_, **__: None
     config = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
@@ -772,6 +786,13 @@ def measure(args: argparse.Namespace) -> None:
         )
     if args.profile:
         report("\n## profile, batch 1\n\n" + profile(target, head, args, device))
+
+
+def use_reference_recurrence() -> None:
+    """Make the recurrent ops' CUDA kernels ``spec.recurrent``'s references, in place of the
+    Triton kernels ``speculum.kernels`` registered (this process only)."""
+    recurrent_ops.gated_delta_rule.register_kernel("cuda")(spec_recurrent.gated_delta_rule)
+    recurrent_ops.mamba2_scan.register_kernel("cuda")(spec_recurrent.mamba2_scan)
 
 
 #: ``--fp8`` choice -> the scheme the target's linear layers are quantized with.

@@ -16,9 +16,16 @@ import kernel_cases as kc
 import pytest
 import recurrent_cases as rc
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speculum import kernels
+from speculum.models.config import LinearAttentionConfig, MambaConfig
+from speculum.models.loading import random_model
+from speculum.models.standalone import StandaloneHead
+from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.generate import generate
 from speculum.spec.recurrent import node_parents
 
 pytest.importorskip("triton")
@@ -61,7 +68,7 @@ def forwards(draw):
     return kind, rc.INPUTS[kind](gen, batch, q, chain, shape, ring + 3, kernel)
 
 
-@settings(max_examples=60)
+@settings(max_examples=40)
 @given(forwards())
 def test_recurrent_kernels_equal_the_reference(case):
     kind, args = case
@@ -82,3 +89,61 @@ def test_node_parents_of_the_test_masks_are_the_drawn_parents():
     parents = [[-1, 0, 0, 2, 1], [-1, -1, 1, 1, 3]]
     mask = rc.tree_mask(parents, tail=5)
     assert node_parents(mask).tolist() == parents
+
+
+#: Tiny hybrids: gated DeltaNet (linear, attention) and Mamba-2 (Mamba-2, attention, MLP).
+HYBRIDS = {
+    "qwen3_next": dict(
+        architecture="Qwen3NextForCausalLM",
+        norm_offset=1.0,
+        qk_norm=True,
+        partial_rotary_factor=0.25,
+        attention_output_gate=True,
+        linear=LinearAttentionConfig(
+            layer_types=("linear_attention", "full_attention"),
+            num_k_heads=1,
+            num_v_heads=2,
+            k_dim=8,
+            v_dim=8,
+            conv_kernel=4,
+        ),
+    ),
+    "nemotron_h": dict(
+        architecture="NemotronHForCausalLM",
+        num_layers=3,
+        mamba=MambaConfig(
+            layer_types=("linear_attention", "full_attention", "mlp"),
+            num_heads=2,
+            head_dim=8,
+            state_size=8,
+            n_groups=1,
+            conv_kernel=4,
+            conv_bias=True,
+            proj_bias=False,
+            time_step_limit=(0.0, float("inf")),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HYBRIDS))
+def test_a_hybrid_decoding_on_the_kernels_emits_the_references_tokens(kind, monkeypatch):
+    """The decoder's recurrent layers on the Triton launchers (as on CUDA): plain decoding
+    (prefill chunks longer than the ring) and the target drafting for itself in trees emit
+    the tokens of the reference recurrences."""
+    target = random_model(tiny_config(**HYBRIDS[kind]), seed=3, std=0.3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 9]]
+    tree = SpecOptions(num_steps=2, topk=2, num_draft_tokens=4)
+
+    def decoded() -> list[list[int]]:
+        plain = generate(prompts, engine=engine_from_model(target), max_new_tokens=6)
+        engine = engine_from_model(
+            target, algorithm="standalone", draft=StandaloneHead(target, 64), spec=tree
+        )
+        tokens = generate(prompts, engine=engine, max_new_tokens=6)
+        return [list(r.token_ids) for r in plain + tokens]
+
+    expected = decoded()
+    monkeypatch.setattr(kernels, "gated_delta_rule", tr.gated_delta_rule_triton)
+    monkeypatch.setattr(kernels, "mamba2_scan", tr.mamba2_scan_triton)
+    assert decoded() == expected
