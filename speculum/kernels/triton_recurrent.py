@@ -90,6 +90,32 @@ def kept_states(
     return (index < lens) & (reloaded | (index >= lens - ring))
 
 
+def _scan_args(
+    ssm: Tensor,
+    slots: Tensor,
+    prefix_lens: Tensor,
+    q_lens: Tensor,
+    parents: Tensor,
+    offset: int,
+) -> tuple:
+    """The arguments both state-update kernels take after their own tensors: the rows' slots,
+    prefix lengths, parents and kept-state flags, ``q``, ``offset``, the ring size and the
+    pool's slot and ring strides."""
+    _require_contiguous_rows("ssm", ssm, 3)
+    keep = kept_states(parents, q_lens, offset, ssm.shape[1])
+    return (
+        slots,
+        prefix_lens,
+        parents.contiguous(),
+        keep.to(torch.int8),
+        parents.shape[1],
+        offset,
+        ssm.shape[1],
+        ssm.stride(0),
+        ssm.stride(1),
+    )
+
+
 def _require_contiguous_rows(name: str, cache: Tensor, dims: int) -> None:
     """The kernels address a cache's last ``dims`` axes as one contiguous row per entry."""
     if not cache[0, 0].is_contiguous() or cache.dim() != dims + 2:
@@ -100,7 +126,28 @@ def _require_contiguous_rows(name: str, cache: Tensor, dims: int) -> None:
         )
 
 
-# ---------------------------------------------------------------- causal conv
+# ---------------------------------------------------------------- shared by the kernels
+
+
+@triton.jit
+def _parent_entry(prefix, parent, ring):
+    """The ring entry of the parent at tail index ``parent`` after a prefix of ``prefix``,
+    and whether it exists (none before the first token: entry 0 then, read and ignored)."""
+    at = prefix + parent
+    started = at >= 0
+    return tl.where(started, at % ring, 0), started
+
+
+@triton.jit
+def _parent_state(head, tile, tile_in, state, prefix, parent, i, offset, ring, stride_ring):
+    """The state tile query ``i`` starts from: ``state`` (the previous query's, in registers)
+    when its parent is the previous query, else its parent's ring entry (zeros before the
+    first token)."""
+    if (i == 0) | (parent != offset + i - 1):
+        entry, started = _parent_entry(prefix, parent, ring)
+        state = tl.load(head + entry * stride_ring + tile, mask=tile_in, other=0.0)
+        state = tl.where(started, state, 0.0)
+    return state
 
 
 @triton.jit
@@ -151,9 +198,7 @@ def _conv_kernel(
     shifted = c_in[:, None] & (js >= 1)[None, :] & (js < KERNEL)[None, :]
     rows = cs[:, None] * (KERNEL - 1)
     for i in range(q):
-        at = prefix + tl.load(parents_ptr + b * q + i)
-        started = at >= 0
-        entry = tl.where(started, at % ring, 0)
+        entry, started = _parent_entry(prefix, tl.load(parents_ptr + b * q + i), ring)
         window = tl.load(base + entry * stride_ring + rows + js[None, :], history, 0.0)
         window = tl.where(started, window, 0.0)
         x = tl.load(mixed_ptr + (b * q + i) * channels + cs, mask=c_in, other=0.0)
@@ -260,12 +305,9 @@ def _delta_rule_kernel(
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     for i in range(q):
         parent = tl.load(parents_ptr + b * q + i)
-        if (i == 0) | (parent != offset + i - 1):
-            at = prefix + parent
-            started = at >= 0
-            entry = tl.where(started, at % ring, 0)
-            state = tl.load(head + entry * stride_ring + tile, mask=tile_in, other=0.0)
-            state = tl.where(started, state, 0.0)
+        state = _parent_state(
+            head, tile, tile_in, state, prefix, parent, i, offset, ring, stride_ring
+        )
         row = x_ptr + (b * q + i) * channels
         query = tl.load(row + kh * K_DIM + ks, mask=k_in, other=0.0).to(tl.float32)
         key = tl.load(row + (K_HEADS + kh) * K_DIM + ks, mask=k_in, other=0.0).to(tl.float32)
@@ -280,9 +322,10 @@ def _delta_rule_kernel(
         state = state + key[:, None] * delta[None, :]
         out = tl.sum(state * (query / root_k)[:, None], axis=0)
         tl.store(out_ptr + ((b * q + i) * V_HEADS + h) * V_DIM + vs, out, mask=v_in)
-        own = (prefix + offset + i) % ring
         keep = tl.load(keep_ptr + b * q + i) != 0
+        own = (prefix + offset + i) % ring
         tl.store(head + own * stride_ring + tile, state, mask=_where_flag(tile_in, keep))
+        # A later query may reload this entry (a tree node's child): make the store visible.
         tl.debug_barrier()
 
 
@@ -303,11 +346,9 @@ def delta_rule_scan(
     (k_heads, k_dim, v_heads, v_dim)``), each query from its parent's state (tail index
     ``parents``; query ``i`` at ``offset + i``), the states :func:`kept_states` names
     written into ``ssm`` (float32) in place; outputs in ``out_dtype``."""
-    _require_contiguous_rows("ssm", ssm, 3)
     k_heads, k_dim, v_heads, v_dim = dims
     batch, q, _ = x.shape
     out = torch.empty(batch, q, v_heads, v_dim, dtype=out_dtype, device=x.device)
-    keep = kept_states(parents, q_lens, offset, ssm.shape[1])
     grid = (batch, v_heads, triton.cdiv(v_dim, DELTA_BLOCK_V))
     _delta_rule_kernel[grid](
         ssm,
@@ -315,15 +356,7 @@ def delta_rule_scan(
         gate.contiguous(),
         beta.contiguous(),
         out,
-        slots,
-        prefix_lens,
-        parents.contiguous(),
-        keep.to(torch.int8),
-        q,
-        offset,
-        ssm.shape[1],
-        ssm.stride(0),
-        ssm.stride(1),
+        *_scan_args(ssm, slots, prefix_lens, q_lens, parents, offset),
         k_dim**0.5,
         K_HEADS=k_heads,
         V_HEADS=v_heads,
@@ -401,12 +434,9 @@ def _mamba2_kernel(
     state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for i in range(q):
         parent = tl.load(parents_ptr + b * q + i)
-        if (i == 0) | (parent != offset + i - 1):
-            at = prefix + parent
-            started = at >= 0
-            entry = tl.where(started, at % ring, 0)
-            state = tl.load(head + entry * stride_ring + tile, mask=tile_in, other=0.0)
-            state = tl.where(started, state, 0.0)
+        state = _parent_state(
+            head, tile, tile_in, state, prefix, parent, i, offset, ring, stride_ring
+        )
         row = x_ptr + (b * q + i) * channels
         x = tl.load(row + h * HEAD_DIM + ps, mask=p_in, other=0.0).to(tl.float32)
         bs = row + HEADS * HEAD_DIM + g * D_STATE + ns
@@ -416,9 +446,10 @@ def _mamba2_kernel(
         state = state * tl.exp(step * a) + (step * x)[:, None] * b_in[None, :]
         y = tl.sum(state * c_out[None, :], axis=1) + skip * x
         tl.store(out_ptr + ((b * q + i) * HEADS + h) * HEAD_DIM + ps, y, mask=p_in)
-        own = (prefix + offset + i) % ring
         keep = tl.load(keep_ptr + b * q + i) != 0
+        own = (prefix + offset + i) % ring
         tl.store(head + own * stride_ring + tile, state, mask=_where_flag(tile_in, keep))
+        # A later query may reload this entry (a tree node's child): make the store visible.
         tl.debug_barrier()
 
 
@@ -440,11 +471,9 @@ def mamba2_state_scan(
     (heads, head_dim, n_groups, d_state)``), each query from its parent's state (tail index
     ``parents``; query ``i`` at ``offset + i``), the states :func:`kept_states` names
     written into ``ssm`` (float32) in place; outputs in ``out_dtype``."""
-    _require_contiguous_rows("ssm", ssm, 3)
     heads, head_dim, groups, d_state = dims
     batch, q, _ = x.shape
     out = torch.empty(batch, q, heads, head_dim, dtype=out_dtype, device=x.device)
-    keep = kept_states(parents, q_lens, offset, ssm.shape[1])
     grid = (batch, heads, triton.cdiv(head_dim, MAMBA_BLOCK_P))
     _mamba2_kernel[grid](
         ssm,
@@ -453,15 +482,7 @@ def mamba2_state_scan(
         A.contiguous(),
         D.contiguous(),
         out,
-        slots,
-        prefix_lens,
-        parents.contiguous(),
-        keep.to(torch.int8),
-        q,
-        offset,
-        ssm.shape[1],
-        ssm.stride(0),
-        ssm.stride(1),
+        *_scan_args(ssm, slots, prefix_lens, q_lens, parents, offset),
         HEADS=heads,
         HEAD_DIM=head_dim,
         GROUPS=groups,
