@@ -38,6 +38,7 @@ TRITON_MODULES = (
     "triton_attention",
     "triton_mla",
     "triton_model_ops",
+    "triton_recurrent",
     "triton_sampling",
     "triton_tree",
 )
