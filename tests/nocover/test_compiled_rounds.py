@@ -1,0 +1,65 @@
+"""Compiled speculative and multi-step rounds (``EngineConfig.compile_stages``): an EAGLE tree
+round and a 3-step plain round, compiled with every stage and with the round alone, emit the
+eager rounds' greedy tokens, and seeded sampled tokens too. Slow on the CPU (each engine
+compiles a round with inductor's C++ backend), hence here rather than in ``tests/cover``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from heads import agreeing_head, markov_target
+
+from speculum.models.loading import random_model
+from speculum.runtime import scheduler
+from speculum.runtime.compiled import ROUND, STAGES
+from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.generate import run_to_completion
+
+VOCAB = 16
+TARGET = markov_target(VOCAB)
+HEAD = agreeing_head(TARGET, "eagle")
+PLAIN = random_model(tiny_config(num_layers=1), seed=2, std=0.3)
+#: name -> (target, algorithm, draft, spec options)
+ROUNDS = {
+    "eagle tree": (TARGET, "eagle", HEAD, SpecOptions(num_steps=3, topk=2, num_draft_tokens=5)),
+    "plain 3 steps": (PLAIN, "plain", None, SpecOptions(decode_steps=3)),
+}
+
+
+def decoded(engine, temperature: float) -> list[tuple[tuple[int, ...], str]]:
+    """Two requests of different budgets (the batch shrinks and runs padded), seed 7."""
+    state, rids = scheduler.new_state(engine), []
+    for prompt, budget in (([1, 2, 3], 10), ([4, 5, 6, 7, 8], 6)):
+        sampling = scheduler.Sampling(temperature=temperature, seed=7)
+        state, rid = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=budget
+        )
+        rids.append(rid)
+    state, finished = run_to_completion(engine, state)
+    return [(finished[rid].output, finished[rid].finish_reason) for rid in rids]
+
+
+@pytest.mark.parametrize("stages", [(ROUND,), STAGES], ids=["round", "every stage"])
+@pytest.mark.parametrize("name", list(ROUNDS))
+def test_compiled_rounds_emit_the_eager_tokens(name, stages):
+    target, algorithm, draft, spec = ROUNDS[name]
+
+    def engine(**options):
+        return engine_from_model(
+            target,
+            algorithm=algorithm,
+            draft=draft,
+            spec=spec,
+            max_context=64,
+            page_size=4,
+            max_batch=2,
+            graph_buckets=(2,),
+            prefix_cache=False,
+            **options,
+        )
+
+    torch._dynamo.reset()
+    eager, compiled = engine(), engine(compile_stages=stages)
+    for temperature in (0.0, 1.0):
+        assert decoded(compiled, temperature) == decoded(eager, temperature)
