@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
+from test_cli import run_cli
 from torch._dynamo.utils import counters
 
-from speculum.models.loading import random_model
+from speculum.models.loading import random_model, save_model
 from speculum.runtime import scheduler
 from speculum.runtime.compiled import STAGES, check_stages
 from speculum.runtime.engine import EngineConfig, engine_from_model
@@ -81,3 +82,15 @@ def test_compile_stages_are_checked():
         EngineConfig(compile_stages=("round", "fused"))
     with pytest.raises(ValueError, match="tuple of stage names"):
         EngineConfig(compile_stages="round")
+
+
+def test_the_command_line_compiles_the_stages_it_names(capsys, tmp_path):
+    save_model(MODEL, tmp_path)
+    common = ("--model", str(tmp_path), "--max-new-tokens", "4", "--json", "--prompt")
+    status, out, _ = run_cli(capsys, *common, "[1, 2, 3]")
+    assert status == 0
+    torch._dynamo.reset()
+    compiled = run_cli(capsys, *common, "[1, 2, 3]", "--compile-stages", "round")
+    assert compiled == (0, out, "")
+    status, _, err = run_cli(capsys, *common, "[1]", "--compile-stages", "round,fused")
+    assert status == 2 and "--compile-stages" in err and "unknown stages ['fused']" in err
