@@ -237,7 +237,8 @@ def generate(
     the scheduler prepare each step while the device runs the previous one (same tokens; see
     ``docs/overlap.md``). ``prefix_cache`` (on by default) lets a prompt reuse the KV pages of
     the prompt prefixes earlier prompts computed, in this call and, with an ``engine`` given,
-    in earlier calls on it (same tokens; ``stats["cached_tokens"]`` counts the prompt tokens reused; ``docs/prefix_cache.md``).
+    in earlier calls on it (same tokens; ``stats["cached_tokens"]`` counts the prompt tokens
+    reused; ``docs/prefix_cache.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
     that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
