@@ -1,20 +1,25 @@
 """Compiled speculative and multi-step rounds (``EngineConfig.compile_stages``): an EAGLE tree
 round and a 3-step plain round, compiled with every stage and with the round alone, emit the
-eager rounds' greedy tokens, and seeded sampled tokens too. Slow on the CPU (each engine
+eager rounds' greedy tokens, and seeded sampled tokens too; so does the command line's
+``--compile-stages``. Slow on the CPU (each engine
 compiles a round with inductor's C++ backend), hence here rather than in ``tests/cover``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from conftest import tiny_config
 from heads import agreeing_head, markov_target
 
-from speculum.models.loading import random_model
-from speculum.runtime import scheduler
+from speculum.models.loading import random_model, save_model
+from speculum.runtime import cli, scheduler
 from speculum.runtime.compiled import ROUND, STAGES
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
+
+pytestmark = pytest.mark.slow
 
 VOCAB = 16
 TARGET = markov_target(VOCAB)
@@ -63,3 +68,15 @@ def test_compiled_rounds_emit_the_eager_tokens(name, stages):
     eager, compiled = engine(), engine(compile_stages=stages)
     for temperature in (0.0, 1.0):
         assert decoded(compiled, temperature) == decoded(eager, temperature)
+
+
+def test_the_command_line_compiles_the_stages_it_names(capsys, tmp_path):
+    save_model(PLAIN, tmp_path)
+    common = ("--model", str(tmp_path), "--max-new-tokens", "4", "--json", "--prompt-ids", "1,2")
+    outputs = []
+    for extra in ((), ("--compile-stages", "round")):
+        torch._dynamo.reset()
+        assert cli.main(["generate", *common, *extra]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        outputs.append([printed[k] for k in ("token_ids", "text", "finish_reason")])
+    assert outputs[1] == outputs[0]
