@@ -9,18 +9,21 @@ its EAGLE-3 head:
   and replayed (median of device-event timings), at the shapes a decode step gives it
   (batch ``--batches``; hidden 4096, intermediate 14336, 32 heads of 128, a 128256 vocabulary).
 - rounds: a whole decoding round (plain decoding, one step; an EAGLE-3 chain of 3; a tree of 8
-  nodes) captured per bucket by the engine, for every ``compile_stages`` setting in
-  :data:`SETTINGS`: the replay of its graph (``replay ms``, the device's time) and the call
-  from Python (``call ms``, with the copies into and out of the graph), each against the
-  hand-written round (``compile_stages=()``) as ``/hand`` (below 1 is faster).
+  nodes) captured per bucket by the engine, for each ``compile_stages`` setting of
+  :data:`SETTINGS` that ``--settings`` names: the replay of its graph (``replay ms``, the
+  device's time) and the call from Python (``call ms``, with the copies into and out of the
+  graph), each against the hand-written round (``compile_stages=()``) as ``/hand`` (below 1
+  is faster); ``first call s`` is the first round's time, compilation and capture included.
 
 A stage earns its place in the default where its row is faster in the rounds table: that is
 where the compiled code sits among its neighbours, as it will run (``docs/gpu.md``, "Compiled
 stages", records the choice and the numbers).
 
-Run on the GPU: ``python benchmarks/compile_stages.py`` (``--batches 1,8``; ``--tiny`` for a
-CPU smoke run of the script itself, whose numbers mean nothing: there rounds are compiled and
-padded, not captured, and kernels are their references).
+Run on the GPU: ``python benchmarks/compile_stages.py`` (``--batches 1,8``; ``--rounds plain``,
+``--settings round,all`` and ``--layers 8`` narrow the rounds table, each setting compiling
+a whole round per batch; ``--kernels-only`` skips it; ``--tiny`` for a CPU smoke run of the
+script itself, whose numbers mean nothing: there rounds are compiled and padded, not captured,
+and kernels are their references).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,13 +46,14 @@ from speculum.runtime.compiled import KERNEL_STAGES, ROUND  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 from speculum.spec import sampling  # noqa: E402
 
-#: ``compile_stages`` settings the rounds table compares with the hand-written round.
-SETTINGS: tuple[tuple[str, ...], ...] = (
-    (),
-    (ROUND,),
-    *((ROUND, stage) for stage in KERNEL_STAGES),
-    (ROUND, *KERNEL_STAGES),
-)
+#: ``--settings`` names -> the ``compile_stages`` the rounds table compares with the
+#: hand-written round (``hand``, always timed first).
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "hand": (),
+    ROUND: (ROUND,),
+    **{f"{ROUND}+{stage}": (ROUND, stage) for stage in KERNEL_STAGES},
+    "all": (ROUND, *KERNEL_STAGES),
+}
 #: (label, algorithm, spec options) of the rounds timed.
 ROUNDS = (
     ("plain", "plain", SpecOptions(decode_steps=1)),
@@ -165,14 +170,22 @@ def round_times(engine: Engine, batch: int, args, device: str) -> tuple[float, f
     return first, replay, call
 
 
+def chosen_settings(names: str) -> list[tuple[str, ...]]:
+    """The ``compile_stages`` of each ``--settings`` name, the hand-written round first."""
+    unknown = sorted(set(names.split(",")) - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; choose from {', '.join(SETTINGS)}")
+    return [SETTINGS["hand"], *(SETTINGS[n] for n in names.split(",") if n != "hand")]
+
+
 def round_rows(target, head, batches: list[int], args, device: str) -> list[dict]:
-    """The rounds of :data:`ROUNDS` that ``args.rounds`` names at each batch, for each of
-    :data:`SETTINGS`."""
+    """The rounds of :data:`ROUNDS` that ``args.rounds`` names at each batch, for each
+    setting ``args.settings`` names."""
     rows = []
     for batch in batches:
         for label, algorithm, spec in (r for r in ROUNDS if r[0] in args.rounds.split(",")):
             hand = None
-            for stages in SETTINGS:
+            for stages in chosen_settings(args.settings):
                 torch._dynamo.reset()  # each setting compiles afresh, as a new engine would
                 engine = round_engine(target, head, algorithm, spec, batch, stages, args)
                 first, replay, call = round_times(engine, batch, args, device)
@@ -204,7 +217,19 @@ def main() -> None:
     parser.add_argument(
         "--rounds", default=",".join(r[0] for r in ROUNDS), help="rounds to time (%(default)s)"
     )
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help="compile_stages settings to time against the hand-written round (%(default)s)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="target layers in the rounds table (default: the 8B shape's 32); fewer compile "
+        "faster, and weigh the per-round stages (sampling, tree) more against per-layer ones",
+    )
     args = parser.parse_args()
+    chosen_settings(args.settings)  # refused before anything is measured
     device = "cpu" if args.tiny else "cuda"
     config = TINY if args.tiny else LLAMA_8B
     if args.tiny:
@@ -217,6 +242,8 @@ def main() -> None:
     if args.kernels_only:
         return
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.layers:
+        config = attrs.evolve(config, num_layers=args.layers)
     target, head = build_models(config, device, dtype)
     rounds = round_rows(target, head, batches, args, device)
     print("\n## decoding rounds by compile_stages, ms per round\n\n" + table(rounds))
