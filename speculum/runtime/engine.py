@@ -97,7 +97,9 @@ class EngineConfig:
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
-    (a prompt token and a generated one), the other counts ``>= 1``; flags are bools."""
+    (a prompt token and a generated one), the other counts ``>= 1``; flags are bools;
+    ``compile_stages`` known stage names, with ``max_batch`` at most the largest bucket (a
+    compiled round runs padded to one)."""
 
     page_size: int = attrs.field(default=16, converter=_count(1))
     num_pages: int = attrs.field(default=0, converter=_count(0))
@@ -113,6 +115,17 @@ class EngineConfig:
     penalties: bool = attrs.field(default=False, converter=_FLAG)
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
     compile_stages: tuple[str, ...] = attrs.field(default=(), converter=check_stages)
+
+    def __attrs_post_init__(self) -> None:
+        # A compiled round runs padded to a bucket on every device; a captured one only on
+        # CUDA, which engine_from_model checks once it knows the device.
+        if self.compile_stages and self.max_batch > max(self.graph_buckets):
+            raise ValueError(
+                f"max_batch={self.max_batch} exceeds the largest batch bucket "
+                f"{max(self.graph_buckets)}, and compiled rounds (compile_stages="
+                f"{self.compile_stages}) run padded to a bucket: add a larger bucket to "
+                "graph_buckets, lower max_batch, or drop compile_stages"
+            )
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -433,7 +446,7 @@ def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> 
         raise ValueError(
             f"max_batch={config.max_batch} exceeds the largest CUDA-graph bucket "
             f"{max(config.graph_buckets)}: add a larger bucket to graph_buckets, lower max_batch, "
-            "or pass cuda_graphs=False and no compile_stages"
+            "or pass cuda_graphs=False"
         )
 
     def wrapped(round_fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,15 +52,15 @@ def assert_same_requests(got: list[scheduler.Request], want: list[scheduler.Requ
 
 def engine(**options):
     """A plain engine over :data:`MODEL` with one batch bucket of 2."""
+    limits = {"max_batch": 2, **options}
     return engine_from_model(
         MODEL,
         max_context=48,
         page_size=4,
-        max_batch=2,
         graph_buckets=(2,),
         max_logprobs=2,
         prefix_cache=False,
-        **options,
+        **limits,
     )
 
 
@@ -82,6 +82,8 @@ def test_compile_stages_are_checked():
         EngineConfig(compile_stages=("round", "fused"))
     with pytest.raises(ValueError, match="tuple of stage names"):
         EngineConfig(compile_stages="round")
+    with pytest.raises(ValueError, match="max_batch=4 exceeds the largest batch bucket 2"):
+        engine(max_batch=4, compile_stages=("round",))
 
 
 def test_the_command_line_refuses_unknown_stages(capsys):
