@@ -36,6 +36,7 @@ from speculum.state.batch import batch_size, take_rows
 
 __all__ = [
     "ROUND",
+    "RECOMPILE_LIMIT",
     "KERNEL_STAGES",
     "STAGES",
     "CompiledDecode",
