@@ -78,6 +78,7 @@ __all__ = [
     "recurrent_pool_for",
     "rope_attention_factor",
     "rope_inv_freq",
+    "widest_window",
 ]
 
 
@@ -718,6 +719,19 @@ def attention_block(
     if config.mamba is not None:
         return NoPEAttention(config, cache_layer)
     return Attention(config, cache_layer)
+
+
+def widest_window(module: nn.Module) -> int | None:
+    """How many keys back from its own position any query of ``module``'s attention layers
+    reads the KV cache: the widest of their sliding windows, or None when one of them attends
+    to every key (full or latent attention) or ``module`` has none. Recurrent layers read state
+    slots, not pages, and do not count."""
+    windows = [
+        getattr(m, "window", 0)
+        for m in module.modules()
+        if isinstance(m, (Attention, LatentAttention))
+    ]
+    return None if not windows or 0 in windows else max(windows)
 
 
 def pool_for(

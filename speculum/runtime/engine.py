@@ -14,7 +14,7 @@ import torch
 
 from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel, fuse_projections_
+from speculum.models.decoder import DecoderModel, fuse_projections_, widest_window
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
@@ -87,7 +87,10 @@ class EngineConfig:
     default, stores and applies nothing.
     ``prefix_cache`` (on by default) lets requests reuse the KV pages of prompt prefixes
     earlier requests computed (``docs/prefix_cache.md``; :attr:`Engine.prefix_lookahead` says
-    for which pipelines).
+    for which pipelines). ``free_window_pages`` (on by default) returns a request's pages
+    wholly outside every layer's sliding window to the pool as it decodes, where that is exact
+    (:attr:`Engine.kv_window`; ``docs/sliding_window.md``); off, every page is kept until the
+    request ends.
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -106,6 +109,7 @@ class EngineConfig:
     logit_bias: bool = attrs.field(default=False, converter=_FLAG)
     penalties: bool = attrs.field(default=False, converter=_FLAG)
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
+    free_window_pages: bool = attrs.field(default=True, converter=_FLAG)
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -141,6 +145,22 @@ class Engine:
     def kv_lookahead(self) -> int:
         """Cache slots reserved per request past its token budget (:func:`reserved_lookahead`)."""
         return reserved_lookahead(self.pipeline, self.config.overlap)
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back from its own position any query of the engine's models reads the KV
+        cache, when a request's pages wholly before that go back to the pool as it decodes
+        (``docs/sliding_window.md``): every attention layer of the target and of the draft is
+        windowed (``models.decoder.widest_window``: Mistral with ``sliding_window``, Qwen3-MoE
+        with ``use_sliding_window``; not gpt-oss's or Qwen's full layers, nor EAGLE heads) and
+        the pipeline keeps its caches filled up to the last emitted token (plain, n-gram and
+        the EAGLE composition: MTP, standalone). None otherwise, or with
+        ``config.free_window_pages`` off: every page is kept until the request ends."""
+        if not self.config.free_window_pages or self.pipeline.name not in _WINDOW_PAGED:
+            return None
+        models = [m for m in (self.resources.target, self.resources.draft) if m is not None]
+        windows = [widest_window(m) if isinstance(m, torch.nn.Module) else None for m in models]
+        return None if None in windows else max(windows)
 
     @property
     def prefix_lookahead(self) -> int | None:
@@ -180,6 +200,11 @@ _PREFIX_EXACT = frozenset({"plain", "ngram", "frozen_kv_mtp", "dflash", "dspark"
 #: The EAGLE family and STANDALONE (adaptive included): their heads pair entry ``i`` with token
 #: ``i + 1 - ahead``.
 _PREFIX_PAIRED = frozenset({"eagle", "eagle3", "mtp", "nextn", "standalone", "adaptive"})
+
+
+#: Pipelines whose caches hold every token but the last emitted one (``kv.seq_lens``), so that a
+#: round's queries sit at that length or later (:attr:`Engine.kv_window`).
+_WINDOW_PAGED = frozenset({"plain", "ngram", "eagle", "eagle3", "mtp", "nextn", "standalone"})
 
 
 def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
@@ -466,6 +491,7 @@ def engine_from_model(
     logit_bias: bool = False,
     penalties: bool = False,
     prefix_cache: bool = True,
+    free_window_pages: bool = True,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -478,8 +504,8 @@ def engine_from_model(
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
     requests carry a logit bias, ``penalties`` penalties and ``min_tokens``, ``prefix_cache``
-    lets requests reuse cached prompt prefixes
-    (:class:`EngineConfig`).
+    lets requests reuse cached prompt prefixes, ``free_window_pages`` returns pages outside
+    a sliding window to the pool (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -504,6 +530,7 @@ def engine_from_model(
         logit_bias=logit_bias,
         penalties=penalties,
         prefix_cache=prefix_cache,
+        free_window_pages=free_window_pages,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)
