@@ -152,9 +152,10 @@ class Engine:
         cache, when a request's pages wholly before that go back to the pool as it decodes
         (``docs/sliding_window.md``): every attention layer of the target and of the draft is
         windowed (``models.decoder.widest_window``: Mistral with ``sliding_window``, Qwen3-MoE
-        with ``use_sliding_window``; not gpt-oss's or Qwen's full layers, nor EAGLE heads) and
-        the pipeline keeps its caches filled up to the last emitted token (plain, n-gram and
-        the EAGLE composition: MTP, standalone). None otherwise, or with
+        with ``use_sliding_window``, and EAGLE, MTP or standalone drafts of the same kind; not
+        gpt-oss's or Qwen's full layers, nor EAGLE-3's Llama midlayer) and the pipeline keeps
+        its caches filled up to the last emitted token (plain, n-gram and the EAGLE
+        composition; not adaptive speculation, block or frozen-KV drafts). None otherwise, or with
         ``config.free_window_pages`` off: every page is kept until the request ends."""
         if not self.config.free_window_pages or self.pipeline.name not in _WINDOW_PAGED:
             return None

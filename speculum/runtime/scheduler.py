@@ -481,11 +481,17 @@ def pages_reserved(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
     window = engine.kv_window
     if window is None:
         return need
-    chunk = min(engine.config.prefill_budget, prompt_len)
+    chunk = min(engine.config.prefill_budget, prompt_len) + _ahead(engine)
     span = max(window + engine.kv_lookahead, window - 1 + chunk)
     # A span of n slots starting anywhere in a page touches at most this many pages.
     page_size = engine.config.page_size
     return min(need, (span + 2 * page_size - 2) // page_size)
+
+
+def _ahead(engine: Engine) -> int:
+    """Entries the draft's cache holds past the target's (a standalone draft's 1), which a
+    prefill chunk writes past its tokens."""
+    return getattr(engine.resources.draft, "ahead", 0)
 
 
 def _window_pages(engine: Engine, window: int, request: Request) -> tuple[int, int]:
@@ -497,11 +503,13 @@ def _window_pages(engine: Engine, window: int, request: Request) -> tuple[int, i
     flight has moved it on by what it emits, which the lookahead covers). A query sees itself
     and the ``window - 1`` keys before it, so the entries before ``first`` are read by no later
     launch (each starts at or after this one's first query): their pages can go back to the
-    pool. ``end`` covers the slots the launch may write: the chunk, or the engine's lookahead
-    past the cache, within the request's whole budget (:func:`pages_needed`)."""
+    pool. ``end`` covers the slots the launch may write: the chunk (and the entry after it of a
+    draft that runs ahead), or the engine's lookahead past the cache, within the request's
+    whole budget (:func:`pages_needed`)."""
     if request.prefilled < len(request.prompt):
         start = request.prefilled
-        end = start + min(len(request.prompt) - start, engine.config.prefill_budget)
+        chunk = min(len(request.prompt) - start, engine.config.prefill_budget)
+        end = start + chunk + _ahead(engine)
     else:
         start = len(request.prompt) + len(request.output) - 1
         end = start + 1 + engine.kv_lookahead
