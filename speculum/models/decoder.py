@@ -1414,6 +1414,15 @@ class DecoderModel(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(device)
         self.local_inv_freq = _local_inv_freq(self.config).to(device)
 
+    def embed(self, tokens: Int[Tensor, "*rows"]) -> Float[Tensor, "*rows hidden"]:
+        """The residual stream entering layer 0: the tokens' embeddings, times
+        ``config.embedding_scale`` (Gemma's ``sqrt(hidden_size)``, rounded to the weights'
+        dtype first, as transformers does)."""
+        x = self.model.embed_tokens(tokens)
+        if self.config.embedding_scale == 1.0:
+            return x
+        return x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+
     def layer_inv_freq(self, layer: int) -> Float[Tensor, " half"]:
         """The rotary table layer ``layer`` rotates with: Gemma-3's local one in its windowed
         layers (``DecoderConfig.uses_local_rope``), the model's otherwise."""
@@ -1447,9 +1456,7 @@ class DecoderModel(nn.Module):
         ``capture_layers[i] = n`` returns the residual stream leaving layer ``n`` (what
         transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
         """
-        x = self.model.embed_tokens(batch.input_ids)
-        if self.config.embedding_scale != 1.0:  # Gemma: rounded to the weights' dtype first
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        x = self.embed(batch.input_ids)
         layers = self.model.layers
         captured: dict[int, Tensor] = {}
         # Each layer's last residual add is fused into the next norm (the next layer's input
