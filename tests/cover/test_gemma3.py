@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 import transformers
-from heads import pipeline_engine
+from heads import pipeline_engine, transformers_greedy
 
 from speculum.models.config import DecoderConfig, UnsupportedModel
 from speculum.models.decoder import dense_batch
@@ -85,16 +85,6 @@ def target(hf_checkpoint):
     return load_model(hf_checkpoint[1])
 
 
-def expected_tokens(hf) -> list[list[int]]:
-    """transformers' greedy ``generate`` tokens for :data:`PROMPTS`."""
-    return [
-        hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
-
-
 def decode(model, **limits) -> list[list[int]]:
     """Plain greedy decoding of :data:`PROMPTS` through the scheduler (pages of 4, chunked
     prefill)."""
@@ -150,7 +140,7 @@ def test_greedy_decoding_past_the_window_equals_transformers_generate(
     weights without the windows, or with the global rotary table in the local layers, give
     other tokens. The global layer reads every key, so every page is kept."""
     hf, _ = hf_checkpoint
-    expected = expected_tokens(hf)
+    expected = transformers_greedy(hf, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in expected for t in tokens}) > 15  # not a degenerate loop
     assert decode(target) == expected
     assert engine_from_model(target, max_context=64).kv_window is None
@@ -171,7 +161,7 @@ def test_an_all_local_gemma_frees_pages_and_equals_transformers(tmp_path) -> Non
     hf.save_pretrained(tmp_path)
     model = load_model(tmp_path)
     assert engine_from_model(model, page_size=4, max_context=64).kv_window == WINDOW
-    assert decode(model, num_pages=10) == expected_tokens(hf)
+    assert decode(model, num_pages=10) == transformers_greedy(hf, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from heads import agreeing_head
+from heads import agreeing_head, transformers_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import page_sizes, prefill_budgets
@@ -174,12 +174,7 @@ def test_a_long_decode_in_a_pool_too_small_for_it_equals_transformers(tmp_path) 
     hf.save_pretrained(tmp_path)
     model = load_model(tmp_path)
     prompts = [[3, 17, 42, 5, 88, 1, 9, 60, 2, 11, 7], [9] * 9, [1, 2]]
-    expected = [
-        hf.generate(torch.tensor([p]), max_new_tokens=100, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in prompts
-    ]
+    expected = transformers_greedy(hf, prompts, 100)
     limits = {"page_size": 4, "max_context": 128, "prefill_budget": 7, "num_pages": 13}
     engine = engine_from_model(model, **limits)
     assert engine.kv_window == 5
