@@ -233,8 +233,9 @@ def test_freeing_pages_changes_no_token(
 def test_snapshot_restore_and_cancel_with_freed_pages() -> None:
     """A snapshot taken once the requests have freed pages (their tables hold padding entries)
     copies only the pages they hold; restored after the pool was poisoned and the requests
-    ran on, it replays bit for bit; cancelling a request with freed entries returns exactly
-    the pages it held, and the others decode on as they would have."""
+    ran on, it replays bit for bit (and an engine keeping every page refuses it); cancelling
+    a request with freed entries returns exactly the pages it held, and the others decode on
+    as they would have."""
     engine = engine_from_model(WINDOWED, page_size=2, max_context=96, prefill_budget=5)
     prompts = [[4, 2, 8, 1, 1, 3], [1] * 7, [15, 3, 3, 9]]
     state, rids = submit(engine, prompts, 30, [1.0, 0.0, 1.0])
@@ -244,6 +245,11 @@ def test_snapshot_restore_and_cancel_with_freed_pages() -> None:
     snap = scheduler.take_snapshot(engine, state)
     assert set(snap.pages.tolist()) == held(state)
     first = decode_poisoned(engine, state)
+    keeping = engine_from_model(
+        WINDOWED, page_size=2, max_context=96, prefill_budget=5, free_window_pages=False
+    )
+    with pytest.raises(ValueError, match="kv_window: snapshot 3, engine None"):
+        scheduler.restore(keeping, snap)  # its requests would write their future pages to the sink
     replay = decode_poisoned(engine, scheduler.restore(engine, snap))
     assert [first[r].output for r in rids] == [replay[r].output for r in rids]
 
