@@ -40,6 +40,7 @@ __all__ = [
     "build_engine",
     "engine_from_model",
     "reserved_lookahead",
+    "kv_window",
     "decode_steps",
     "GPU_DECODE_STEPS",
 ]
@@ -135,6 +136,13 @@ class Engine:
     eos_token_ids: tuple[int, ...]
     owner: Cell = attrs.field(factory=lambda: Cell(None))
     prefix_index: Cell = attrs.field(factory=lambda: Cell(PrefixIndex()))
+    #: How far back from its own position any query of the engine's models reads the KV
+    #: cache, where a request's pages wholly before that go back to the pool as it decodes
+    #: (:func:`kv_window`); computed once, when the engine is built (the scheduler reads it
+    #: for every request of every step).
+    kv_window: int | None = attrs.field(
+        init=False, default=attrs.Factory(lambda engine: kv_window(engine), takes_self=True)
+    )
 
     @property
     def device(self) -> torch.device:
@@ -145,23 +153,6 @@ class Engine:
     def kv_lookahead(self) -> int:
         """Cache slots reserved per request past its token budget (:func:`reserved_lookahead`)."""
         return reserved_lookahead(self.pipeline, self.config.overlap)
-
-    @property
-    def kv_window(self) -> int | None:
-        """How far back from its own position any query of the engine's models reads the KV
-        cache, when a request's pages wholly before that go back to the pool as it decodes
-        (``docs/sliding_window.md``): every attention layer of the target and of the draft is
-        windowed (``models.decoder.widest_window``: Mistral with ``sliding_window``, Qwen3-MoE
-        with ``use_sliding_window``, and EAGLE, MTP or standalone drafts of the same kind; not
-        gpt-oss's or Qwen's full layers, nor EAGLE-3's Llama midlayer) and the pipeline keeps
-        its caches filled up to the last emitted token (plain, n-gram and the EAGLE
-        composition; not adaptive speculation, block or frozen-KV drafts). None otherwise, or with
-        ``config.free_window_pages`` off: every page is kept until the request ends."""
-        if not self.config.free_window_pages or self.pipeline.name not in _WINDOW_PAGED:
-            return None
-        models = [m for m in (self.resources.target, self.resources.draft) if m is not None]
-        windows = [widest_window(m) if isinstance(m, torch.nn.Module) else None for m in models]
-        return None if None in windows else max(windows)
 
     @property
     def prefix_lookahead(self) -> int | None:
@@ -201,6 +192,23 @@ _PREFIX_EXACT = frozenset({"plain", "ngram", "frozen_kv_mtp", "dflash", "dspark"
 #: The EAGLE family and STANDALONE (adaptive included): their heads pair entry ``i`` with token
 #: ``i + 1 - ahead``.
 _PREFIX_PAIRED = frozenset({"eagle", "eagle3", "mtp", "nextn", "standalone", "adaptive"})
+
+
+def kv_window(engine: Engine) -> int | None:
+    """How far back from its own position any query of the engine's models reads the KV
+    cache, when a request's pages wholly before that go back to the pool as it decodes
+    (``docs/sliding_window.md``): every attention layer of the target and of the draft is
+    windowed (``models.decoder.widest_window``: Mistral with ``sliding_window``, Qwen3-MoE
+    with ``use_sliding_window``, and EAGLE, MTP or standalone drafts of the same kind; not
+    gpt-oss's or Qwen's full layers, nor EAGLE-3's Llama midlayer) and the pipeline keeps
+    its caches filled up to the last emitted token (plain, n-gram and the EAGLE
+    composition; not adaptive speculation, block or frozen-KV drafts). None otherwise, or with
+    ``EngineConfig.free_window_pages`` off: every page is kept until the request ends."""
+    if not engine.config.free_window_pages or engine.pipeline.name not in _WINDOW_PAGED:
+        return None
+    models = [m for m in (engine.resources.target, engine.resources.draft) if m is not None]
+    windows = [widest_window(m) if isinstance(m, torch.nn.Module) else None for m in models]
+    return None if None in windows else max(windows)
 
 
 #: Pipelines whose caches hold every token but the last emitted one (``kv.seq_lens``), so that a
