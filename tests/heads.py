@@ -134,6 +134,16 @@ def assert_sampled_snapshot_replays(engine, steps: int = 3, max_new_tokens: int 
     assert [finished[rid].output for rid in rids] == first
 
 
+def transformers_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` tokens of ``hf`` after each prompt, one at a time."""
+    return [
+        hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
+
+
 def assert_greedy_equals_transformers(hf, target: DecoderModel) -> None:
     """Plain greedy decoding of ``target`` through the scheduler (chunked prefill, a batch of
     prompts of several lengths) emits transformers' ``generate`` tokens of ``hf``, token for

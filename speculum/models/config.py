@@ -16,8 +16,13 @@ q/k/v/o, YaRN rope, MoE with a biased router, biased experts and a clamped GLU; 
 checkpoints are refused, naming the fix), and the hybrid
 ``NemotronHForCausalLM`` (one mixer per layer: Mamba-2, attention without rotary embedding or a
 squared-ReLU MLP or a mixture of squared-ReLU experts), whose layer plan, Mamba-2 shapes and
-routing are a :class:`MambaConfig`. Both spellings of the rotary settings are read:
-``rope_theta`` plus ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+routing are a :class:`MambaConfig`, and Gemma-3's text decoder (``Gemma3ForCausalLM``:
+local windowed layers with their own rotary base between global ones, q/k norms, norms around
+the attention and the MLP, zero-centred norm weights, embeddings scaled by
+``sqrt(hidden_size)``, a tanh-GELU MLP, ``query_pre_attn_scalar`` and an optional final logit
+soft cap; attention logit soft-capping and bidirectional attention are refused). Both
+spellings of the rotary settings are read: ``rope_theta`` plus ``rope_scaling`` (transformers
+4) and ``rope_parameters`` (transformers 5).
 
 Values no model can run with are refused here, naming the file, the key and the value: sizes
 that are not positive integers, attention heads that do not group evenly over the KV heads, a
@@ -29,15 +34,17 @@ into ``n_group`` groups, an unknown ``scoring_func`` or ``topk_method``), latent
 widths missing or not positive (``kv_lora_rank`` ...) or an odd ``qk_rope_head_dim``, and an
 unreadable ``generation_config.json``.
 
-Sliding-window attention: Mistral and Mixtral window every layer with ``sliding_window``;
-Qwen2, Qwen3 and Qwen2-MoE window the layers ``layer_types`` names ``"sliding_attention"``
+Sliding-window attention: Mistral and Mixtral window every layer with ``sliding_window``; Qwen2,
+Qwen3 and Qwen2-MoE window the layers ``layer_types`` names ``"sliding_attention"``
 (transformers 5 writes it), else by transformers' default rule (Qwen2/Qwen3: layers from
 ``max_window_layers`` on; Qwen2-MoE: even layers below ``max_window_layers``), and only with
 ``use_sliding_window``; Qwen3-MoE windows every layer with ``use_sliding_window``; gpt-oss
 windows the layers ``layer_types`` names (by default the even ones) with ``sliding_window``
-(default 128), no switch needed. Llama, GLM-4.5 and DeepSeek have no window (transformers
-reads no ``sliding_window`` for them). A ``layer_types`` of the wrong length or with an unknown
-kind is refused, and so is one naming sliding layers of a config without a window.
+(default 128), no switch needed, and Gemma-3 the layers ``layer_types`` names (by default five
+of every ``sliding_window_pattern`` = 6) with ``sliding_window`` (default 4096). Llama, GLM-4.5
+and DeepSeek have no window (transformers reads no ``sliding_window`` for them). A
+``layer_types`` of the wrong length or with an unknown kind is refused, and so is one naming
+sliding layers of a config without a window.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "GptOssForCausalLM",
     "NemotronHForCausalLM",
+    "Gemma3ForCausalLM",
 )
 #: architecture -> transformers' ``model_type``
 MODEL_TYPES = {
@@ -96,6 +104,7 @@ MODEL_TYPES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
     "NemotronHForCausalLM": "nemotron_h",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Architectures whose every layer takes ``sliding_window`` (transformers reads no
@@ -107,10 +116,17 @@ WINDOW_BY_LAYER_TYPE = (
     "Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM",
     "GptOssForCausalLM",
+    "Gemma3ForCausalLM",
 )
 #: Architectures whose ``layer_types`` and ``sliding_window`` are read without a
-#: ``use_sliding_window`` switch (gpt-oss: alternating windowed and full layers by default).
-WINDOW_WITHOUT_SWITCH = ("MistralForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+#: ``use_sliding_window`` switch (gpt-oss: alternating windowed and full layers by default;
+#: Gemma-3: five local layers to a global one).
+WINDOW_WITHOUT_SWITCH = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+    "Gemma3ForCausalLM",
+)
 #: The attention kinds ``layer_types`` may name.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Architectures whose attention is multi-head latent attention (:class:`MLAConfig`).
@@ -506,6 +522,28 @@ class DecoderConfig:
     #: Nemotron-H's layer plan and Mamba-2 shapes (one mixer per layer: Mamba-2, attention
     #: without rotary embedding, or a squared-ReLU MLP); ``None`` for every other family.
     mamba: MambaConfig | None = None
+    #: The MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (Gemma-3's
+    #: tanh-approximated GELU, gating the up projection the same way).
+    hidden_act: str = "silu"
+    #: Gemma-3: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` rather than
+    #: ``head_dim ** -0.5``; ``None`` for the usual scale.
+    query_pre_attn_scalar: int | None = None
+    #: Gemma-3: the rotary base of the windowed (local) layers, unscaled (``rope_theta`` and
+    #: ``rope_scaling`` are the global layers'); ``None``: every layer rotates alike.
+    local_rope_theta: float | None = None
+    #: Gemma-3: the token embeddings are multiplied by this (``sqrt(hidden_size)``).
+    embedding_scale: float = 1.0
+    #: Gemma-3's norms around both blocks: ``post_attention_layernorm`` normalises the
+    #: attention's output before the residual add, ``pre_feedforward_layernorm`` and
+    #: ``post_feedforward_layernorm`` the MLP's input and output.
+    sandwich_norms: bool = False
+    #: Gemma: logits become ``cap * tanh(logits / cap)``; ``None``: no cap.
+    final_logit_softcapping: float | None = None
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with :attr:`local_rope_theta` (a windowed layer of
+        a config that has one)."""
+        return self.local_rope_theta is not None and self.attention_window(layer) > 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -566,7 +604,8 @@ class DecoderConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         check_quantization_method(raw, where)
-        if raw.get("hidden_act", "silu") != "silu":
+        gemma = _gemma_settings(raw, where) if arch == "Gemma3ForCausalLM" else {}
+        if not gemma and raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(
                 f"{where}: hidden_act {raw['hidden_act']!r}: only 'silu' is supported"
             )
@@ -605,13 +644,17 @@ class DecoderConfig:
             rope_theta=rope[0],
             rope_scaling=rope[1],
             max_position_embeddings=_integer(
-                raw, "max_position_embeddings", where, minimum=1, default=2048
+                raw,
+                "max_position_embeddings",
+                where,
+                minimum=1,
+                default=_GEMMA3_DEFAULTS["max_position_embeddings"] if gemma else 2048,
             ),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", bool(gemma))),
             qkv_bias=(qwen2 and _qwen2_qkv_bias(raw, arch)) or attention_bias,
             o_bias=attention_bias and not (qwen2 or glm),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=qwen3 or qwen3_next or (glm and bool(raw.get("use_qk_norm", False))),
+            qk_norm=qwen3 or qwen3_next or bool(gemma) or (glm and bool(raw.get("use_qk_norm"))),
             sliding_window=window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -625,9 +668,10 @@ class DecoderConfig:
             full_attention_layers=full_layers,
             linear=_linear_settings(raw, where, size["num_hidden_layers"]) if qwen3_next else None,
             attention_output_gate=qwen3_next,
-            norm_offset=1.0 if qwen3_next else 0.0,
+            norm_offset=1.0 if qwen3_next or gemma else 0.0,
             attention_sinks=gpt_oss,
             mamba=mamba,
+            **gemma,
         )
 
     @classmethod
@@ -707,7 +751,68 @@ class DecoderConfig:
             **(_mla_dict(self) if self.mla is not None else {}),
             **(_linear_dict(self.linear) if self.linear is not None else {}),
             **(_mamba_dict(self) if self.mamba is not None else {}),
+            **(_gemma_dict(self) if self.architecture == "Gemma3ForCausalLM" else {}),
         }
+
+
+#: transformers' defaults for Gemma-3's own keys.
+_GEMMA3_DEFAULTS = {
+    "query_pre_attn_scalar": 256,
+    "rope_local_base_freq": 10000.0,
+    "rope_theta": 1000000.0,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+}
+
+
+def _gemma_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma-3's :class:`DecoderConfig` fields from its ``config.json`` (transformers 4's
+    ``rope_local_base_freq`` or transformers 5's per-layer-type ``rope_parameters``), refusing
+    what the decoder does not run: another activation, attention logit soft-capping (it
+    would change the attention op itself) and bidirectional attention."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModel(
+            f"{where}: hidden_activation {act!r}: Gemma-3 is run with 'gelu_pytorch_tanh' only"
+        )
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModel(
+            f"{where}: attn_logit_softcapping {raw['attn_logit_softcapping']!r}: speculum's "
+            "attention does not soft-cap scores (Gemma-3's released configs set none); set it "
+            "to null only if the checkpoint was trained without it"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModel(
+            f"{where}: use_bidirectional_attention is set: that is an encoder (EmbeddingGemma), "
+            "not a causal decoder speculum can decode with"
+        )
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModel(
+            f"{where}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r}: "
+            "Gemma-3's local layers rotate with the default rope only"
+        )
+    theta = local.get("rope_theta", raw.get("rope_local_base_freq"))
+    theta = _GEMMA3_DEFAULTS["rope_local_base_freq"] if theta is None else theta
+    cap = raw.get("final_logit_softcapping")
+    scalar = _integer(
+        raw,
+        "query_pre_attn_scalar",
+        where,
+        minimum=1,
+        default=_GEMMA3_DEFAULTS["query_pre_attn_scalar"],
+    )
+    return {
+        "hidden_act": act,
+        "query_pre_attn_scalar": scalar,
+        "local_rope_theta": _positive(theta, "rope_local_base_freq", where, "10000.0"),
+        "embedding_scale": _integer(raw, "hidden_size", where, minimum=1) ** 0.5,
+        "sandwich_norms": True,
+        "final_logit_softcapping": None
+        if cap is None
+        else _positive(cap, "final_logit_softcapping", where, "30.0 or null"),
+    }
 
 
 def _window_settings(
@@ -717,15 +822,25 @@ def _window_settings(
     (module docstring): no window where the architecture or ``use_sliding_window`` has none."""
     if arch not in WINDOW_EVERY_LAYER + WINDOW_BY_LAYER_TYPE:
         return None, ()
-    gpt_oss = arch == "GptOssForCausalLM"
+    gpt_oss, gemma = arch == "GptOssForCausalLM", arch == "Gemma3ForCausalLM"
     used = arch in WINDOW_WITHOUT_SWITCH or _boolean(raw, "use_sliding_window", where, False)
-    default = 128 if gpt_oss else None
+    default = 128 if gpt_oss else _GEMMA3_DEFAULTS["sliding_window"] if gemma else None
     window = _integer(raw, "sliding_window", where, minimum=1, default=default) if used else None
     if arch in WINDOW_EVERY_LAYER:
         return window, ()
     types = raw.get("layer_types")
     if types is None and gpt_oss:  # transformers' default: windowed, full, windowed, ...
         types = [("sliding_attention", "full_attention")[n % 2] for n in range(num_layers)]
+    if types is None and gemma:  # transformers' default: every pattern-th layer is global
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
+        pattern = _GEMMA3_DEFAULTS["sliding_window_pattern"] if pattern is None else pattern
+        pattern = _integer(
+            {"sliding_window_pattern": pattern}, "sliding_window_pattern", where, minimum=1
+        )
+        types = [
+            "full_attention" if (n + 1) % pattern == 0 else "sliding_attention"
+            for n in range(num_layers)
+        ]
     if types is None:
         first = _integer(raw, "max_window_layers", where, minimum=0, default=28)
         qwen2_moe = arch == "Qwen2MoeForCausalLM"
@@ -766,6 +881,21 @@ def _window_dict(config: DecoderConfig) -> dict[str, Any]:
             for n in range(config.num_layers)
         ]
     return keys
+
+
+def _gemma_dict(config: DecoderConfig) -> dict[str, Any]:
+    """Gemma-3's own ``config.json`` keys, its rotary settings nested by layer type as
+    transformers 5 writes them (and the local base as transformers 4 did)."""
+    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
+    return {
+        "hidden_activation": config.hidden_act,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "rope_local_base_freq": config.local_rope_theta,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "attn_logit_softcapping": None,
+    }
 
 
 def _qwen2_qkv_bias(raw: dict[str, Any], arch: str) -> bool:
@@ -1411,6 +1541,12 @@ def _rope_settings(
     raw: dict[str, Any], where: str, arch: str
 ) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        # transformers 5 nests Gemma-3's settings by layer type: the global layers' are the
+        # model's rope_theta and scaling (the local layers': ``_gemma_settings``).
+        params = params.get("full_attention", params)
+        if not params and raw.get("rope_theta") is None:
+            params = {"rope_theta": _GEMMA3_DEFAULTS["rope_theta"]}
     scaling = raw.get("rope_scaling") or None
     if arch == "GptOssForCausalLM" and not (params or scaling):
         params = {**_GPT_OSS_ROPE, "rope_theta": raw.get("rope_theta") or 150000.0}

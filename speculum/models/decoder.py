@@ -78,6 +78,7 @@ __all__ = [
     "recurrent_pool_for",
     "rope_attention_factor",
     "rope_inv_freq",
+    "widest_window",
 ]
 
 
@@ -126,6 +127,15 @@ def rope_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def _local_inv_freq(config: DecoderConfig) -> Float[Tensor, " half"]:
+    """The rotary table of Gemma-3's windowed layers: ``config.local_rope_theta``, unscaled
+    (empty for a config without one)."""
+    if config.local_rope_theta is None:
+        return torch.zeros(0)
+    local = attrs.evolve(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+    return rope_inv_freq(local)
 
 
 def _yarn_inv_freq(
@@ -333,7 +343,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.qkv: FusedLinear | None = None
-        self.scale = rope_attention_factor(config) ** 2 / math.sqrt(config.head_dim)
+        # Gemma-3 scales scores by query_pre_attn_scalar rather than the head width.
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.scale = rope_attention_factor(config) ** 2 / math.sqrt(scalar)
         sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
         self.register_parameter("sinks", sinks)
 
@@ -726,6 +738,19 @@ def attention_block(
     return Attention(config, cache_layer)
 
 
+def widest_window(module: nn.Module) -> int | None:
+    """How many keys back from its own position any query of ``module``'s attention layers
+    reads the KV cache: the widest of their sliding windows, or None when one of them attends
+    to every key (full or latent attention) or ``module`` has none. Recurrent layers read state
+    slots, not pages, and do not count."""
+    windows = [
+        getattr(m, "window", 0)
+        for m in module.modules()
+        if isinstance(m, (Attention, LatentAttention))
+    ]
+    return None if not windows or 0 in windows else max(windows)
+
+
 def pool_for(
     module: nn.Module,
     config: DecoderConfig,
@@ -818,10 +843,12 @@ def dense_batch(
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward, ``intermediate_size`` wide (default: the config's)."""
+    """Gated feed-forward, ``intermediate_size`` wide (default: the config's): SwiGLU, or
+    Gemma's tanh-GELU gate (``config.hidden_act``)."""
 
     def __init__(self, config: DecoderConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         h, bias = config.hidden_size, config.mlp_bias
         i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=bias)
@@ -836,12 +863,14 @@ class MLP(nn.Module):
             self.gate_up = fused_linear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``down(silu(gate(x)) * up(x))``: gate and up in one matmul when fused."""
+        """``down(act(gate(x)) * up(x))``: gate and up in one matmul when fused."""
         weights = fused_weights(self.gate_up, self.gate_proj)
         if weights is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = weights(x).chunk(2, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(kernels.model_ops.silu_mul(gate, up))
 
 
@@ -1051,7 +1080,9 @@ class ResidualLayer(nn.Module):
 
 class DecoderLayer(ResidualLayer):
     """Pre-norm attention and MLP blocks with residual connections (``x + attn(norm(x))``,
-    then ``+ mlp(norm(.))``); the MLP block is the layer's kind (:func:`mlp_block`)."""
+    then ``+ mlp(norm(.))``); the MLP block is the layer's kind (:func:`mlp_block`). With
+    ``config.sandwich_norms`` (Gemma-3) each block's output is normed too before its
+    residual add: ``x + norm(attn(norm(x)))``, then ``+ norm(mlp(norm(.)))``."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -1063,6 +1094,10 @@ class DecoderLayer(ResidualLayer):
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def blocks(
         self,
@@ -1076,6 +1111,10 @@ class DecoderLayer(ResidualLayer):
         input-normed ``normed``, returns ``(mlp_out, stream)`` whose sum is the stream leaving
         the layer, so a caller can fuse that add into the next norm."""
         attended = getattr(self, self.mixer_name)(normed, batch, pool, inv_freq)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attended)
+            out = self.mlp(self.pre_feedforward_layernorm(x))
+            return self.post_feedforward_layernorm(out), x
         norm = self.post_attention_layernorm
         normed, x = kernels.model_ops.add_rms_norm(attended, x, norm.scale, norm.eps)
         return self.mlp(normed), x
@@ -1373,10 +1412,27 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("local_inv_freq", _local_inv_freq(config), persistent=False)
 
     def reset_rope(self) -> None:
-        """Recompute the rotary table (after ``to_empty`` wiped buffers)."""
-        self.inv_freq = rope_inv_freq(self.config).to(self.model.embed_tokens.weight.device)
+        """Recompute the rotary tables (after ``to_empty`` wiped buffers)."""
+        device = self.model.embed_tokens.weight.device
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        self.local_inv_freq = _local_inv_freq(self.config).to(device)
+
+    def embed(self, tokens: Int[Tensor, "*rows"]) -> Float[Tensor, "*rows hidden"]:
+        """The residual stream entering layer 0: the tokens' embeddings, times
+        ``config.embedding_scale`` (Gemma's ``sqrt(hidden_size)``, rounded to the weights'
+        dtype first, as transformers does)."""
+        x = self.model.embed_tokens(tokens)
+        if self.config.embedding_scale == 1.0:
+            return x
+        return x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+
+    def layer_inv_freq(self, layer: int) -> Float[Tensor, " half"]:
+        """The rotary table layer ``layer`` rotates with: Gemma-3's local one in its windowed
+        layers (``DecoderConfig.uses_local_rope``), the model's otherwise."""
+        return self.local_inv_freq if self.config.uses_local_rope(layer) else self.inv_freq
 
     def new_pool(
         self,
@@ -1406,14 +1462,14 @@ class DecoderModel(nn.Module):
         ``capture_layers[i] = n`` returns the residual stream leaving layer ``n`` (what
         transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
         """
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         layers = self.model.layers
         captured: dict[int, Tensor] = {}
         # Each layer's last residual add is fused into the next norm (the next layer's input
         # norm, or the final norm): one kernel fewer per layer, the same rounding.
         normed = layers[0].input_layernorm(x) if len(layers) else self.model.norm(x)
         for n, layer in enumerate(layers):
-            out, x = layer.blocks(normed, x, batch, pool, self.inv_freq)
+            out, x = layer.blocks(normed, x, batch, pool, self.layer_inv_freq(n))
             norm = layers[n + 1].input_layernorm if n + 1 < len(layers) else self.model.norm
             normed, x = kernels.model_ops.add_rms_norm(out, x, norm.scale, norm.eps)
             if n in capture_layers:
@@ -1422,5 +1478,7 @@ class DecoderModel(nn.Module):
 
     def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
         """Float32 next-token logits of final-normed hidden states over the whole vocabulary
-        (see :func:`float32_logits`)."""
-        return self.lm_head.logits(hidden)
+        (see :func:`float32_logits`), soft-capped where the config says (Gemma)."""
+        logits = self.lm_head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

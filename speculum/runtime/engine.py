@@ -14,7 +14,7 @@ import torch
 
 from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel, fuse_projections_
+from speculum.models.decoder import DecoderModel, fuse_projections_, widest_window
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
@@ -41,6 +41,7 @@ __all__ = [
     "build_engine",
     "engine_from_model",
     "reserved_lookahead",
+    "kv_window",
     "decode_steps",
     "GPU_DECODE_STEPS",
 ]
@@ -88,7 +89,10 @@ class EngineConfig:
     default, stores and applies nothing.
     ``prefix_cache`` (on by default) lets requests reuse the KV pages of prompt prefixes
     earlier requests computed (``docs/prefix_cache.md``; :attr:`Engine.prefix_lookahead` says
-    for which pipelines).
+    for which pipelines). ``free_window_pages`` (on by default) returns a request's pages
+    wholly outside every layer's sliding window to the pool as it decodes, where that is exact
+    (:attr:`Engine.kv_window`; ``docs/sliding_window.md``); off, every page is kept until the
+    request ends.
     ``compile_stages`` names the parts of a decoding round ``torch.compile`` fuses
     (``runtime.compiled.STAGES``): ``"round"`` compiles the round between the hand kernels,
     and ``"model_ops"``, ``"sampling"``, ``"tree"`` also replace those hand kernels by
@@ -114,6 +118,7 @@ class EngineConfig:
     logit_bias: bool = attrs.field(default=False, converter=_FLAG)
     penalties: bool = attrs.field(default=False, converter=_FLAG)
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
+    free_window_pages: bool = attrs.field(default=True, converter=_FLAG)
     compile_stages: tuple[str, ...] = attrs.field(default=(), converter=check_stages)
 
     def __attrs_post_init__(self) -> None:
@@ -151,6 +156,13 @@ class Engine:
     eos_token_ids: tuple[int, ...]
     owner: Cell = attrs.field(factory=lambda: Cell(None))
     prefix_index: Cell = attrs.field(factory=lambda: Cell(PrefixIndex()))
+    #: How far back from its own position any query of the engine's models reads the KV
+    #: cache, where a request's pages wholly before that go back to the pool as it decodes
+    #: (:func:`kv_window`); computed once, when the engine is built (the scheduler reads it
+    #: for every request of every step).
+    kv_window: int | None = attrs.field(
+        init=False, default=attrs.Factory(lambda engine: kv_window(engine), takes_self=True)
+    )
 
     @property
     def device(self) -> torch.device:
@@ -200,6 +212,28 @@ _PREFIX_EXACT = frozenset({"plain", "ngram", "frozen_kv_mtp", "dflash", "dspark"
 #: The EAGLE family and STANDALONE (adaptive included): their heads pair entry ``i`` with token
 #: ``i + 1 - ahead``.
 _PREFIX_PAIRED = frozenset({"eagle", "eagle3", "mtp", "nextn", "standalone", "adaptive"})
+
+
+def kv_window(engine: Engine) -> int | None:
+    """How far back from its own position any query of the engine's models reads the KV
+    cache, when a request's pages wholly before that go back to the pool as it decodes
+    (``docs/sliding_window.md``): every attention layer of the target and of the draft is
+    windowed (``models.decoder.widest_window``: Mistral with ``sliding_window``, Qwen3-MoE
+    with ``use_sliding_window``, and EAGLE, MTP or standalone drafts of the same kind; not
+    gpt-oss's or Qwen's full layers, nor EAGLE-3's Llama midlayer) and the pipeline keeps
+    its caches filled up to the last emitted token (plain, n-gram and the EAGLE
+    composition; not adaptive speculation, block or frozen-KV drafts). None otherwise, or with
+    ``EngineConfig.free_window_pages`` off: every page is kept until the request ends."""
+    if not engine.config.free_window_pages or engine.pipeline.name not in _WINDOW_PAGED:
+        return None
+    models = [m for m in (engine.resources.target, engine.resources.draft) if m is not None]
+    windows = [widest_window(m) if isinstance(m, torch.nn.Module) else None for m in models]
+    return None if None in windows else max(windows)
+
+
+#: Pipelines whose caches hold every token but the last emitted one (``kv.seq_lens``), so that a
+#: round's queries sit at that length or later (:attr:`Engine.kv_window`).
+_WINDOW_PAGED = frozenset({"plain", "ngram", "eagle", "eagle3", "mtp", "nextn", "standalone"})
 
 
 def reserved_lookahead(pipeline: Pipeline, overlap: bool) -> int:
@@ -499,6 +533,7 @@ def engine_from_model(
     penalties: bool = False,
     prefix_cache: bool = True,
     compile_stages: tuple[str, ...] = (),
+    free_window_pages: bool = True,
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -511,8 +546,9 @@ def engine_from_model(
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
     requests carry a logit bias, ``penalties`` penalties and ``min_tokens``, ``prefix_cache``
-    lets requests reuse cached prompt prefixes, ``compile_stages`` compiles parts of each
-    decoding round with ``torch.compile`` (:class:`EngineConfig`).
+    lets requests reuse cached prompt prefixes, ``free_window_pages`` returns pages outside
+    a sliding window to the pool, ``compile_stages`` compiles parts of each decoding round
+    with ``torch.compile`` (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -538,6 +574,7 @@ def engine_from_model(
         penalties=penalties,
         prefix_cache=prefix_cache,
         compile_stages=compile_stages,
+        free_window_pages=free_window_pages,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)

@@ -86,6 +86,7 @@ __all__ = [
     "restore",
     "is_idle",
     "pages_needed",
+    "pages_reserved",
     "host_stats",
     "warm_up",
 ]
@@ -278,6 +279,9 @@ class Request:
     ``output`` holds every token emitted up to the one that completed a stop string (vLLM's
     ``token_ids`` too); ``include_stop_str_in_output`` says whether the request's text keeps
     the stop string (``generate``'s ``Generation.text`` ends before it unless so).
+    ``pages`` are its page-table entries (page ``j`` holds tokens ``j * page_size`` on); an
+    entry of ``PADDING_PAGE`` is one let go of, wholly outside the sliding window of every
+    later query (``Engine.kv_window``).
     ``state_slot`` is its slot in a hybrid model's recurrent pool, held like its ``pages``
     while it is admitted (0, the padding slot, otherwise and for models without one).
     ``cached_tokens`` counts the prompt tokens whose KV pages came from the prefix cache
@@ -463,10 +467,56 @@ def _check_owner(engine: Engine, state: SchedulerState, action: str) -> None:
 
 
 def pages_needed(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
-    """Pages reserved for a request: its whole token budget plus the engine's lookahead (the
-    pipeline's, and one more round when overlapped)."""
+    """Pages a request's whole token budget spans, plus the engine's lookahead (the
+    pipeline's, and one more round when overlapped): its page-table entries."""
     tokens = min(prompt_len + max_new_tokens, engine.config.max_context)
     return math.ceil((tokens + engine.kv_lookahead) / engine.config.page_size)
+
+
+def pages_reserved(engine: Engine, prompt_len: int, max_new_tokens: int) -> int:
+    """Pages a request may hold at once: :func:`pages_needed`, or, where pages outside the
+    window go back to the pool (``Engine.kv_window``), at most the pages one launch spans
+    (:func:`_window_pages`): the window's keys before its first query and what it writes, a
+    prefill chunk or a round's lookahead."""
+    need = pages_needed(engine, prompt_len, max_new_tokens)
+    window = engine.kv_window
+    if window is None:
+        return need
+    chunk = min(engine.config.prefill_budget, prompt_len) + _ahead(engine)
+    span = max(window + engine.kv_lookahead, window - 1 + chunk)
+    # A span of n slots starting anywhere in a page touches at most this many pages.
+    page_size = engine.config.page_size
+    return min(need, (span + 2 * page_size - 2) // page_size)
+
+
+def _ahead(engine: Engine) -> int:
+    """Entries the draft's cache holds past the target's (a standalone draft's 1), which a
+    prefill chunk writes past its tokens."""
+    return getattr(engine.resources.draft, "ahead", 0)
+
+
+def _window_pages(engine: Engine, window: int, request: Request) -> tuple[int, int]:
+    """The page-table entries ``[first, end)`` the next launch for ``request`` may read or
+    write on an engine whose queries read ``window`` keys back (``Engine.kv_window``).
+
+    A prefill chunk's queries start at ``prefilled``; a round's at the cache's length or
+    later, which is at least every emitted token but the last (overlapped, a round still in
+    flight has moved it on by what it emits, which the lookahead covers). A query sees itself
+    and the ``window - 1`` keys before it, so the entries before ``first`` are read by no later
+    launch (each starts at or after this one's first query): their pages can go back to the
+    pool. ``end`` covers the slots the launch may write: the chunk (and the entry after it of a
+    draft that runs ahead), or the engine's lookahead past the cache, within the request's
+    whole budget (:func:`pages_needed`)."""
+    if request.prefilled < len(request.prompt):
+        start = request.prefilled
+        chunk = min(len(request.prompt) - start, engine.config.prefill_budget)
+        end = start + chunk + _ahead(engine)
+    else:
+        start = len(request.prompt) + len(request.output) - 1
+        end = start + 1 + engine.kv_lookahead
+    page_size = engine.config.page_size
+    last = pages_needed(engine, len(request.prompt), request.max_new_tokens)
+    return max(0, start - window + 1) // page_size, min(math.ceil(end / page_size), last)
 
 
 def _token_ids(field: str, values: object, vocab: int) -> tuple[int, ...]:
@@ -506,7 +556,7 @@ def _validate(engine: Engine, prompt: tuple[int, ...], max_new: int) -> None:
             f"prompt of {len(prompt)} tokens leaves no room in the context of {context} tokens; "
             "shorten the prompt or raise max_context"
         )
-    need = pages_needed(engine, len(prompt), max_new)
+    need = pages_reserved(engine, len(prompt), max_new)
     if need > engine.config.num_pages - 1:
         raise KVPoolExhausted(
             f"the request needs {need} KV pages but the pool has only "
@@ -660,7 +710,8 @@ def _release_pages(state: SchedulerState, requests: list[Request]) -> SchedulerS
     holder and stay cached (``state.prefix.release``), the others are freed in one call (a call
     scans the free stack once); a hybrid model's state slots are freed (a waiting request holds
     neither)."""
-    index, private = release(state.prefix, [p for request in requests for p in request.pages])
+    pages = [p for request in requests for p in request.pages if p != PADDING_PAGE]
+    index, private = release(state.prefix, pages)
     allocator = free(state.allocator, torch.tensor(private, dtype=torch.int64))
     slots, held = state.state_slots, [r.state_slot for r in requests if r.state_slot]
     if slots is not None and held:
@@ -704,33 +755,64 @@ def _drop_rows(engine: Engine, batch: Any, size: int, drop: list[int]) -> Any:
     return take_rows(batch, _rows(engine, keep)) if keep else None
 
 
+def _take_pages(
+    allocator: PageAllocator, index: PrefixIndex, count: int
+) -> tuple[PageAllocator, PrefixIndex, tuple[int, ...]]:
+    """``count`` pages off the free stack, the least recently used reclaimable cached pages
+    evicted first when free ones run short (:class:`KVPoolExhausted` when even that is not
+    enough)."""
+    short = min(count - int(allocator.num_free), reclaimable(index))
+    index, evicted = evict(index, short)
+    if evicted:
+        allocator = free(allocator, torch.tensor(evicted, dtype=torch.int64))
+    allocator, pages = allocate(allocator, max(count, 0))
+    return allocator, index, tuple(pages.tolist())
+
+
+def _reserved(engine: Engine, requests: tuple[Request, ...]) -> int:
+    """The pages ``requests`` may hold at once, together (:func:`pages_reserved`)."""
+    return sum(pages_reserved(engine, len(r.prompt), r.max_new_tokens) for r in requests)
+
+
 def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
     """Move waiting requests, first come first served, to prefilling while pages and slots last.
 
     A request whose prompt starts with cached pages shares them (its page table points at them)
     and is prefilled after them; it is given pages of its own for the rest. Cached pages no
     request holds count as room: the least recently used are evicted when free pages run out.
+
+    Where pages outside the window go back to the pool (``Engine.kv_window``), a request takes
+    its pages launch by launch (:func:`_slide_windows`), and is admitted while the pages every
+    live request may hold at once (:func:`pages_reserved`) fit the pool, so that none of them
+    ever waits for a page: the pool less what the requests hold is at least what they may
+    still take, whoever shares which cached page. It shares only the cached pages its
+    window reads.
     """
     allocator, index, slots, admitted = state.allocator, state.prefix, state.state_slots, []
     room = engine.config.max_batch - len(state.prefilling) - len(state.running)
+    window, page_size = engine.kv_window, engine.config.page_size
+    reserved = _reserved(engine, (*state.prefilling, *state.running))
     for request in state.waiting:
         shared = _cached_prefix(engine, index, request)
-        need = pages_needed(engine, len(request.prompt), request.max_new_tokens) - len(shared)
-        held = acquire(index, shared)  # first, so the eviction below spares them
-        free_now = int(allocator.num_free)
-        if len(admitted) >= room or need > free_now + reclaimable(held):
-            break
-        index, evicted = evict(held, need - free_now)
-        if evicted:
-            allocator = free(allocator, torch.tensor(evicted, dtype=torch.int64))
-        allocator, pages = allocate(allocator, need)
-        cached = len(shared) * engine.config.page_size
         request = attrs.evolve(
-            request,
-            pages=shared + tuple(pages.tolist()),
-            prefilled=cached,
-            cached_tokens=cached,
+            request, prefilled=len(shared) * page_size, cached_tokens=len(shared) * page_size
         )
+        if len(admitted) >= room:
+            break
+        if window is None:
+            need = pages_needed(engine, len(request.prompt), request.max_new_tokens) - len(shared)
+            held = acquire(index, shared)  # first, so the eviction below spares them
+            if need > int(allocator.num_free) + reclaimable(held):
+                break
+            allocator, index, own = _take_pages(allocator, held, need)
+            request = attrs.evolve(request, pages=shared + own)
+        else:
+            reserved += pages_reserved(engine, len(request.prompt), request.max_new_tokens)
+            if reserved > engine.config.num_pages - 1:
+                break
+            first, _ = _window_pages(engine, window, request)
+            index = acquire(index, shared[first:])
+            request = attrs.evolve(request, pages=(PADDING_PAGE,) * first + shared[first:])
         if slots is not None:  # max_batch bounds the admitted requests: a slot is free
             slots, slot = allocate(slots, 1)
             request = attrs.evolve(request, state_slot=int(slot[0]))
@@ -743,6 +825,40 @@ def _admit(engine: Engine, state: SchedulerState) -> SchedulerState:
         state_slots=slots,
         prefix=index,
     )
+
+
+def _slide_windows(engine: Engine, state: SchedulerState, group: str) -> SchedulerState:
+    """``state`` with each request of ``group`` (``"prefilling"`` or ``"running"``) holding the
+    pages of its next launch (:func:`_window_pages`), where pages outside the window go back to
+    the pool (``Engine.kv_window``; otherwise ``state`` itself).
+
+    The pages wholly before the window are let go of (a cached page loses a holder and stays
+    cached, the others are freed) and their entries point at the padding sink, which no query
+    reads: every key there lies outside its window. The pages the launch may write are taken
+    from the pool (:func:`_take_pages`; admission saw to it that they are there). The batch's
+    rows of running requests get their new page tables."""
+    window = engine.kv_window
+    if window is None:
+        return state
+    allocator, index, requests = state.allocator, state.prefix, []
+    for request in getattr(state, group):
+        first, end = _window_pages(engine, window, request)
+        pages = request.pages
+        index, private = release(index, [p for p in pages[:first] if p != PADDING_PAGE])
+        if private:
+            allocator = free(allocator, torch.tensor(private, dtype=torch.int64))
+        kept = tuple(PADDING_PAGE if j < first else p for j, p in enumerate(pages))
+        kept += (PADDING_PAGE,) * (first - len(kept))
+        allocator, index, new = _take_pages(allocator, index, end - len(kept))
+        requests.append(attrs.evolve(request, pages=kept + new))
+    changed = any(r.pages != old.pages for r, old in zip(requests, getattr(state, group)))
+    state = attrs.evolve(state, allocator=allocator, prefix=index, **{group: tuple(requests)})
+    if group == "running" and changed:
+        table = to_device(_page_table(engine, state.running), engine.device)
+        state = attrs.evolve(
+            state, batch=replace(state.batch, kv=replace(state.batch.kv, page_table=table))
+        )
+    return state
 
 
 def _page_table(engine: Engine, requests: tuple[Request, ...]) -> torch.Tensor:
@@ -1037,6 +1153,7 @@ def _launch_decode(
     """Launch a decoding round for every running request; the batch moves one round on."""
     if not state.running:
         return state, ()
+    state = _slide_windows(engine, state, "running")
     batch = replace(state.batch, sampling=_constrained(engine, state.running, state.batch.sampling))
     batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
@@ -1050,6 +1167,7 @@ def _launch_prefill(
     (their rows are appended to the batch); their first tokens are collected like a round's."""
     if not state.prefilling:
         return state, ()
+    state = _slide_windows(engine, state, "prefilling")
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
     chosen = state.prefilling[: chunk.tokens.shape[0]]  # the chunk's rows: the first ones
     chunk = replace(chunk, sampling=_constrained(engine, chosen, chunk.sampling))
@@ -1286,7 +1404,8 @@ def warm_up(engine: Engine, prompt_len: int = 8, max_new_tokens: int = 16) -> No
 def _held_pages(state: SchedulerState) -> torch.Tensor:
     """Every page the state's requests or its prefix cache hold, once each."""
     pages = [p for r in (*state.prefilling, *state.running) for p in r.pages]
-    return torch.tensor(sorted({*pages, *state.prefix.cached}), dtype=torch.int64)
+    held = {*pages, *state.prefix.cached} - {PADDING_PAGE}  # freed entries hold no page
+    return torch.tensor(sorted(held), dtype=torch.int64)
 
 
 def take_snapshot(engine: Engine, state: SchedulerState) -> Snapshot:
@@ -1382,6 +1501,7 @@ def _engine_shape(engine: Engine) -> tuple[tuple[str, Any], ...]:
         ("max_logprobs", config.max_logprobs),
         ("penalties", config.penalties),
         ("prefix_lookahead", engine.prefix_lookahead),
+        ("kv_window", engine.kv_window),
         *pools,
         ("cells", tuple(type(cell.value).__name__ for cell in resources.cells)),
         *_static_items("pipeline", engine.pipeline),

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from speculum.state.kv import PADDING_PAGE
+
 __all__ = [
     "CachedPage",
     "PrefixIndex",
@@ -116,8 +118,13 @@ def _counted(index: PrefixIndex, pages: Iterable[int], change: int) -> PrefixInd
 def register(index: PrefixIndex, keys: Sequence[bytes], pages: Sequence[int]) -> PrefixIndex:
     """``index`` with block ``j``'s page ``pages[j]`` cached under ``keys[j]``, held by the
     request that wrote it, for every block whose key is not cached yet (a block another request
-    cached first stays the writer's own, private page)."""
-    new = [(j, k, p) for j, (k, p) in enumerate(zip(keys, pages)) if k not in index.pages]
+    cached first stays the writer's own, private page). An entry of ``PADDING_PAGE`` (a block
+    the request has let go of, outside its sliding window) holds no page and is skipped."""
+    new = [
+        (j, k, p)
+        for j, (k, p) in enumerate(zip(keys, pages))
+        if k not in index.pages and p != PADDING_PAGE
+    ]
     if not new:
         return index
     by_key, cached, clock = dict(index.pages), dict(index.cached), index.clock

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from heads import agreeing_head, assert_sampled_snapshot_replays, pipeline_engine
+from heads import (
+    agreeing_head,
+    assert_sampled_snapshot_replays,
+    pipeline_engine,
+    transformers_greedy,
+)
 from safetensors.torch import load_file, save_file
 
 from speculum import kernels
@@ -135,12 +140,7 @@ def test_greedy_decoding_past_the_window_equals_transformers_generate(
     are transformers' ``generate`` tokens; the same weights without the windows, or without
     the sinks, give other tokens."""
     hf, _ = hf_checkpoint
-    expected = [
-        hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
+    expected = transformers_greedy(hf, PROMPTS, NEW_TOKENS)
 
     def decode(model) -> list[list[int]]:
         engine = engine_from_model(model, page_size=4, max_context=64, prefill_budget=7)

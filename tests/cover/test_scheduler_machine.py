@@ -2,7 +2,10 @@
 rule against a plain Python model of what each request must produce (an engine without the prefix
 cache, alone); a state value a later step replaced is refused, and trying it changes nothing.
 Prompts share prefixes, so the prefix cache hits, fills and evicts: no page is freed while a
-request holds it, no cached page is written, and an idle engine's pages are all reclaimable."""
+request holds it, no cached page is written, and an idle engine's pages are all reclaimable. On a
+target whose every layer is windowed, pages outside the window go back to the pool as requests
+decode, in a pool too small to keep them all: the same holds, with the model decoded keeping
+every page, and no request holds more than its reservation."""
 
 from __future__ import annotations
 
@@ -29,9 +32,13 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
 from speculum.state import tree_equal
-from speculum.state.kv import allocated_pages
+from speculum.state.kv import PADDING_PAGE, allocated_pages
 
 MODEL = random_model(tiny_config(), seed=0, std=0.3)
+#: Every layer windowed (2 keys): pages wholly before a request's window are freed.
+WINDOWED = random_model(
+    tiny_config(architecture="MistralForCausalLM", sliding_window=2), seed=0, std=0.3
+)
 LIMITS = {"page_size": 4, "max_context": 40, "prefill_budget": 6, "max_batch": 3}
 #: Two prefixes of several pages (page size 4), whole and extended: prompts hit their pages.
 PROMPTS = [
@@ -46,13 +53,22 @@ _alone_cache: dict = {}
 
 
 def alone(
-    prompt: tuple[int, ...], max_new: int, sampling: scheduler.Sampling, options: tuple = ()
+    prompt: tuple[int, ...],
+    max_new: int,
+    sampling: scheduler.Sampling,
+    options: tuple = (),
+    target=MODEL,
+    page_size: int = 4,
 ) -> tuple[int, ...]:
-    """What a request yields when it is the only one, on an engine without the prefix cache
-    built with ``options`` (``(name, value)`` pairs): the model's ground truth."""
-    key = (prompt, max_new, sampling, options)
+    """What a request yields when it is the only one, on an engine over ``target`` without
+    the prefix cache, keeping every page, built with ``options`` (``(name, value)`` pairs)
+    and pages of ``page_size``: the model's ground truth."""
+    key = (prompt, max_new, sampling, options, target, page_size)
     if key not in _alone_cache:
-        engine = engine_from_model(MODEL, prefix_cache=False, **LIMITS, **dict(options))
+        limits = LIMITS | {"page_size": page_size}
+        engine = engine_from_model(
+            target, prefix_cache=False, free_window_pages=False, **limits, **dict(options)
+        )
         state, _ = scheduler.add_request(
             engine, scheduler.new_state(engine), prompt, sampling=sampling, max_new_tokens=max_new
         )
@@ -77,10 +93,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     snapshots = Bundle("snapshots")
     #: The engine's pipeline, as ``engine_from_model``'s ``(name, value)`` pairs (plain here).
     options: tuple = ()
+    target = MODEL
+    page_size, num_pages = 4, 8
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = engine_from_model(MODEL, num_pages=8, **LIMITS, **dict(self.options))
+        limits = LIMITS | {"page_size": self.page_size}
+        self.engine = engine_from_model(
+            self.target, num_pages=self.num_pages, **limits, **dict(self.options)
+        )
         self.state = scheduler.new_state(self.engine)
         self.model: dict[int, Expected] = {}
         # The state value the last step replaced (its pages have been written since).
@@ -102,7 +123,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state, rid = scheduler.add_request(
             self.engine, self.state, prompt, sampling=sampling, max_new_tokens=max_new
         )
-        self.model[rid] = Expected(tokens=alone(prompt, max_new, sampling, self.options))
+        expected = alone(prompt, max_new, sampling, self.options, self.target, self.page_size)
+        self.model[rid] = Expected(tokens=expected)
 
     def cached_contents(self):
         """Each cached page's registration and K/V (target and draft pools)."""
@@ -168,7 +190,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         many as its count says), or free; none is freed while held."""
         live = self.state.prefilling + self.state.running
         cached = self.state.prefix.cached
-        own = [p for r in live for p in r.pages if p not in cached]
+        own = [p for r in live for p in r.pages if p not in cached and p != PADDING_PAGE]
         assert len(own) == len(set(own)), "a page not cached is held by two requests"
         assert set(own) | set(cached) == allocated_pages(self.state.allocator), "a page leaked"
         holders = Counter(p for r in live for p in r.pages if p in cached)
@@ -230,6 +252,30 @@ class EagleMachine(SchedulerMachine):
 
 EagleMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 test_eagle_state_machine = EagleMachine.TestCase
+
+
+class WindowMachine(SchedulerMachine):
+    """The machine on a target whose every layer is windowed, with pages of 2: a request
+    holds only the pages its window reads (4 of the pool's 11 at most, where keeping its whole
+    budget would take up to 10), cached prompt pages outside a window lose their holder but
+    stay cached."""
+
+    target = WINDOWED
+    page_size, num_pages = 2, 12
+
+    @invariant()
+    def requests_hold_only_their_window(self):
+        assert self.engine.kv_window == 2
+        for request in self.state.prefilling + self.state.running:
+            held = [p for p in request.pages if p != PADDING_PAGE]
+            reserved = scheduler.pages_reserved(
+                self.engine, len(request.prompt), request.max_new_tokens
+            )
+            assert len(held) <= reserved <= 4
+
+
+WindowMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+test_window_state_machine = WindowMachine.TestCase
 
 
 def test_model_ground_truth_is_not_degenerate():

@@ -11,7 +11,13 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
-from heads import agreeing_head, assert_sampled_snapshot_replays, markov_target, pipeline_engine
+from heads import (
+    agreeing_head,
+    assert_sampled_snapshot_replays,
+    markov_target,
+    pipeline_engine,
+    transformers_greedy,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import page_sizes, prefill_budgets, prompt_batches
@@ -128,12 +134,7 @@ def test_greedy_decoding_past_the_window_equals_transformers_generate(hf_checkpo
     matches."""
     _, hf, folder = hf_checkpoint
     model = load_model(folder)
-    expected = [
-        hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in PROMPTS
-    ]
+    expected = transformers_greedy(hf, PROMPTS, NEW_TOKENS)
 
     def decode() -> list[list[int]]:
         engine = engine_from_model(model, page_size=4, max_context=64, prefill_budget=7)

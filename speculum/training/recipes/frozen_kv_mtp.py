@@ -66,9 +66,10 @@ def target_kv(
     kv = []
     with torch.no_grad():
         for s in sources:
-            x = captured[s - 1] if s > 0 else target.model.embed_tokens(windows)
+            x = captured[s - 1] if s > 0 else target.embed(windows)
             layer = target.model.layers[s]
-            kv.append(layer.self_attn.keys_values(layer.input_layernorm(x), batch, target.inv_freq))
+            inv_freq = target.layer_inv_freq(s)
+            kv.append(layer.self_attn.keys_values(layer.input_layernorm(x), batch, inv_freq))
     return kv
 
 
