@@ -780,30 +780,33 @@ def _constrained(
     engine: Engine, requests: tuple[Request, ...], sampling: SamplingParams
 ) -> SamplingParams:
     """``sampling`` (the rows of ``requests``) with a grammar callback when a request has a
-    grammar (``SamplingParams.grammar``, :func:`_allowed`), as it is otherwise."""
+    grammar (``SamplingParams.grammar``, :func:`_bitmasks`), as it is otherwise."""
     if all(r.constraint is None for r in requests):
         return sampling
     vocab = engine.resources.target.config.vocab_size
-    allowed = functools.partial(_allowed, requests, vocab, engine.device)
-    return replace(sampling, grammar=allowed)
+    masks = functools.partial(_bitmasks, requests, vocab, engine.device)
+    return replace(sampling, grammar=masks)
 
 
-def _allowed(
+def _bitmasks(
     requests: tuple[Request, ...], vocab: int, device: torch.device, paths: torch.Tensor
 ) -> torch.Tensor:
     """Which tokens each request's grammar allows after its output so far followed by each of
     its ``paths`` (``paths[b, ..., :]``: row ``b``'s draft tokens on a tree path, padding -1),
-    as bools ``[batch, ..., vocab]`` on ``device``; all True for a request without a grammar.
-    The host work of a round with a grammar (``docs/request_controls.md``)."""
+    as int32 bitmasks ``[batch, ..., words]`` packed as xgrammar packs them
+    (``spec.sampling.unpack_bitmask`` reads them), on ``device``; all ones for a request
+    without a grammar. The host work of a round with a grammar: xgrammar writes every row
+    into one host tensor, copied to the device at once (``docs/request_controls.md``)."""
     host = paths.cpu()
-    allowed = torch.ones(*host.shape[:-1], vocab, dtype=torch.bool)
+    rows = math.prod(host.shape[1:-1])
+    packed = torch.full((host.shape[0] * rows, structured.words(vocab)), -1, dtype=torch.int32)
     for b, request in enumerate(requests):
         if request.constraint is None:
             continue
-        flat = host[b].reshape(math.prod(host.shape[1:-1]), host.shape[-1])
-        rows = [structured.allowed(request.constraint, request.output + _path(p)) for p in flat]
-        allowed[b] = torch.stack(rows).reshape(*host.shape[1:-1], vocab)
-    return to_device(allowed, device)
+        for i, path in enumerate(host[b].reshape(rows, host.shape[-1])):
+            output = request.output + _path(path)
+            structured.fill_bitmask(request.constraint, output, packed, b * rows + i)
+    return to_device(packed.reshape(*host.shape[:-1], -1), device)
 
 
 def _path(tokens: torch.Tensor) -> tuple[int, ...]:

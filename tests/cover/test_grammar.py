@@ -27,6 +27,7 @@ from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
+from speculum.spec.sampling import unpack_bitmask
 
 pytest.importorskip("xgrammar")
 
@@ -202,7 +203,9 @@ def test_a_constrained_round_asks_the_grammar_along_every_tree_path():
     state, rid = scheduler.add_request(built, state, [1], sampling=sampling)
     (request,) = state.waiting
     paths = torch.tensor([[[-1, -1], [1, -1], [1, 2]]])  # root, "1", "12"
-    allowed = scheduler._allowed((request,), VOCAB, torch.device("cpu"), paths)
+    packed = scheduler._bitmasks((request,), VOCAB, torch.device("cpu"), paths)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 3, 1)  # 16 tokens: one word
+    allowed = unpack_bitmask(packed, VOCAB)
     assert allowed[0, 0].nonzero().flatten().tolist() == [1]
     assert allowed[0, 1].nonzero().flatten().tolist() == [2, 13]  # "2" or "-"
     assert allowed[0, 2].nonzero().flatten().tolist() == [EOS]
