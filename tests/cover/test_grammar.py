@@ -237,3 +237,54 @@ def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
     ]:
         status, out, err = run_cli(capsys, *common, flag, bad)
         assert status == 2 and out == "" and flag in err and words in err, err
+
+
+def _legal(compiled, tokens) -> bool:
+    """Whether the grammar accepts ``tokens`` one by one, up to its end or a dead end (tokens
+    after the grammar's EOS are never emitted, and where the grammar allows no token of the
+    vocabulary, "a4" wanting a "b" the character tokenizer lacks, nothing can be chosen)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, VOCAB)
+    for token in tokens:
+        if matcher.is_terminated():
+            return True
+        matcher.fill_next_token_bitmask(bitmask)
+        if not unpack_bitmask(bitmask, VOCAB).any():
+            return True
+        if not matcher.accept_token(token):
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "name, temperature",
+    [
+        ("eagle chain", 0.0),
+        ("mtp", 0.0),
+        ("multi_layer_eagle", 0.0),
+        ("dflash", 0.0),
+        ("eagle3 sampled drafts", 1.0),
+    ],
+)
+def test_drafts_are_masked_by_the_grammar_along_their_path(name, temperature, monkeypatch):
+    """Every path a round asks the grammar about (the drafted chains, each node's prefix) is
+    one the grammar allows: drafts are masked before they are chosen, so a chain never
+    proposes a token its target must reject for the grammar's sake."""
+    from speculum.runtime import grammar as structured
+
+    asked = []
+    fill = structured.fill_bitmask
+
+    def recording(c, output, bitmask, index):
+        asked.append((c.compiled, output))
+        fill(c, output, bitmask, index)
+
+    monkeypatch.setattr(structured, "fill_bitmask", recording)
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    generate(mix, engine=grammar_engine(name), temperature=temperature, max_new_tokens=16)
+    drafted = [output for _, output in asked if len(output) > 1]
+    assert drafted, "no round asked about a drafted path"
+    illegal = [output for compiled, output in asked if not _legal(compiled, output)]
+    assert illegal == []
