@@ -239,9 +239,7 @@ def reads_path(sampling: SamplingParams) -> bool:
     return penalizing(sampling.penalties) or sampling.grammar is not None
 
 
-def unpack_bitmask(
-    packed: Int[Tensor, "*rows words"], vocab: int
-) -> Bool[Tensor, "*rows vocab"]:
+def unpack_bitmask(packed: Int[Tensor, "*rows words"], vocab: int) -> Bool[Tensor, "*rows vocab"]:
     """The bools of int32 bitmasks packed as xgrammar packs them (token ``t`` is bit ``t % 32``
     of word ``t // 32``), cut to ``vocab`` tokens. Pure tensor code: it runs on the device, so
     a round copies the packed words (1 bit a token) rather than a byte a token."""

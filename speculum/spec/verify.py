@@ -70,9 +70,7 @@ def verify_tree(
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
-        tree_path_tokens(tree, ancestors)
-        if reads_path(sampling)
-        else None,
+        tree_path_tokens(tree, ancestors) if reads_path(sampling) else None,
         sampling.grammar,
     )
     target_probs = filtered_probs(logits, sampling)
