@@ -288,3 +288,41 @@ def test_drafts_are_masked_by_the_grammar_along_their_path(name, temperature, mo
     assert drafted, "no round asked about a drafted path"
     illegal = [output for compiled, output in asked if not _legal(compiled, output)]
     assert illegal == []
+
+
+def test_packed_masks_mask_exactly_as_xgrammars_dense_application():
+    """The packed int32 rows the scheduler copies, unpacked on the device, forbid exactly the
+    tokens xgrammar's own mask application does, over a vocabulary that is not a multiple of
+    32 (the last word's spare bits ignored)."""
+    import xgrammar
+
+    from speculum.runtime import grammar as structured
+    from speculum.spec.sampling import grammar_logits
+
+    vocab, words = 70, structured.words(70)
+    info = xgrammar.TokenizerInfo([str(i % 10).encode() for i in range(vocab)], vocab_size=vocab)
+    compiled = xgrammar.GrammarCompiler(info).compile_regex("[0-4]{2}[5-9]")
+    c = structured.Constraint(field="regex", compiled=compiled, vocab=vocab)
+    outputs = [(), (1,), (1, 12), (1, 12, 5), (7,)]  # ids: digit = id % 10; (7,) leaves it
+    packed = torch.zeros(len(outputs), words, dtype=torch.int32)
+    for i, output in enumerate(outputs):
+        structured.fill_bitmask(c, output, packed, i)
+    logits = torch.randn(len(outputs), vocab, generator=torch.Generator().manual_seed(0))
+    masked = grammar_logits(logits[:, None], lambda paths: packed[:, None])[:, 0]
+    dense = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(dense, packed)
+    assert torch.equal(masked, dense)
+    assert unpack_bitmask(packed, vocab)[4].all()  # no mask after a token the grammar forbids
+    allowed = unpack_bitmask(packed, vocab)[0].nonzero().flatten().tolist()
+    assert allowed == [i for i in range(vocab) if i % 10 <= 4]
+
+
+def test_a_mask_cut_pads_the_rounds_masks_to_the_bucket():
+    """Eagerly (warm-up, and at a replay's cuts) the captured round's grammar callback asks
+    the round's own for its real rows and allows every token on the padding rows."""
+    from speculum.runtime.graphs import MaskCut
+
+    cut = MaskCut(fill=lambda paths: torch.zeros(*paths.shape[:-1], 3, dtype=torch.int32), rows=2)
+    masks = cut(torch.full((4, 5, 2), -1))
+    assert masks.shape == (4, 5, 3) and cut.words == 3
+    assert (masks[:2] == 0).all() and (masks[2:] == -1).all()
