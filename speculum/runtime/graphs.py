@@ -101,6 +101,19 @@ def capture(
     with arguments whose writes are harmless, e.g. rows on the padding page). ``pool`` shares
     graph memory between captures (``torch.cuda.graph_pool_handle()``).
     """
+    inputs, spec, side = _warmed_up(fn, args, warmup)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
+    return Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+
+
+def _warmed_up(
+    fn: Callable[..., Any], args: tuple[Any, ...], warmup: int
+) -> tuple[tuple[Any, ...], pytree.TreeSpec, torch.cuda.Stream]:
+    """Static copies of ``args``' leaves, their treespec, and the side stream on which
+    ``fn`` was called ``warmup`` times over them (cuBLAS handles, Triton compilation)."""
     leaves, spec = pytree.tree_flatten(args)
     inputs = tuple(x.clone() if isinstance(x, Tensor) else x for x in leaves)
     side = torch.cuda.Stream()
@@ -108,11 +121,7 @@ def capture(
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn(*pytree.tree_unflatten(list(inputs), spec))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
-    return Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+    return inputs, spec, side
 
 
 def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
@@ -253,13 +262,8 @@ def capture_cut(
     in graphs and leaves the host one device-to-host read of the path tokens and one packed
     host-to-device copy per ask. The graphs share ``pool`` and replay in the order recorded,
     so a tensor one makes and a later one reads keeps its address."""
-    leaves, spec = pytree.tree_flatten(args)
-    inputs = tuple(x.clone() if isinstance(x, Tensor) else x for x in leaves)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    inputs, spec, side = _warmed_up(fn, args, warmup)
     with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*pytree.tree_unflatten(list(inputs), spec))
         torch.cuda.synchronize()
         graphs, cuts = [torch.cuda.CUDAGraph()], []
         cut.recording = (graphs, cuts, pool)

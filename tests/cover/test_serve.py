@@ -637,6 +637,21 @@ def test_models_and_health(main_url) -> None:
     assert httpx.get(f"{main_url}/health").json() == {"status": "ok"}
 
 
+def assert_serves_json_objects(url: str) -> None:
+    """A greedy ``json_object`` completion from the server at ``url`` is a JSON object (or,
+    cut at its token limit, the start of one)."""
+    shaped = client(url).completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=64,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    choice = shaped.choices[0]
+    assert choice.text.startswith("{")
+    assert choice.finish_reason == "length" or isinstance(json.loads(choice.text), dict)
+
+
 def test_overlapped_serving_equals_generate_and_cancels_cleanly(folders, monkeypatch) -> None:
     """Overlap scheduling (the default on CUDA): concurrent greedy requests get ``generate``'s
     tokens, and a stream dropped after its first token is cancelled while a round of it is in
@@ -664,16 +679,7 @@ def test_overlapped_serving_equals_generate_and_cancels_cleanly(folders, monkeyp
         assert asyncio.run(all_of_them()) == [list(r.token_ids) for r in expected]
         # Structured output is served overlapped too: each round's masks follow the tokens of
         # the round still in flight.
-        shaped = client(url).completions.create(
-            model="tiny",
-            prompt="x",
-            max_tokens=64,
-            temperature=0,
-            extra_body={"response_format": {"type": "json_object"}},
-        )
-        choice = shaped.choices[0]
-        assert choice.text.startswith("{")
-        assert choice.finish_reason == "length" or isinstance(json.loads(choice.text), dict)
+        assert_serves_json_objects(url)
         wait_for(lambda: idle(url))
         steps, limited, step = threading.Semaphore(2), threading.Event(), scheduler.step
 

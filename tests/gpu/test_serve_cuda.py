@@ -6,10 +6,14 @@ served overlapped, through captured rounds cut at its masks."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from cover.test_serve import PROMPTS, client, ids_by_choice, running
+from cover.test_serve import (
+    PROMPTS,
+    assert_serves_json_objects,
+    client,
+    ids_by_choice,
+    running,
+)
 
 from speculum.runtime.default_model import write_tiny_model
 from speculum.runtime.generate import engine_for, generate
@@ -54,13 +58,4 @@ def test_controls_over_http_on_cuda_equal_generate(tmp_path) -> None:
             assert choice.logprobs.token_logprobs == pytest.approx(
                 [e["logprob"] for e in want.logprobs], abs=1e-3
             )
-        shaped = client(url).completions.create(
-            model="tiny",
-            prompt="x",
-            max_tokens=64,
-            temperature=0,
-            extra_body={"response_format": {"type": "json_object"}},
-        )
-        choice = shaped.choices[0]
-        assert choice.text.startswith("{")
-        assert choice.finish_reason == "length" or isinstance(json.loads(choice.text), dict)
+        assert_serves_json_objects(url)
