@@ -475,7 +475,7 @@ def test_response_format_and_guided_regex_constrain_the_output(main_url, folders
     messages = [{"role": "user", "content": "answer"}]
     text = render(load_chat_template(folders["target"]), messages)
     prompt = load_tokenizer(folders["target"]).encode(text, add_special_tokens=False)
-    seeded = dict(temperature=1.0, seed=0)  # a seed whose object has keys
+    seeded = dict(temperature=1.0, seed=3)  # a seed whose object has keys
     cases = [
         ({"json_schema": SCHEMA}, _schema_format(SCHEMA)),
         ({"json_schema": {"type": "object"}}, {"type": "json_object"}),
