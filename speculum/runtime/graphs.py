@@ -10,9 +10,11 @@ capture, never a silent reuse.
 
 :class:`GraphedDecode` wraps a pipeline's whole decoding round (draft, tree, verify, accept,
 commit, draft-extend: every stage, with no host work between them) and keeps one graph per
-batch-size bucket. A batch is padded to the next bucket with rows that read and write only the
-padding page, and the real rows are taken back out of the outputs: a gather, so what the caller
-receives is fresh memory that the next replay cannot overwrite, and snapshots of it stay valid.
+batch-size bucket. A round with a grammar, which asks the host for masks in the middle, is
+recorded as several graphs cut at those asks (:func:`capture_cut`, :class:`MaskCut`). A batch
+is padded to the next bucket with rows that read and write only the padding page, and the real
+rows are taken back out of the outputs: a gather, so what the caller receives is fresh memory
+that the next replay cannot overwrite, and snapshots of it stay valid.
 
 Graphs and their static buffers are owned resources, like KV pools: a :class:`GraphedDecode`
 belongs to one pipeline value and one set of resources; another pipeline value (another step
@@ -225,7 +227,7 @@ class MaskCut:
     ``fill`` for the packed masks of the ``rows`` real rows (padding rows: all allowed).
     While a round is captured, each call ends the graph being recorded and starts the next:
     the path tokens asked about stay the first graph's output, and a static int32 buffer,
-    which the host fills at replay, stands for the masks (:func:`capture` ``cut``)."""
+    which the host fills at replay, stands for the masks (:func:`capture_cut`)."""
 
     fill: Callable[[Tensor], Tensor] | None = None
     rows: int = 0
