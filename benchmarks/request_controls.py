@@ -15,8 +15,9 @@ them), decodes ``batch`` requests of ``--prompt`` random tokens:
 - logprobs=5 (``max_logprobs=5``): each token's log-probability and 5 alternatives, unpacked
   on the host;
 - logit_bias: 32 random ids biased (``logit_bias=True``);
-- json_schema: ``grammar_masks``' schema (xgrammar masks at every tree node, on the host, in
-  the middle of the round, which therefore runs eagerly: no CUDA graph);
+- json_schema: ``grammar_masks``' schema (xgrammar masks, on the host, for every draft step
+  and every tree node: on CUDA the round runs as graphs cut where it asks for them, each cut
+  one read of the path tokens and one packed copy of the masks);
 - min_tokens: ``min_tokens = max_new_tokens``, EOS not ignored (``penalties=True``).
 
 A timed step is one scheduler step (the round, its one device-to-host copy, the host's

@@ -28,7 +28,7 @@ from speculum.pipelines.base import (
 )
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import guard_logits, no_logprobs, penalizing, sample, token_logprobs
+from speculum.spec.sampling import guard_logits, no_logprobs, reads_path, sample, token_logprobs
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace
 from speculum.state.sampling import SamplingParams, TokenLogprobs
@@ -98,7 +98,7 @@ def run_steps(
     """
     ones = torch.ones_like(kv.seq_lens)
     tokens, hiddens, captures, faults, logits_seen = [], [], [], [], []
-    follows_path = penalizing(sampling.penalties) or sampling.grammar is not None
+    follows_path = reads_path(sampling)
     for step in range(num_steps):
         step_kv = replace(kv, seq_lens=kv.seq_lens + step)
         hidden, captured = resources.target(

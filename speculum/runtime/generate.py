@@ -210,8 +210,8 @@ def generate(
     (xgrammar's EBNF), at most one, constrain the output to that language: every
     distribution that decides a token, at every tree node, is masked to the tokens the
     grammar allows after the output and the node's path, so every pipeline emits plain
-    constrained decoding's tokens (``docs/request_controls.md``; needs ``pip install
-    'speculum[grammar]'`` and an engine that does not overlap). ``n`` (an int >= 1) asks
+    constrained decoding's tokens, overlapped or not (``docs/request_controls.md``; needs
+    ``pip install 'speculum[grammar]'``). ``n`` (an int >= 1) asks
     for ``n`` completions of every prompt: the results then hold ``n`` per prompt, prompt
     after prompt (completion ``j`` of prompt ``i`` at ``i * n + j``), each decoded with its
     own random streams, seeded by :func:`completion_seed` from the prompt's seed (the first

@@ -4,9 +4,9 @@ The grammar engine is xgrammar (``pip install 'speculum[grammar]'``): maintained
 vLLM and SGLang use by default, with token bitmasks, rollback and forks. A request's grammar
 is checked when its :class:`~speculum.runtime.scheduler.Sampling` is built (tokenizer-free,
 :func:`check`), compiled against the engine's tokenizer when it is added
-(:func:`constraint`), and read by the scheduler before each round as the set of tokens
-allowed after the request's output so far (:func:`allowed`), which enters the round as
-``-inf`` in the request's logit-bias row (``docs/request_controls.md``).
+(:func:`constraint`), and read by the scheduler, in a round, as the set of tokens allowed
+after the request's output so far and a tree path, packed into int32 bitmasks
+(:func:`fill_bitmask`) that the round unpacks on the device (``docs/request_controls.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ import torch
 
 from speculum.models.tokenizer import Tokenizer
 
-__all__ = ["GRAMMAR_FIELDS", "Constraint", "check", "constraint", "allowed", "finished"]
+__all__ = [
+    "GRAMMAR_FIELDS",
+    "Constraint",
+    "check",
+    "constraint",
+    "words",
+    "fill_bitmask",
+    "finished",
+]
 
 #: The request fields that constrain output, at most one per request (vLLM's names).
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
@@ -86,7 +94,7 @@ _KINDS = {"json_schema": "JSON schema", "regex": "regular expression", "grammar"
 @attrs.define(slots=True, eq=False)
 class _Matcher:
     """An xgrammar matcher and the tokens it has accepted: a cache of what
-    :func:`allowed` would compute from scratch (it is rebuilt whenever the output it is asked
+    :func:`fill_bitmask` would compute from scratch (it is rebuilt whenever the output it is asked
     about does not extend those tokens, so a kept state value reads its own)."""
 
     inner: Any
@@ -165,20 +173,23 @@ def _matcher(c: Constraint, output: tuple[int, ...]) -> Any:
     return cache.inner
 
 
-def allowed(c: Constraint, output: tuple[int, ...]) -> torch.Tensor:
-    """Which tokens may follow ``output`` under the grammar, as a bool ``[vocab]`` row. All
-    True where nothing may follow: past the grammar's end (its EOS accepted: the request ends
-    there) or after a token the grammar forbids (a draft token the masked target can never
-    accept, so what follows it is never emitted); a row of no allowed token would read as a
-    fault."""
+def words(vocab: int) -> int:
+    """How many int32 words a packed bitmask of ``vocab`` tokens takes (xgrammar's layout:
+    token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
+    return (vocab + 31) // 32
+
+
+def fill_bitmask(c: Constraint, output: tuple[int, ...], bitmask: torch.Tensor, index: int) -> None:
+    """Write into row ``index`` of ``bitmask`` (host int32 ``[rows, words(vocab)]``, packed as
+    xgrammar packs it) which tokens may follow ``output`` under the grammar. All ones where
+    nothing may follow: past the grammar's end (its EOS accepted: the request ends there) or
+    after a token the grammar forbids (a draft token the masked target can never accept, so
+    what follows it is never emitted); a row of no allowed token would read as a fault."""
     matcher = _matcher(c, output)
     if matcher is None or matcher.is_terminated():
-        return torch.ones(c.vocab, dtype=torch.bool)
-    xgr = _xgrammar()
-    bitmask = xgr.allocate_token_bitmask(1, c.vocab)
-    matcher.fill_next_token_bitmask(bitmask)
-    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.bool().flatten()[: c.vocab]
+        bitmask[index] = -1
+        return
+    matcher.fill_next_token_bitmask(bitmask, index)
 
 
 def finished(c: Constraint, output: tuple[int, ...]) -> bool:

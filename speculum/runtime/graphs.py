@@ -10,9 +10,11 @@ capture, never a silent reuse.
 
 :class:`GraphedDecode` wraps a pipeline's whole decoding round (draft, tree, verify, accept,
 commit, draft-extend: every stage, with no host work between them) and keeps one graph per
-batch-size bucket. A batch is padded to the next bucket with rows that read and write only the
-padding page, and the real rows are taken back out of the outputs: a gather, so what the caller
-receives is fresh memory that the next replay cannot overwrite, and snapshots of it stay valid.
+batch-size bucket. A round with a grammar, which asks the host for masks in the middle, is
+recorded as several graphs cut at those asks (:func:`capture_cut`, :class:`MaskCut`). A batch
+is padded to the next bucket with rows that read and write only the padding page, and the real
+rows are taken back out of the outputs: a gather, so what the caller receives is fresh memory
+that the next replay cannot overwrite, and snapshots of it stay valid.
 
 Graphs and their static buffers are owned resources, like KV pools: a :class:`GraphedDecode`
 belongs to one pipeline value and one set of resources; another pipeline value (another step
@@ -42,8 +44,10 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "Captured",
     "GraphedDecode",
+    "MaskCut",
     "bucket_for",
     "capture",
+    "capture_cut",
     "pad_batch",
     "replay",
     "without_cache",
@@ -63,6 +67,10 @@ class Captured:
     inputs: tuple[Any, ...]
     in_spec: pytree.TreeSpec
     outputs: Any
+    # A round cut at its grammar masks (:class:`MaskCut`): after ``graph``, for each cut, the
+    # host reads ``paths`` (the captured round's path tokens), writes the packed masks into
+    # the static ``masks`` and replays the cut's graph, the rest of the round.
+    cuts: tuple[tuple[Tensor, Tensor, torch.cuda.CUDAGraph], ...] = ()
     output_leaves: list[Tensor] = attrs.field(init=False)
     _out_spec: pytree.TreeSpec = attrs.field(init=False)
 
@@ -95,6 +103,19 @@ def capture(
     with arguments whose writes are harmless, e.g. rows on the padding page). ``pool`` shares
     graph memory between captures (``torch.cuda.graph_pool_handle()``).
     """
+    inputs, spec, side = _warmed_up(fn, args, warmup)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
+    return Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+
+
+def _warmed_up(
+    fn: Callable[..., Any], args: tuple[Any, ...], warmup: int
+) -> tuple[tuple[Any, ...], pytree.TreeSpec, torch.cuda.Stream]:
+    """Static copies of ``args``' leaves, their treespec, and the side stream on which
+    ``fn`` was called ``warmup`` times over them (cuBLAS handles, Triton compilation)."""
     leaves, spec = pytree.tree_flatten(args)
     inputs = tuple(x.clone() if isinstance(x, Tensor) else x for x in leaves)
     side = torch.cuda.Stream()
@@ -102,11 +123,7 @@ def capture(
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn(*pytree.tree_unflatten(list(inputs), spec))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
-    return Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
+    return inputs, spec, side
 
 
 def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
@@ -124,11 +141,17 @@ def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
     return _run(captured, leaves)
 
 
-def _run(captured: Captured, leaves: Sequence[Any]) -> Any:
-    """Copy already-checked argument leaves into the static inputs and replay."""
+def _run(captured: Captured, leaves: Sequence[Any], masks: MaskCut | None = None) -> Any:
+    """Copy already-checked argument leaves into the static inputs and replay; a round cut
+    at its grammar masks asks ``masks`` for each cut's (one host round trip, one packed copy
+    into the cut's static buffer) before replaying the graph after it."""
     pairs = [(s, v) for s, v in zip(captured.inputs, leaves) if isinstance(s, Tensor)]
     copy_all([s for s, _ in pairs], [v for _, v in pairs])
     captured.graph.replay()
+    for paths, static, graph in captured.cuts:
+        assert masks is not None, "a round cut at grammar masks needs its MaskCut"
+        static.copy_(masks(paths), non_blocking=True)
+        graph.replay()
     return captured.outputs
 
 
@@ -195,6 +218,69 @@ def without_cache(state: Any, rows: Tensor) -> Any:
 
 
 @attrs.define(slots=True, eq=False)
+class MaskCut:
+    """The grammar callback (``SamplingParams.grammar``) a captured round is run with: one
+    value per :class:`GraphedDecode`, so rounds with a grammar share their graphs (the
+    scheduler's callback is new every round, and a static field keys the capture).
+
+    Eagerly (warm-up, and between the graphs of a replay) it asks the round's own callback
+    ``fill`` for the packed masks of the ``rows`` real rows (padding rows: all allowed).
+    While a round is captured, each call ends the graph being recorded and starts the next:
+    the path tokens asked about stay the first graph's output, and a static int32 buffer,
+    which the host fills at replay, stands for the masks (:func:`capture_cut`)."""
+
+    fill: Callable[[Tensor], Tensor] | None = None
+    rows: int = 0
+    words: int = 0  # a packed mask row's int32 words, as the warm-up's masks had them
+    # While capturing: the graphs recorded so far, the cuts between them, the memory pool.
+    recording: tuple[list[Any], list[Any], Any] | None = None
+
+    def __call__(self, paths: Tensor) -> Tensor:
+        if self.recording is not None:
+            return self._cut(paths)
+        assert self.fill is not None, "MaskCut called before a round set its callback"
+        real = self.fill(paths[: self.rows])
+        self.words = real.shape[-1]
+        padding = real.new_full((paths.shape[0] - self.rows, *real.shape[1:]), -1)
+        return torch.cat([real, padding])
+
+    def _cut(self, paths: Tensor) -> Tensor:
+        graphs, cuts, pool = self.recording
+        graphs[-1].capture_end()
+        # Allocated outside the captures and kept by the Captured: the host writes it.
+        shape = (*paths.shape[:-1], self.words)
+        static = torch.full(shape, -1, dtype=torch.int32, device=paths.device)
+        cuts.append((paths, static))
+        graphs.append(torch.cuda.CUDAGraph())
+        graphs[-1].capture_begin(pool=pool)
+        return static
+
+
+def capture_cut(
+    fn: Callable[..., Any], args: tuple[Any, ...], cut: MaskCut, *, pool: Any, warmup: int = 2
+) -> Captured:
+    """:func:`capture` for a round that asks ``cut`` for grammar masks: recorded as one graph
+    per stretch between two asks, so that replaying it (:func:`_run`) runs every device stage
+    in graphs and leaves the host one device-to-host read of the path tokens and one packed
+    host-to-device copy per ask. The graphs share ``pool`` and replay in the order recorded,
+    so a tensor one makes and a later one reads keeps its address."""
+    inputs, spec, side = _warmed_up(fn, args, warmup)
+    with torch.cuda.stream(side):
+        torch.cuda.synchronize()
+        graphs, cuts = [torch.cuda.CUDAGraph()], []
+        cut.recording = (graphs, cuts, pool)
+        graphs[0].capture_begin(pool=pool)
+        try:
+            outputs = fn(*pytree.tree_unflatten(list(inputs), spec))
+        finally:
+            cut.recording = None
+            graphs[-1].capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    joined = tuple((paths, static, graph) for (paths, static), graph in zip(cuts, graphs[1:]))
+    return Captured(graph=graphs[0], inputs=inputs, in_spec=spec, outputs=outputs, cuts=joined)
+
+
+@attrs.define(slots=True, eq=False)
 class GraphedDecode:
     """A pipeline's ``decode(resources, state)`` run as one CUDA graph per batch bucket.
 
@@ -210,14 +296,18 @@ class GraphedDecode:
     # Graph memory shared by this decode's captures; made at the first capture, so that the
     # value can be built (and checked) where no GPU is present.
     pool: Any = None
+    # The grammar callback its rounds with a grammar are captured and replayed with.
+    cut: MaskCut = attrs.field(factory=MaskCut)
 
     def __call__(self, resources: Any, state: Any) -> tuple[Any, Any]:
         """One decoding round of the wrapped pipeline over ``state`` (any batch up to the
         largest bucket); the returned records are fresh tensors, safe to keep. A round whose
         requests have a grammar (``SamplingParams.grammar``) asks the host for its masks in
-        the middle, so it runs eagerly."""
-        if state.sampling.grammar is not None:
-            return self.decode(resources, state)
+        the middle: it runs as graphs cut at each ask (:func:`capture_cut`)."""
+        grammar = state.sampling.grammar
+        if grammar is not None:
+            self.cut.fill, self.cut.rows = grammar, batch_size(state)
+            state = replace(state, sampling=replace(state.sampling, grammar=self.cut))
         # Flattened once per round (again only when padded): this is host work on every
         # round, and the lookup key is the check replay() would repeat.
         leaves, spec = pytree.tree_flatten((state,))
@@ -227,7 +317,7 @@ class GraphedDecode:
             state = pad_batch(state, bucket)
             leaves, spec = pytree.tree_flatten((state,))
         captured = self._graph_for(resources, state, (spec, _signature(leaves)))
-        _run(captured, leaves)
+        _run(captured, leaves, self.cut)
         # Padding rows follow the batch's own (pad_batch), so its rows are the first ones.
         return fresh_rows(captured, batch)
 
@@ -239,6 +329,10 @@ class GraphedDecode:
         dummy = without_cache(padded, torch.ones_like(padded.kv.seq_lens, dtype=torch.bool))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        captured = capture(functools.partial(self.decode, resources), (dummy,), pool=self.pool)
+        round_fn = functools.partial(self.decode, resources)
+        if padded.sampling.grammar is self.cut:
+            captured = capture_cut(round_fn, (dummy,), self.cut, pool=self.pool)
+        else:
+            captured = capture(round_fn, (dummy,), pool=self.pool)
         self.graphs.append((resources, key, captured))
         return captured

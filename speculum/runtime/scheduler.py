@@ -184,8 +184,8 @@ class Sampling:
     most one, constrain the output to that language (``runtime.grammar``): at each position
     the tokens the grammar forbids get ``-inf`` before anything reads the logits, and the
     request ends once the grammar has accepted EOS. Checked when built (``ValueError`` naming
-    the field and the parser's reason); the engine must be a plain, non-overlapped one built
-    with ``logit_bias=True`` (``docs/request_controls.md`` says why).
+    the field and the parser's reason); the engine needs a tokenizer and a model with an EOS
+    token (``docs/request_controls.md``).
     """
 
     temperature: float = attrs.field(default=0.0, converter=_temperature)
@@ -607,17 +607,10 @@ def _check_penalties(engine: Engine, sampling: Sampling, max_new_tokens: int) ->
 
 
 def _constraint(engine: Engine, sampling: Sampling) -> structured.Constraint | None:
-    """The request's grammar compiled for the engine, refused on an overlapped engine: a
-    round's masks follow the request's output so far, which an overlapped round's host does
-    not know yet (``docs/request_controls.md``)."""
+    """The request's grammar compiled for the engine, or None when its output is free."""
     if sampling.constrained is None:
         return None
     field, source = sampling.constrained
-    if engine.config.overlap:
-        raise ValueError(
-            f"{field}: structured output needs each round's masks from the output before it, "
-            "and this engine overlaps rounds (overlap=True); build it with overlap=False"
-        )
     vocab = engine.resources.target.config.vocab_size
     return structured.constraint(field, source, engine.tokenizer, vocab, engine.eos_token_ids)
 
@@ -894,33 +887,58 @@ def _sampling_params(
 
 
 def _constrained(
-    engine: Engine, requests: tuple[Request, ...], sampling: SamplingParams
+    engine: Engine,
+    requests: tuple[Request, ...],
+    sampling: SamplingParams,
+    pending: tuple[Launched, ...] = (),
 ) -> SamplingParams:
     """``sampling`` (the rows of ``requests``) with a grammar callback when a request has a
-    grammar (``SamplingParams.grammar``, :func:`_allowed`), as it is otherwise."""
+    grammar (``SamplingParams.grammar``, :func:`_bitmasks`), as it is otherwise. ``pending``
+    are the launches still in flight (overlapped: the previous step's), whose tokens the
+    requests' outputs do not hold yet."""
     if all(r.constraint is None for r in requests):
         return sampling
     vocab = engine.resources.target.config.vocab_size
-    allowed = functools.partial(_allowed, requests, vocab, engine.device)
-    return replace(sampling, grammar=allowed)
+    masks = functools.partial(_bitmasks, requests, pending, vocab, engine.device)
+    return replace(sampling, grammar=masks)
 
 
-def _allowed(
-    requests: tuple[Request, ...], vocab: int, device: torch.device, paths: torch.Tensor
+def _bitmasks(
+    requests: tuple[Request, ...],
+    pending: tuple[Launched, ...],
+    vocab: int,
+    device: torch.device,
+    paths: torch.Tensor,
 ) -> torch.Tensor:
-    """Which tokens each request's grammar allows after its output so far followed by each of
-    its ``paths`` (``paths[b, ..., :]``: row ``b``'s draft tokens on a tree path, padding -1),
-    as bools ``[batch, ..., vocab]`` on ``device``; all True for a request without a grammar.
-    The host work of a round with a grammar (``docs/request_controls.md``)."""
-    host = paths.cpu()
-    allowed = torch.ones(*host.shape[:-1], vocab, dtype=torch.bool)
+    """Which tokens each request's grammar allows after its output so far (with the tokens of
+    the ``pending`` launches) followed by each of its ``paths`` (``paths[b, ..., :]``: row
+    ``b``'s draft tokens on a tree path, padding -1), as int32 bitmasks ``[batch, ...,
+    words]`` packed as xgrammar packs them (``spec.sampling.unpack_bitmask`` reads them), on
+    ``device``; all ones for a request without a grammar. The host work of a round with a
+    grammar: xgrammar writes every row into one host tensor, copied to the device at once
+    (``docs/request_controls.md``)."""
+    host = paths.cpu()  # the round has reached this point, so every pending launch has too
+    late = _pending_tokens(pending)
+    rows = math.prod(host.shape[1:-1])
+    packed = torch.full((host.shape[0] * rows, structured.words(vocab)), -1, dtype=torch.int32)
     for b, request in enumerate(requests):
         if request.constraint is None:
             continue
-        flat = host[b].reshape(math.prod(host.shape[1:-1]), host.shape[-1])
-        rows = [structured.allowed(request.constraint, request.output + _path(p)) for p in flat]
-        allowed[b] = torch.stack(rows).reshape(*host.shape[1:-1], vocab)
-    return to_device(allowed, device)
+        before = request.output + late.get(request.rid, ())
+        for i, path in enumerate(host[b].reshape(rows, host.shape[-1])):
+            structured.fill_bitmask(request.constraint, before + _path(path), packed, b * rows + i)
+    return to_device(packed.reshape(*host.shape[:-1], -1), device)
+
+
+def _pending_tokens(launches: tuple[Launched, ...]) -> dict[int, tuple[int, ...]]:
+    """The tokens each request emitted in ``launches`` (in order), which the host has not
+    collected yet: an overlapped round follows them. A request that a stop ends among them
+    runs its next round in vain (it is dropped), so its tokens need no cut here."""
+    tokens: dict[int, tuple[int, ...]] = {}
+    for launched in launches:
+        for rid, row in zip(launched.rids, launched.tokens.get().tolist()):
+            tokens[rid] = tokens.get(rid, ()) + tuple(row[2 : 2 + row[0]])
+    return tokens
 
 
 def _path(tokens: torch.Tensor) -> tuple[int, ...]:
@@ -1148,13 +1166,15 @@ def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str |
 
 
 def _launch_decode(
-    engine: Engine, state: SchedulerState
+    engine: Engine, state: SchedulerState, pending: tuple[Launched, ...] = ()
 ) -> tuple[SchedulerState, tuple[Launched, ...]]:
-    """Launch a decoding round for every running request; the batch moves one round on."""
+    """Launch a decoding round for every running request; the batch moves one round on.
+    ``pending`` are the launches not collected yet (overlapped), which the round follows."""
     if not state.running:
         return state, ()
     state = _slide_windows(engine, state, "running")
-    batch = replace(state.batch, sampling=_constrained(engine, state.running, state.batch.sampling))
+    sampling = _constrained(engine, state.running, state.batch.sampling, pending)
+    batch = replace(state.batch, sampling=sampling)
     batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
     return attrs.evolve(state, batch=_unconstrained(batch)), (launched,)
@@ -1334,7 +1354,7 @@ def _step(engine: Engine, state: SchedulerState) -> tuple[SchedulerState, list[R
     """:func:`step`'s work, which may replace the cells' values before it fails."""
     begin, blocked = time.perf_counter(), state.blocked_seconds
     earlier = state.in_flight
-    state, launched = _launch_decode(engine, attrs.evolve(state, in_flight=()))
+    state, launched = _launch_decode(engine, attrs.evolve(state, in_flight=()), earlier)
     if not engine.config.overlap:
         earlier, launched = launched, ()
     state, decoded = _collect(engine, state, earlier)

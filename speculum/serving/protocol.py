@@ -365,22 +365,16 @@ def _check_engine_applies(
     body: Mapping[str, Any], sampling: scheduler.Sampling, engine: Engine
 ) -> None:
     """Refuse a penalty the server was started without, and structured output an engine
-    cannot follow (an overlapped one, or one without a tokenizer), naming the field."""
+    cannot follow (one without a tokenizer), naming the field."""
     if sampling.penalized and not engine.config.penalties:
         name = next(n for n in (*_PENALTIES, "min_tokens") if body.get(n) is not None)
         raise APIError(f"{name}: this server was started with --no-penalties", param=name)
     structured = _structured(body)
-    if structured is None:
-        return
-    if engine.config.overlap:
-        why = "overlaps rounds (the default on CUDA); start it with --no-overlap"
-    elif engine.tokenizer is None:
-        why = "has no tokenizer.json to read token texts from"
-    else:
+    if structured is None or engine.tokenizer is not None:
         return
     raise APIError(
-        f"{structured[0]}: structured output needs each round's masks from the output before "
-        f"it, and this server {why}",
+        f"{structured[0]}: structured output reads token texts, and this server has no "
+        "tokenizer.json to read them from",
         param=structured[0],
     )
 

@@ -45,7 +45,7 @@ from speculum.spec.sampling import (
     Stream,
     draft_logits_guarded,
     filtered_probs,
-    penalizing,
+    reads_path,
     sample_from_probs,
     uniforms,
 )
@@ -113,9 +113,10 @@ def propose_block(
     DFLASH heads draw every token from its own slot's logits, in parallel. Heads with a
     sequential part (DSPARK's Markov head) walk the slots in order: slot ``k``'s logits get the
     bias of the token before it (the root for the first), then its token is drawn and becomes
-    the next slot's previous token. Under penalties (``sampling.penalties``) every head walks
-    the slots in order, slot ``k``'s penalties counting the tokens drawn at the slots before
-    it, as the target's do at that depth.
+    the next slot's previous token. Under penalties (``sampling.penalties``) or a grammar
+    (``sampling.grammar``) every head walks the slots in order, slot ``k``'s penalties
+    counting, and its grammar mask following, the tokens drawn at the slots before it, as the
+    target's do at that depth: every drafted token is one the grammar allows there.
     """
     head, kv = resources.draft, state.kv
     batch = block_batch(kv, state.root_tokens, config.block_size, head.config.mask_token_id)
@@ -125,7 +126,7 @@ def propose_block(
     sampling = state.sampling
     base = draft_logits_guarded(head.logits(hidden), sampling.temperature, sampling.logit_bias)
     markov, penalties = hasattr(head, "step_logits"), sampling.penalties
-    if not markov and not penalizing(penalties):
+    if not markov and not reads_path(sampling):
         tokens, q = _draw(base, state.sampling, positions, config.sample_drafts)
         proposal = make(BlockProposal, tokens=tokens, confidence=_top_probability(base))
         return proposal, q
@@ -136,8 +137,10 @@ def propose_block(
         logits = base[:, k]
         if markov:
             logits, recurrent = head.step_logits(logits, previous, hidden[:, k], recurrent)
-        drawn = torch.stack(tokens, dim=1) if tokens and penalizing(penalties) else None
-        logits = draft_logits_guarded(logits, sampling.temperature, None, penalties, drawn)
+        drawn = torch.stack(tokens, dim=1) if tokens and reads_path(sampling) else None
+        logits = draft_logits_guarded(
+            logits, sampling.temperature, None, penalties, drawn, sampling.grammar
+        )
         if getattr(head, "confidence_head", None) is not None:
             confidences.append(head.confidence(hidden[:, k], previous))
         else:

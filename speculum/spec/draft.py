@@ -27,8 +27,9 @@ from speculum.spec.sampling import (
     biased_logits,
     draft_logits_guarded,
     filtered_probs,
+    grammar_logits,
     penalized_logits,
-    penalizing,
+    reads_path,
     sample_from_probs,
     uniforms,
 )
@@ -77,8 +78,9 @@ def top_children(
     one's (every other target token has probability 0) at a fraction of the cost: a Llama-3
     EAGLE-3 head ranks 32000 ids instead of 128256. With ``sampling``, the requests' logit bias
     and penalties (these counting each row's ``path_tokens`` too, the draft tokens on its tree
-    path) shape the ranking as they shape the target's distributions, so the draft proposes
-    what the target will accept (acceptance is exact either way).
+    path) shape the ranking as they shape the target's distributions, and the grammar masks
+    it after the same path, so the draft proposes what the target will accept (acceptance is
+    exact either way).
     """
     reduced = getattr(draft, "draft_logits", None)
     columns = None if reduced is None else draft.target_ids
@@ -89,6 +91,8 @@ def top_children(
             bias = bias[:, columns]
         logits = biased_logits(logits, bias)
         logits = penalized_logits(logits, sampling.penalties, path_tokens, columns)
+        # Masked before the top-k, so that every proposal is a token the grammar allows.
+        logits = grammar_logits(logits, sampling.grammar, path_tokens, columns)
     top = torch.softmax(draft_logits_guarded(logits), dim=-1).topk(topk, dim=-1)
     return top.values, top.indices if columns is None else columns[top.indices]
 
@@ -186,8 +190,9 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     entries at tail slots ``(s - 1) * topk + j``; each sees the prefix and its own ancestors.
     Each frontier node proposes its ``topk`` likeliest children; the ``topk`` best of those by
     cumulative probability form the next frontier. Scores multiply along the path. The
-    requests' bias and penalties rank the children (:func:`top_children`), the penalties
-    counting the draft tokens on each frontier node's path.
+    requests' bias, penalties and grammar rank the children (:func:`top_children`), the
+    penalties counting, the grammar masking after, the draft tokens on each frontier node's
+    path.
     """
     k = config.topk
     kv = draft_kv(resources, state)
@@ -197,8 +202,9 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     frontier_tokens, frontier_scores = level.tokens, level.scores
     frontier_hidden = state.prediction.hidden[:, None, :].expand(-1, k, -1)
     ancestors = no_ancestors(kv, k)
-    # The draft tokens on each frontier node's path, itself included (penalties count them).
-    paths = level.tokens[:, :, None] if penalizing(state.sampling.penalties) else None
+    # The draft tokens on each frontier node's path, itself included (penalties count them,
+    # a grammar masks its children after them).
+    paths = level.tokens[:, :, None] if reads_path(state.sampling) else None
     offset = k  # candidate index of the next level's first entry
     for step in range(1, config.num_steps):
         hidden, mask = draft_forward(
@@ -238,13 +244,15 @@ def _sampled_probs(
     path_tokens: Int[Tensor, "batch width length"] | None = None,
 ) -> Float[Tensor, "batch width vocab"]:
     """The draft's filtered distribution at ``hidden``, each request's own settings applied,
-    its penalties counting each chain's ``path_tokens`` (drawn so far this round) too."""
+    its penalties counting, and its grammar masking after, each chain's ``path_tokens`` (drawn
+    so far this round) too."""
     logits = draft_logits_guarded(
         resources.draft.logits(hidden),
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
         path_tokens,
+        sampling.grammar,
     )
     return filtered_probs(logits, sampling)
 
@@ -260,7 +268,8 @@ def draft_sampled(
     and every candidate is verified, so each token really is a draw from the distribution
     returned beside it: the condition under which recursive rejection is lossless with those
     distributions. Candidate ``(s - 1) * topk + j`` is chain ``j``'s token at depth ``s``.
-    Penalties count each chain's own earlier tokens, as the target's at its nodes do.
+    Penalties count each chain's own earlier tokens, as the target's at its nodes do, and a
+    grammar masks each draw after them, so every drawn token is one the grammar allows.
     """
     k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
     kv = draft_kv(resources, state)
@@ -276,7 +285,7 @@ def draft_sampled(
         if step == config.num_steps:
             break
         hidden, ancestors = draft_forward(resources, kv, step, drawn, hidden, ancestors)
-        path = torch.stack(tokens, dim=2) if penalizing(state.sampling.penalties) else None
+        path = torch.stack(tokens, dim=2) if reads_path(state.sampling) else None
         q = _sampled_probs(resources, hidden, state.sampling, path)
     chain = torch.arange(k, device=seq_lens.device)
     parents = [torch.full_like(tokens[0], -1)] + [
@@ -328,8 +337,8 @@ def draft_extend(
     acc = verified.accepted
     hidden = gather_nodes(verified.final_hidden, acc.path)
     captured = tuple(gather_nodes(c, acc.path) for c in verified.captured)
-    # The round's tokens are counted in the penalties only after it: its prediction (for the
-    # token after the bonus) counts them itself.
+    # The round's tokens are counted in the penalties only after it, and the grammar's output
+    # is the round's start: its prediction (for the token after the bonus) reads them itself.
     emitted = torch.arange(acc.emitted.shape[1], device=acc.emitted.device)
     emitted = torch.where(emitted <= acc.num_accepted[:, None], acc.emitted, -1)
     return extend_draft(
@@ -341,5 +350,5 @@ def draft_extend(
         captured,
         config.topk,
         state.sampling,
-        emitted if penalizing(state.sampling.penalties) else None,
+        emitted if reads_path(state.sampling) else None,
     )

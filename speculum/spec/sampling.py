@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.spec.checks import checking, raise_for_rows
@@ -39,6 +39,8 @@ __all__ = [
     "path_token_counts",
     "count_emitted",
     "grammar_logits",
+    "reads_path",
+    "unpack_bitmask",
     "guard_logits",
     "token_logprobs",
     "no_logprobs",
@@ -231,21 +233,42 @@ def count_emitted(
     return replace(penalties, counts=counts, num_output=penalties.num_output + emitted.sum(1))
 
 
+def reads_path(sampling: SamplingParams) -> bool:
+    """Whether ``sampling``'s distributions depend on the tokens before them in the round (a
+    penalty or a grammar does), so that every row must be handed its path tokens."""
+    return penalizing(sampling.penalties) or sampling.grammar is not None
+
+
+def unpack_bitmask(packed: Int[Tensor, "*rows words"], vocab: int) -> Bool[Tensor, "*rows vocab"]:
+    """The bools of int32 bitmasks packed as xgrammar packs them (token ``t`` is bit ``t % 32``
+    of word ``t // 32``), cut to ``vocab`` tokens. Pure tensor code: it runs on the device, so
+    a round copies the packed words (1 bit a token) rather than a byte a token."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = (packed[..., None] >> shifts) & 1  # [*rows, words, 32]
+    return bits.flatten(-2)[..., :vocab].bool()
+
+
 def grammar_logits(
     logits: Float[Tensor, "batch *rows vocab"],
     grammar: Callable[[Tensor], Tensor] | None,
     path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+    columns: Int[Tensor, " vocab"] | None = None,
 ) -> Float[Tensor, "batch *rows vocab"]:
     """``logits`` with ``-inf`` at every token the requests' grammars forbid after their
     output and each row's ``path_tokens`` (``SamplingParams.grammar``; None: no path, the
-    output alone), in float32; ``grammar`` None returns them as they are. The mask comes
-    from the host (a grammar matcher walks each path), so this is the one host round trip
-    of a round with a grammar."""
+    output alone), in float32; ``grammar`` None returns them as they are. ``columns`` (a
+    draft's reduced vocabulary, EAGLE-3's ``target_ids``) are the target token ids of the
+    logits' columns, when they are not the whole vocabulary in order. The packed mask comes
+    from the host (a grammar matcher walks each path): the host round trip of a round with
+    a grammar."""
     if grammar is None:
         return logits
     if path_tokens is None:
         path_tokens = torch.full((*logits.shape[:-1], 0), -1, device=logits.device)
-    allowed = grammar(path_tokens)[..., : logits.shape[-1]]
+    packed = grammar(path_tokens)
+    vocab = packed.shape[-1] * 32 if columns is not None else logits.shape[-1]
+    allowed = unpack_bitmask(packed, vocab)
+    allowed = allowed if columns is None else allowed[..., columns]
     return logits.float().masked_fill(~allowed, -math.inf)
 
 
@@ -330,17 +353,18 @@ def draft_logits_guarded(
     bias: Float[Tensor, "batch vocab"] | None = None,
     penalties: Penalties | None = None,
     path_tokens: Int[Tensor, "batch *rows length"] | None = None,
+    grammar: Callable[[Tensor], Tensor] | None = None,
 ) -> Float[Tensor, "batch *rows vocab"]:
     """:func:`guard_logits` for a draft: a faulty row drafts from a uniform distribution.
-    ``bias`` and ``penalties`` (the requests' logit bias and penalties, over the target's
-    vocabulary, with each row's ``path_tokens``) make the draft propose what the controlled
-    target will accept; acceptance is exact either way.
+    ``bias``, ``penalties`` and ``grammar`` (the requests' logit bias, penalties and grammar
+    masks, over the target's vocabulary, after each row's ``path_tokens``) make the draft
+    propose what the controlled target will accept; acceptance is exact either way.
 
     A draft's faults are not reported: its tokens are proposals that the target verifies, and
     the distribution a proposal was drawn from (uniform, here) is what the verifier is given,
     so a broken draft lowers acceptance but never changes the output.
     """
-    return guard_logits(logits, temperature, bias, penalties, path_tokens)[0]
+    return guard_logits(logits, temperature, bias, penalties, path_tokens, grammar)[0]
 
 
 def _mul32(x, c: int):

@@ -20,7 +20,7 @@ from speculum.spec.sampling import (
     filtered_probs,
     guard_logits,
     no_logprobs,
-    penalizing,
+    reads_path,
     token_logprobs,
 )
 from speculum.spec.tree import tree_mask, tree_path_tokens
@@ -70,9 +70,7 @@ def verify_tree(
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
-        tree_path_tokens(tree, ancestors)
-        if penalizing(sampling.penalties) or sampling.grammar is not None
-        else None,
+        tree_path_tokens(tree, ancestors) if reads_path(sampling) else None,
         sampling.grammar,
     )
     target_probs = filtered_probs(logits, sampling)

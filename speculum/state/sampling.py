@@ -69,10 +69,12 @@ class SamplingParams:
     ``grammar``, when a request of the batch has one (structured output), is a host function:
     given path tokens ``[batch, *rows, length]`` (padding -1; each row's tokens added to its
     request's output before the round, as ``spec.tree.tree_path_tokens`` gives them per tree
-    node), it returns which tokens each row's grammar allows next, bools ``[batch, *rows,
-    vocab]`` (all True for requests without one). Every target distribution applies it
-    (``spec.sampling.guard_logits``); a static field, so a round with one is a round of its
-    own kind, run eagerly (host work inside the round).
+    node), it returns which tokens each row's grammar allows next, as int32 bitmasks
+    ``[batch, *rows, ceil(vocab / 32)]`` packed as xgrammar packs them (token ``t`` is bit
+    ``t % 32`` of word ``t // 32``; all ones for requests without one) on the device. Every
+    target distribution and every draft distribution applies it before anything reads it
+    (``spec.sampling.grammar_logits``); a static field, so a round with one is a round of its
+    own kind: on CUDA, graphs cut at each call (``runtime.graphs.capture_cut``).
     """
 
     temperature: Float[Tensor, " batch"]

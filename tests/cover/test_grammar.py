@@ -27,6 +27,7 @@ from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
+from speculum.spec.sampling import unpack_bitmask
 
 pytest.importorskip("xgrammar")
 
@@ -47,11 +48,11 @@ def char_tokenizer(chars: str = CHARS[:EOS]) -> Tokenizer:
     return Tokenizer(inner)
 
 
-def grammar_engine(name: str, **limits):
+def grammar_engine(name: str, overlap: bool = False, **limits):
     """Pipeline ``name`` of ``test_overlap`` over the Markov target, with the character
-    tokenizer and EOS (the target itself declares none)."""
+    tokenizer and EOS (the target itself declares none), overlapped or not."""
     return attrs.evolve(
-        engine(name, False, **limits), tokenizer=char_tokenizer(), eos_token_ids=(EOS,)
+        engine(name, overlap, **limits), tokenizer=char_tokenizer(), eos_token_ids=(EOS,)
     )
 
 
@@ -100,6 +101,18 @@ def test_every_pipeline_emits_plain_constrained_decodings_tokens(name, plain_out
     mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
     results = generate(mix, engine=grammar_engine(name), max_new_tokens=16)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
+
+
+@pytest.mark.parametrize(
+    "name", ["plain", "eagle chain", "eagle tree", "multi_layer_eagle", "dflash", "ngram"]
+)
+def test_overlapped_engines_emit_plain_constrained_decodings_tokens(name, plain_outputs):
+    """Overlapped, a round is launched before the host has read the previous one's tokens:
+    its masks follow them anyway (read from the launch in flight), chains and trees alike."""
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    results = generate(mix, engine=grammar_engine(name, overlap=True), max_new_tokens=16)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in plain_outputs]
 
 
 @pytest.mark.parametrize("name", ["eagle tree", "dflash", "ngram"])
@@ -181,16 +194,13 @@ def test_bad_grammars_are_refused_naming_the_field(setting, error, words):
 
 
 def test_refused_requests_leave_the_state_unchanged():
-    """An overlapped engine cannot mask a round by the output before it: ``add_request``
-    refuses, naming the field and the fix, and the state handed in stays as it was."""
-    built = attrs.evolve(engine("plain", True), tokenizer=char_tokenizer(), eos_token_ids=(EOS,))
-    state = scheduler.new_state(built)
-    with pytest.raises(ValueError, match="regex: .*overlap=False"):
-        scheduler.add_request(built, state, [1], sampling=scheduler.Sampling(regex="[0-9]"))
-    assert state.waiting == () and state.next_rid == 0
+    """An engine without a tokenizer cannot compile a grammar: ``add_request`` refuses,
+    naming the field and the cause, and the state handed in stays as it was."""
     bare = attrs.evolve(engine("plain", False), eos_token_ids=(EOS,))
+    state = scheduler.new_state(bare)
     with pytest.raises(ValueError, match="regex: .*tokenizer"):
         scheduler.add_request(bare, state, [1], sampling=scheduler.Sampling(regex="[0-9]"))
+    assert state.waiting == () and state.next_rid == 0
 
 
 def test_a_constrained_round_asks_the_grammar_along_every_tree_path():
@@ -202,7 +212,9 @@ def test_a_constrained_round_asks_the_grammar_along_every_tree_path():
     state, rid = scheduler.add_request(built, state, [1], sampling=sampling)
     (request,) = state.waiting
     paths = torch.tensor([[[-1, -1], [1, -1], [1, 2]]])  # root, "1", "12"
-    allowed = scheduler._allowed((request,), VOCAB, torch.device("cpu"), paths)
+    packed = scheduler._bitmasks((request,), (), VOCAB, torch.device("cpu"), paths)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 3, 1)  # 16 tokens: one word
+    allowed = unpack_bitmask(packed, VOCAB)
     assert allowed[0, 0].nonzero().flatten().tolist() == [1]
     assert allowed[0, 1].nonzero().flatten().tolist() == [2, 13]  # "2" or "-"
     assert allowed[0, 2].nonzero().flatten().tolist() == [EOS]
@@ -225,3 +237,92 @@ def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
     ]:
         status, out, err = run_cli(capsys, *common, flag, bad)
         assert status == 2 and out == "" and flag in err and words in err, err
+
+
+def _legal(compiled, tokens) -> bool:
+    """Whether the grammar accepts ``tokens`` one by one, up to its end or a dead end (tokens
+    after the grammar's EOS are never emitted, and where the grammar allows no token of the
+    vocabulary, "a4" wanting a "b" the character tokenizer lacks, nothing can be chosen)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, VOCAB)
+    for token in tokens:
+        if matcher.is_terminated():
+            return True
+        matcher.fill_next_token_bitmask(bitmask)
+        if not unpack_bitmask(bitmask, VOCAB).any():
+            return True
+        if not matcher.accept_token(token):
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "name, temperature",
+    [
+        ("eagle chain", 0.0),
+        ("mtp", 0.0),
+        ("multi_layer_eagle", 0.0),
+        ("dflash", 0.0),
+        ("eagle3 sampled drafts", 1.0),
+    ],
+)
+def test_drafts_are_masked_by_the_grammar_along_their_path(name, temperature, monkeypatch):
+    """Every path a round asks the grammar about (the drafted chains, each node's prefix) is
+    one the grammar allows: drafts are masked before they are chosen, so a chain never
+    proposes a token its target must reject for the grammar's sake."""
+    from speculum.runtime import grammar as structured
+
+    asked = []
+    fill = structured.fill_bitmask
+
+    def recording(c, output, bitmask, index):
+        asked.append((c.compiled, output))
+        fill(c, output, bitmask, index)
+
+    monkeypatch.setattr(structured, "fill_bitmask", recording)
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    generate(mix, engine=grammar_engine(name), temperature=temperature, max_new_tokens=16)
+    drafted = [output for _, output in asked if len(output) > 1]
+    assert drafted, "no round asked about a drafted path"
+    illegal = [output for compiled, output in asked if not _legal(compiled, output)]
+    assert illegal == []
+
+
+def test_packed_masks_mask_exactly_as_xgrammars_dense_application():
+    """The packed int32 rows the scheduler copies, unpacked on the device, forbid exactly the
+    tokens xgrammar's own mask application does, over a vocabulary that is not a multiple of
+    32 (the last word's spare bits ignored)."""
+    import xgrammar
+
+    from speculum.runtime import grammar as structured
+    from speculum.spec.sampling import grammar_logits
+
+    vocab, words = 70, structured.words(70)
+    info = xgrammar.TokenizerInfo([str(i % 10).encode() for i in range(vocab)], vocab_size=vocab)
+    compiled = xgrammar.GrammarCompiler(info).compile_regex("[0-4]{2}[5-9]")
+    c = structured.Constraint(field="regex", compiled=compiled, vocab=vocab)
+    outputs = [(), (1,), (1, 12), (1, 12, 5), (7,)]  # ids: digit = id % 10; (7,) leaves it
+    packed = torch.zeros(len(outputs), words, dtype=torch.int32)
+    for i, output in enumerate(outputs):
+        structured.fill_bitmask(c, output, packed, i)
+    logits = torch.randn(len(outputs), vocab, generator=torch.Generator().manual_seed(0))
+    masked = grammar_logits(logits[:, None], lambda paths: packed[:, None])[:, 0]
+    dense = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(dense, packed)
+    assert torch.equal(masked, dense)
+    assert unpack_bitmask(packed, vocab)[4].all()  # no mask after a token the grammar forbids
+    allowed = unpack_bitmask(packed, vocab)[0].nonzero().flatten().tolist()
+    assert allowed == [i for i in range(vocab) if i % 10 <= 4]
+
+
+def test_a_mask_cut_pads_the_rounds_masks_to_the_bucket():
+    """Eagerly (warm-up, and at a replay's cuts) the captured round's grammar callback asks
+    the round's own for its real rows and allows every token on the padding rows."""
+    from speculum.runtime.graphs import MaskCut
+
+    cut = MaskCut(fill=lambda paths: torch.zeros(*paths.shape[:-1], 3, dtype=torch.int32), rows=2)
+    masks = cut(torch.full((4, 5, 2), -1))
+    assert masks.shape == (4, 5, 3) and cut.words == 3
+    assert (masks[:2] == 0).all() and (masks[2:] == -1).all()

@@ -1,11 +1,19 @@
 """Request controls through captured rounds on the GPU: a logit bias changes greedy output, and
-every pipeline's captured rounds under it emit plain decoding's biased tokens."""
+every pipeline's captured rounds under it emit plain decoding's biased tokens; rounds with a
+JSON schema run as graphs cut at their grammar masks and emit eager constrained decoding's
+tokens, which parse and validate."""
 
 from __future__ import annotations
 
-import pytest
-from test_graphs_cuda import PROMPTS, _drafts, _target, _tokens
+import json
 
+import attrs
+import pytest
+import tokenizers
+from test_graphs_cuda import PROMPTS, VOCAB, _drafts, _target, _tokens
+from tokenizers import decoders, models
+
+from speculum.models.tokenizer import Tokenizer
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
 
@@ -31,3 +39,48 @@ def test_captured_rounds_under_a_logit_bias_equal_plain(label):
     assert _biased(target) == plain
     algorithm, draft, spec = _drafts(target)[label]
     assert _biased(target, algorithm=algorithm, draft=draft, spec=spec) == plain
+
+
+#: One printable character per token id but the last, which is EOS (the end of a JSON value).
+CHARS = "".join(chr(32 + i) for i in range(VOCAB - 1))
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 23, 456]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def _char_tokenizer() -> Tokenizer:
+    inner = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
+    inner.decoder = decoders.Fuse()
+    inner.add_special_tokens(["</s>"])
+    return Tokenizer(inner)
+
+
+def _constrained(target, **options):
+    """Greedy outputs of every prompt under :data:`SCHEMA`, and the engine's round."""
+    limits = {"page_size": 4, "max_context": 96, "max_batch": 8}
+    built = engine_from_model(target, **(limits | options))
+    built = attrs.evolve(built, tokenizer=_char_tokenizer(), eos_token_ids=(VOCAB - 1,))
+    results = generate(PROMPTS, engine=built, max_new_tokens=40, json_schema=SCHEMA)
+    return [r.token_ids for r in results], built.pipeline.decode
+
+
+@pytest.mark.parametrize("label", [None, "eagle chain", "eagle3 tree", "multi_layer_eagle"])
+def test_captured_grammar_rounds_equal_eager_constrained_decoding(label):
+    """A round with a grammar is captured as graphs cut where it asks for masks (one read of
+    its path tokens and one packed copy of the masks per cut) and replays to eager plain
+    constrained decoding's tokens, chains and trees, each output valid JSON of the schema."""
+    target = _target()
+    eager, _ = _constrained(target, cuda_graphs=False)
+    for tokens in eager:
+        value = json.loads("".join(CHARS[t] for t in tokens if t != VOCAB - 1))
+        assert set(value) == {"ok", "n"} and value["n"] in (1, 23, 456)
+    options = {}
+    if label is not None:
+        algorithm, draft, spec = _drafts(target)[label]
+        options = {"algorithm": algorithm, "draft": draft, "spec": spec}
+    captured, decode = _constrained(target, **options)
+    assert captured == eager
+    assert any(c.cuts for _, _, c in decode.graphs), "no round was captured with its cuts"
