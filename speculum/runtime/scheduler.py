@@ -1393,32 +1393,58 @@ def is_idle(state: SchedulerState) -> bool:
 
 
 def warm_up(engine: Engine, prompt_len: int = 8, max_new_tokens: int = 16) -> None:
-    """Decode throwaway requests at every CUDA-graph batch bucket up to ``max_batch``, greedy
-    and sampled, so that each bucket's rounds are captured and every kernel is compiled before
-    the first real request: a server's first requests would otherwise wait seconds for them.
+    """Decode throwaway requests so that every CUDA graph is captured and every kernel compiled
+    before the first real request (a server's first requests would otherwise wait seconds for
+    them): ``prompt_len``-token prompts at every graph batch bucket up to ``max_batch``, greedy
+    and sampled, then one prompt of each length class (:func:`warm_up_lengths`) alone, since
+    kernels' tiles and Triton's integer specialisations follow the prefill chunk's length.
 
     Every request finishes and frees its pages, and the shared cells (the n-gram store, the
     adaptive measurements) get back the values they had, so the warm-up leaves nothing a later
     request could see; the next :func:`new_state` takes the engine over.
     """
-    vocab = engine.resources.target.config.vocab_size
-    prompt = tuple(token % vocab for token in range(1, prompt_len + 1))
     cells = tuple(cell.value for cell in engine.resources.cells)
     sizes = sorted({min(bucket, engine.config.max_batch) for bucket in engine.config.graph_buckets})
     for batch, sampling in itertools.product(sizes, (Sampling(), Sampling(temperature=1.0))):
-        state = new_state(engine)
-        for _ in range(batch):
-            state, _ = add_request(
-                engine,
-                state,
-                prompt,
-                sampling=sampling,
-                max_new_tokens=max_new_tokens,
-                ignore_eos=True,
-            )
-        while not is_idle(state):
-            state, _ = step(engine, state)
+        _decode_throwaway(
+            engine, [_warm_up_prompt(engine, prompt_len, 0)] * batch, sampling, max_new_tokens
+        )
+    lengths = warm_up_lengths(engine.config.prefill_budget, engine.config.max_context // 2)
+    for first, length in enumerate(lengths, start=1):
+        # Each prompt starts elsewhere in the vocabulary: no prefix-cache hit shortens it.
+        _decode_throwaway(engine, [_warm_up_prompt(engine, length, first)], Sampling(), 2)
     _set_cells(engine, cells)
+
+
+def warm_up_lengths(prefill_budget: int, longest: int) -> tuple[int, ...]:
+    """Prompt lengths that reach every tile choice and integer specialisation of a prefill
+    chunk of up to ``prefill_budget`` tokens: 1, each power of two and one past it (the
+    tiles step at powers of two; Triton specialises integers equal to 1 and multiples of 16),
+    and a chunk of the full budget followed by a remainder; none above ``longest``."""
+    lengths = {1, prefill_budget + 1}
+    power = 1
+    while power <= prefill_budget:
+        lengths |= {power, power + 1}
+        power *= 2
+    return tuple(sorted(n for n in lengths if n <= longest))
+
+
+def _warm_up_prompt(engine: Engine, length: int, first: int) -> tuple[int, ...]:
+    vocab = engine.resources.target.config.vocab_size
+    return tuple(token % vocab for token in range(first * 97 + 1, first * 97 + 1 + length))
+
+
+def _decode_throwaway(
+    engine: Engine, prompts: list[tuple[int, ...]], sampling: Sampling, max_new_tokens: int
+) -> None:
+    """Decode ``prompts`` to their end on a fresh state (the warm-up's requests)."""
+    state = new_state(engine)
+    for prompt in prompts:
+        state, _ = add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=max_new_tokens, ignore_eos=True
+        )
+    while not is_idle(state):
+        state, _ = step(engine, state)
 
 
 def _held_pages(state: SchedulerState) -> torch.Tensor:
