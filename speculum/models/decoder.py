@@ -271,18 +271,19 @@ def fused_linear(*linears: nn.Linear | Fp8Linear) -> FusedLinear | None:
     return FusedLinear(*fused, *scales)
 
 
-@torch.compiler.assume_constant_result
 def holds(fused: FusedLinear | None, first: nn.Linear) -> bool:
     """Whether ``fused`` still holds the storage of its projections, ``first`` the first of
     them (a later ``.to()`` gives each parameter a copy of its own).
 
-    Under ``torch.compile`` (``runtime.compiled``) it is evaluated once while tracing and the
-    answer baked in: storage pointers cannot be traced, and a model's fusion is fixed once its
-    engine is built (a ``.to()`` after that would need the engine rebuilt anyway)."""
-    return (
-        fused is not None
-        and fused.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
-    )
+    Under ``torch.compile`` (``runtime.compiled``) only ``fused``'s presence is traced: storage
+    pointers cannot be (and ``assume_constant_result`` over modules fails on torch 2.11), and a
+    model's fusion is fixed once its engine is built (a ``.to()`` after that would need the
+    engine rebuilt anyway)."""
+    if fused is None:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return fused.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
 
 
 def fused_weights(fused: FusedLinear | None, first: nn.Linear) -> FusedLinear | None:
