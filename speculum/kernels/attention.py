@@ -29,17 +29,41 @@ def paged_attention(
     scale: float,
     window: int = 0,
     sinks: Tensor | None = None,
+    q_starts: Tensor | None = None,
 ) -> Tensor:
     """Attention of new tokens over their paged prefix and each other, each seeing its last
     ``window`` keys only when ``window`` is above 0, with each head's ``sinks`` logit in the
-    softmax's denominator when given (see ``spec.attention``)."""
+    softmax's denominator when given, the queries packed from ``q_starts`` when given (see
+    ``spec.attention``)."""
     return spec_attention.paged_attention(
-        q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window, sinks
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        prefix_lens,
+        q_lens,
+        new_mask,
+        scale,
+        window,
+        sinks,
+        q_starts,
     )
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window=0, sinks=None):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    prefix_lens,
+    q_lens,
+    new_mask,
+    scale,
+    window=0,
+    sinks=None,
+    q_starts=None,
+):
     # One output row per query head, as wide as a value head (latent attention's values are
     # narrower than its keys).
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])

@@ -180,6 +180,7 @@ def _attention_kernel(
     page_table_ptr,
     prefix_lens_ptr,
     q_lens_ptr,
+    q_starts_ptr,
     mask_ptr,
     first_ptr,
     out_ptr,
@@ -229,6 +230,7 @@ def _attention_kernel(
     SCAN_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One (query block, request x KV head, split) program; see the module docstring.
 
@@ -257,6 +259,12 @@ def _attention_kernel(
     q_len = tl.load(q_lens_ptr + b).to(tl.int32)
     row_in = (rows < BLOCK_Q * GROUP) & (qi < num_q)  # rows of the output tensor
     row_ok = row_in & (qi < q_len)  # rows that are real queries
+    # Where query ``qi`` of request ``b`` sits in q and out: row ``qi`` of request ``b``
+    # (padded), or packed row ``q_starts[b] + qi`` of the single request row. Packed, a
+    # padding row is the next request's first token, so it is never stored.
+    q_request, q_token = _query_rows(q_starts_ptr, b, qi, PACKED)
+    if PACKED:
+        row_in = row_ok
     # A block of padding rows does no work at all: its loops get empty ranges.
     block_live = q_block * BLOCK_Q < q_len
     # Each row's first visible cache index (0 without a window), and the block's smallest. A
@@ -286,8 +294,8 @@ def _attention_kernel(
 
     q = tl.load(
         q_ptr
-        + b * stride_qb
-        + qi[:, None] * stride_qi
+        + q_request * stride_qb
+        + q_token[:, None] * stride_qi
         + head[:, None] * stride_qh
         + d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :],
@@ -356,8 +364,8 @@ def _attention_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr
-            + b * stride_ob
-            + qi[:, None] * stride_oi
+            + q_request * stride_ob
+            + q_token[:, None] * stride_oi
             + head[:, None] * stride_oh
             + dv[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
@@ -376,11 +384,22 @@ def _attention_kernel(
 
 
 @triton.jit
+def _query_rows(q_starts_ptr, b, qi, PACKED: tl.constexpr):
+    """``(request, token)`` indices of request ``b``'s queries ``qi`` in the q and output
+    tensors: ``(b, qi)`` padded, ``(0, q_starts[b] + qi)`` packed."""
+    if PACKED:
+        return 0, tl.load(q_starts_ptr + b) + qi
+    return b, qi
+
+
+@triton.jit
 def _combine_kernel(
     acc_ptr,
     m_ptr,
     l_ptr,
     sinks_ptr,
+    q_lens_ptr,
+    q_starts_ptr,
     out_ptr,
     num_q,
     num_heads,
@@ -393,9 +412,12 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """Merge the ``SPLITS`` partials of one (request, query, head) row into its output
-    (``HEAD_DIM``: the values' width), the head's sink in the denominator when it has one."""
+    (``HEAD_DIM``: the values' width), the head's sink in the denominator when it has one.
+    Packed, padding rows (``qi >= q_lens[b]``) are not stored: their packed row is another
+    request's."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (num_q * num_heads)
     qi = (row // num_heads) % num_q
@@ -418,10 +440,15 @@ def _combine_kernel(
     if HAS_SINKS:
         total += tl.exp2(tl.load(sinks_ptr + head) - m_max)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    q_request, q_token = _query_rows(q_starts_ptr, b, qi, PACKED)
+    width = HEAD_DIM
+    if PACKED:
+        width = tl.where(qi < tl.load(q_lens_ptr + b), HEAD_DIM, 0)
+    store = d < width  # d_ok, or nothing for a packed padding row
     tl.store(
-        out_ptr + b * stride_ob + qi * stride_oi + head * stride_oh + d * stride_od,
+        out_ptr + q_request * stride_ob + q_token * stride_oi + head * stride_oh + d * stride_od,
         out.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
+        mask=store,
     )
 
 
@@ -521,6 +548,7 @@ def paged_attention_triton(
     scale: float,
     window: int = 0,
     sinks: Float[Tensor, " head"] | None = None,
+    q_starts: Int[Tensor, " batch"] | None = None,
     *,
     num_splits: int | None = None,
     out: Float[Tensor, "batch q head head_dim"] | None = None,
@@ -540,18 +568,28 @@ def paged_attention_triton(
 
     ``sinks``: each head's sink logit joins its softmax's denominator (gpt-oss).
 
+    ``q_starts``: the queries are packed (``spec.attention``: ``q`` is ``[1, tokens, head,
+    head_dim]``, request ``b``'s at rows ``q_starts[b] ..``, ``new_mask`` padded to ``[batch,
+    q, tail]``). The launch is the padded call's (grid, tiles and splits from the padded
+    width ``q``), each program reading and writing its request's rows from its offset, so a
+    packed query's output has the same bits as the padded one's; the rows after the last
+    request's are zeroed.
+
     ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
     receives the result in place of a fresh tensor (tests poison it to prove every element is
     written).
     """
-    batch, num_q, heads, head_dim = q.shape
+    _, _, heads, head_dim = q.shape
+    batch, num_q = new_mask.shape[:2]
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     v_dim = v_cache.shape[-1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into {kv_heads} KV-head groups")
     group = heads // kv_heads
     if out is None:
-        out = q.new_empty(batch, num_q, heads, v_dim)
+        out = q.new_empty(*q.shape[:2], heads, v_dim)
+    if q_starts is not None:
+        out.zero_()  # the packed rows after the last request's belong to no query
     if q.numel() == 0:
         return out
     tiles = _tiles(num_q, group, head_dim, v_dim, q.dtype)
@@ -590,6 +628,7 @@ def paged_attention_triton(
         page_table,
         prefix_lens.contiguous(),
         q_lens.contiguous(),
+        q_lens if q_starts is None else q_starts.contiguous(),  # any pointer when padded
         mask,
         first_key,
         target,
@@ -623,6 +662,7 @@ def paged_attention_triton(
         SCAN_N=tiles["SCAN_N"],
         WINDOWED=window > 0,
         HAS_SINKS=sinks is not None,
+        PACKED=q_starts is not None,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
@@ -632,6 +672,8 @@ def paged_attention_triton(
             m,
             l_sum,
             sinks2,
+            q_lens.contiguous(),
+            q_lens if q_starts is None else q_starts.contiguous(),
             out,
             num_q,
             heads,
@@ -641,6 +683,7 @@ def paged_attention_triton(
             HEAD_DIM=v_dim,
             BLOCK_D=tiles["BLOCK_DV"],
             HAS_SINKS=sinks is not None,
+            PACKED=q_starts is not None,
             num_warps=4,
         )
     return out
