@@ -144,13 +144,15 @@ def packed_rows(
     request ``b``'s token ``i < q_lens[b]`` sits at packed row ``q_starts[b] + i``. Rows after
     the last request's hold a padding row of the padded layout (one with ``i >= q_lens[b]``;
     one exists whenever the packed rows outnumber the real tokens, as ``capacity <= batch *
-    q``). The real tokens must fit: ``sum(q_lens) <= capacity``."""
+    q``). The real tokens must fit, ``sum(q_lens) <= capacity``: those past it are left out."""
     batch = q_lens.shape[0]
     offsets = torch.arange(q, device=q_lens.device)
     valid = offsets[None, :] < q_lens[:, None]
     padding_row = (~valid).flatten().to(torch.int64).argmax()  # the first; 0 when there is none
-    # Padding rows of the padded layout scatter into one extra row, dropped after.
-    destination = torch.where(valid, q_starts[:, None] + offsets[None, :], capacity)
+    # Padding rows of the padded layout scatter into one extra row, dropped after (and so
+    # would real tokens past the capacity, rather than write out of bounds).
+    destination = (q_starts[:, None] + offsets[None, :]).clamp(max=capacity)
+    destination = torch.where(valid, destination, capacity)
     flat = torch.arange(batch * q, device=q_lens.device)
     rows = padding_row.expand(capacity + 1).clone()
     return rows.scatter(0, destination.flatten(), flat)[:capacity]
