@@ -35,35 +35,12 @@ def paged_attention(
     ``window`` keys only when ``window`` is above 0, with each head's ``sinks`` logit in the
     softmax's denominator when given, the queries packed from ``q_starts`` when given (see
     ``spec.attention``)."""
-    return spec_attention.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        prefix_lens,
-        q_lens,
-        new_mask,
-        scale,
-        window,
-        sinks,
-        q_starts,
-    )
+    args = (q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window, sinks)
+    return spec_attention.paged_attention(*args, q_starts)
 
 
 @paged_attention.register_fake
-def _(
-    q,
-    k_cache,
-    v_cache,
-    page_table,
-    prefix_lens,
-    q_lens,
-    new_mask,
-    scale,
-    window=0,
-    sinks=None,
-    q_starts=None,
-):
+def _(q, k_cache, v_cache, *_):
     # One output row per query head, as wide as a value head (latent attention's values are
     # narrower than its keys).
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])

@@ -80,9 +80,9 @@ def cases(draw: st.DrawFn) -> Case:
     )
 
 
-def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel, reference) outputs of one case, on inputs drawn from its seed."""
-    inputs = kc.attention_inputs(
+def case_inputs(case: Case) -> dict:
+    """The inputs of one case (``kernel_cases.attention_inputs``), drawn from its seed."""
+    return kc.attention_inputs(
         torch.Generator().manual_seed(case.seed),
         prefix_lens=case.prefix_lens,
         q_lens=case.q_lens,
@@ -97,7 +97,11 @@ def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         window=case.window,
         sinks=case.sinks,
     )
-    return kc.run_attention(inputs, num_splits=case.num_splits)
+
+
+def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) outputs of one case, on inputs drawn from its seed."""
+    return kc.run_attention(case_inputs(case), num_splits=case.num_splits)
 
 
 @settings(max_examples=40)
@@ -216,21 +220,7 @@ def test_packed_queries_match_padded(case, spare):
     padding after them) give the padded call's outputs, bit for bit in the kernel (the same
     launch, rows read from their offsets) and in the reference, and zeros in the spare rows;
     the padding rows' NaN never reaches a real row."""
-    inputs = kc.attention_inputs(
-        torch.Generator().manual_seed(case.seed),
-        prefix_lens=case.prefix_lens,
-        q_lens=case.q_lens,
-        new_mask=case.new_mask,
-        page_table=case.page_table,
-        num_pages=case.num_pages,
-        heads=case.kv_heads * case.group,
-        kv_heads=case.kv_heads,
-        head_dim=case.head_dim,
-        page_size=case.page_size,
-        latent_dim=case.latent_dim,
-        window=case.window,
-        sinks=case.sinks,
-    )
+    inputs = case_inputs(case)
     args = kc.kernel_args(inputs)
     batch, q = case.new_mask.shape[:2]
     lens = args["q_lens"]
