@@ -7,10 +7,13 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speculum.models.config import MLAConfig, MoEConfig
 from speculum.models.decoder import dense_batch
+from speculum.models.loading import random_model
 from speculum.pipelines.dflash import round_config
 from speculum.spec.block import verify_capacity
 from speculum.spec.paged import extend_batch, pack, pack_batch, packed_rows, unpack
@@ -20,6 +23,30 @@ from speculum.state import PagedKV
 from speculum.state.kv import PADDING_PAGE
 from speculum.state.record import tree_equal
 from speculum.state.sampling import SamplingParams
+
+#: Attention and MLP kinds whose packed forward must equal the padded one: latent attention
+#: (values narrower than keys) over mixture-of-experts layers, and a sliding window of 3 keys
+#: with attention sinks (gpt-oss's kinds). The plain Llama kind is conftest's ``tiny_model``.
+KINDS = {
+    "mla-moe": random_model(
+        tiny_config(
+            num_kv_heads=4,
+            mla=MLAConfig(
+                q_lora_rank=12,
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=8,
+                v_head_dim=6,
+            ),
+            moe=MoEConfig(num_experts=4, top_k=2, expert_intermediate_size=16, norm_topk_prob=True),
+        ),
+        seed=1,
+        std=0.3,
+    ),
+    "window-sinks": random_model(
+        tiny_config(sliding_window=3, attention_sinks=True), seed=2, std=0.3
+    ),
+}
 
 
 @st.composite
@@ -70,16 +97,19 @@ def sampling(batch: int, temperature: float, seed: int) -> SamplingParams:
     )
 
 
-@settings(max_examples=30)
+@pytest.mark.parametrize("kind", ["llama", *KINDS])
+@settings(max_examples=25)
 @given(case=rounds())
-def test_packed_verify_equals_padded_verify(tiny_model, case):
+def test_packed_verify_equals_padded_verify(tiny_model, kind, case):
     """Same accepted tokens and paths, the same log-probabilities, final and captured hidden
     states at the verified nodes, and the same pool afterwards (the padding sink aside), over
-    random verify lengths, batches, page sizes, greedy and seeded sampling."""
+    random verify lengths, batches, page sizes, greedy and seeded sampling, and attention and
+    MLP kinds."""
+    model = KINDS.get(kind, tiny_model)
     gen = torch.Generator().manual_seed(case["seed"])
-    kv, pool = kv_and_pool(tiny_model, case, gen)
+    kv, pool = kv_and_pool(model, case, gen)
     batch, drafts = len(case["prefix_lens"]), case["drafts"]
-    vocab = tiny_model.config.vocab_size
+    vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (batch, drafts + 1), generator=gen)
     tree = chain_tree(tokens[:, 0], tokens[:, 1:])
     lens = torch.tensor(case["verify_lens"])
@@ -87,7 +117,7 @@ def test_packed_verify_equals_padded_verify(tiny_model, case):
     pools = [pool, attrs.evolve(pool, k=pool.k.clone(), v=pool.v.clone())]
     padded, packed = (
         verify_tree(
-            tiny_model,
+            model,
             p,
             kv,
             tree,
