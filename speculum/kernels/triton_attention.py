@@ -387,9 +387,12 @@ def _attention_kernel(
 def _query_rows(q_starts_ptr, b, qi, PACKED: tl.constexpr):
     """``(request, token)`` indices of request ``b``'s queries ``qi`` in the q and output
     tensors: ``(b, qi)`` padded, ``(0, q_starts[b] + qi)`` packed."""
+    # One return, rebinding under the constexpr branch: the compiler visits a statically
+    # chosen branch only, and a second return of another type would not compile.
+    request, token = b, qi
     if PACKED:
-        return 0, tl.load(q_starts_ptr + b) + qi
-    return b, qi
+        request, token = b * 0, tl.load(q_starts_ptr + b) + qi
+    return request, token
 
 
 @triton.jit

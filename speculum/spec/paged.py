@@ -6,6 +6,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from speculum.spec.checks import checking
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 from speculum.state.record import make
@@ -186,7 +187,8 @@ def pack_batch(batch: ForwardBatch, capacity: int) -> tuple[ForwardBatch, Int[Te
 
     ``capacity`` is a static bound on the real tokens, ``sum(q_lens) <= capacity <= batch * q``
     (a verify budget gives it), so that the forward's shapes do not depend on the lengths and
-    the round stays capturable in a CUDA graph. Padding rows carry token 0 and the padding
+    the round stays capturable in a CUDA graph; eagerly, more real tokens than that are
+    refused (in a captured round, those past it would be left out). Padding rows carry token 0 and the padding
     sink's slot, as the padded layout's do, so they write no live cache entry.
     """
     if batch.packed:
@@ -196,6 +198,11 @@ def pack_batch(batch: ForwardBatch, capacity: int) -> tuple[ForwardBatch, Int[Te
         raise ValueError(
             f"pack_batch: capacity={capacity} must be between 1 and batch * q = {rows_ * q} "
             "(a bound on the real tokens of the forward)"
+        )
+    if checking() and int(batch.q_lens.sum()) > capacity:  # one host sync, eagerly only
+        raise ValueError(
+            f"pack_batch: {int(batch.q_lens.sum())} real tokens do not fit capacity="
+            f"{capacity}; bound the tokens (a verify budget) or raise the capacity"
         )
     q_starts = torch.cumsum(batch.q_lens, 0) - batch.q_lens
     rows = packed_rows(q_starts, batch.q_lens, q, capacity)

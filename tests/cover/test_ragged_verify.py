@@ -167,11 +167,11 @@ def test_pack_then_unpack_is_the_padded_layout(lens, spare):
     assert torch.equal(unpack(packed, q_starts, q_lens, q), torch.where(valid[..., None], x, 0))
 
 
-def test_pack_batch_refuses_a_capacity_outside_the_padded_rows():
+def test_pack_batch_refuses_a_capacity_that_cannot_hold_the_tokens():
     kv = PagedKV(page_table=torch.ones(2, 2, dtype=torch.int64), seq_lens=torch.zeros(2,
         dtype=torch.int64), page_size=4)  # fmt: skip
     batch = extend_batch(kv, torch.ones(2, 3, dtype=torch.int64), torch.tensor([1, 3]))
-    for capacity in (0, 7):
+    for capacity in (0, 7, 3):  # 3: below the 4 real tokens
         with pytest.raises(ValueError, match="capacity"):
             pack_batch(batch, capacity)
     packed, _ = pack_batch(batch, 4)
