@@ -188,8 +188,9 @@ def pack_batch(batch: ForwardBatch, capacity: int) -> tuple[ForwardBatch, Int[Te
     ``capacity`` is a static bound on the real tokens, ``sum(q_lens) <= capacity <= batch * q``
     (a verify budget gives it), so that the forward's shapes do not depend on the lengths and
     the round stays capturable in a CUDA graph; eagerly, more real tokens than that are
-    refused (in a captured round, those past it would be left out). Padding rows carry token 0 and the padding
-    sink's slot, as the padded layout's do, so they write no live cache entry.
+    refused (in a captured round, those past it would be left out). Padding rows carry token
+    0 and the padding sink's slot, as the padded layout's do, so they write no live cache
+    entry.
     """
     if batch.packed:
         raise ValueError("pack_batch: the batch is already packed")
