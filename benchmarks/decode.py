@@ -57,7 +57,16 @@ its acceptance length in tokens where plain decoding emits one).
   ``--decode-overlap``. ``--shape small`` is the zoo's ``small`` target (28M parameters, where
   the host's time per step matters most); the default the 8B shape.
 
-``--adaptive``, ``--overlap``, ``--fp8`` and ``--decode-steps`` run only their own tables.
+- ragged verify (``--ragged-verify``): a DSPARK-style chain verify of a block of
+  ``--ragged-width`` draft tokens per request (plus its root) over a ``--prompt``-token
+  context, at batch sizes 1, 8, 32, 64 (``--ragged-batches``), with a budget of ``N`` draft
+  tokens over the batch (``--ragged-budgets``, per request: ``N = per_request * batch``,
+  spread unevenly over the rows): the target's forward and logits (verify's model work,
+  ``spec.verify.target_logits``) over the padded ``[batch, width + 1]`` rows against the
+  packed ``batch + N`` verified tokens, each a CUDA graph replayed (median of device events).
+
+``--adaptive``, ``--overlap``, ``--fp8``, ``--decode-steps`` and ``--ragged-verify`` run only
+their own tables.
 Every other plain row times single steps (``decode_steps=1``: one token per decode call).
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
@@ -108,7 +117,12 @@ from speculum.models.config import (  # noqa: E402
     MLAConfig,
     MoEConfig,
 )
-from speculum.models.decoder import DecoderModel, SparseMoE, cache_kv_heads  # noqa: E402
+from speculum.models.decoder import (  # noqa: E402
+    DecoderModel,
+    SparseMoE,
+    cache_kv_heads,
+    fuse_projections_,
+)
 from speculum.models.draft import build_draft, draft_config  # noqa: E402
 from speculum.models.fp8 import Fp8Scheme, quantize_  # noqa: E402
 from speculum.models.loading import randomize_  # noqa: E402
@@ -123,7 +137,9 @@ from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
 from speculum.spec import recurrent as spec_recurrent  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
-from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
+from speculum.spec.tree import build_tree, chain_tree, tree_mask  # noqa: E402
+from speculum.spec.verify import target_logits  # noqa: E402
+from speculum.state.kv import PagedKV  # noqa: E402
 from speculum.state.parallel import SINGLE, TensorParallel  # noqa: E402
 from speculum.state.record import replace  # noqa: E402
 from speculum.training.target import SIZES  # noqa: E402
@@ -779,6 +795,14 @@ def main() -> None:
         help="a hybrid's recurrent layers on the GPU: the Triton kernels, or spec.recurrent's "
         "token-by-token reference (the baseline)",
     )
+    parser.add_argument(
+        "--ragged-verify", action="store_true", help="padded vs packed ragged verify only"
+    )
+    parser.add_argument("--ragged-batches", default="1,8,32,64")
+    parser.add_argument("--ragged-width", type=int, default=7, help="draft tokens per block")
+    parser.add_argument(
+        "--ragged-budgets", default="1,2,4", help="verified draft tokens per request, on average"
+    )
     args = parser.parse_args()
     if args.tp > 1 and not distributed.launched():
         distributed.launch(functools.partial(measure, args), args.tp)
@@ -801,6 +825,9 @@ def measure(args: argparse.Namespace) -> None:
         return
     if args.decode_steps:
         multi_step_table(config, device, dtype, args)
+        return
+    if args.ragged_verify:
+        ragged_table(config, device, dtype, args)
         return
     if args.fp8 and (tp.size > 1 or config.moe is not None):
         raise SystemExit("--fp8 runs one device and a dense target (docs/fp8.md)")
@@ -1324,6 +1351,85 @@ def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, ar
         print(table(rows))
     if overlaps:
         print("\n## synchronous vs overlapped scheduling, decode tokens/s\n\n" + table(overlaps))
+
+
+def uneven_lens(batch: int, budget: int, width: int, seed: int) -> torch.Tensor:
+    """Verify lengths of ``batch`` rows summing to ``budget`` (at most ``width`` each), spread
+    unevenly as a verify budget spreads them: in proportion to random weights (the rows of
+    highest survival verify deeper), the remainder to the heaviest rows first."""
+    weights = torch.rand(batch, generator=torch.Generator().manual_seed(seed)) + 0.25
+    lens = (budget * weights / weights.sum()).floor().long().clamp(max=width)
+    order = torch.argsort(weights, descending=True).tolist()
+    while int(lens.sum()) < budget:
+        for row in order:
+            if int(lens.sum()) < budget and lens[row] < width:
+                lens[row] += 1
+    return lens
+
+
+def verify_inputs(target, batch: int, width: int, context: int, device: str):
+    """A pool holding ``batch`` requests' ``context`` cached tokens (zeros), their chain of
+    ``width`` draft tokens and root, as ``(kv, pool, tree)``."""
+    page_size = 16
+    pages = math.ceil((context + width + 1) / page_size)
+    pool = target.new_pool(1 + batch * pages, page_size)
+    table_ = 1 + torch.arange(batch * pages, device=device).view(batch, pages)
+    kv = PagedKV(
+        page_table=table_,
+        seq_lens=torch.full((batch,), context, device=device),
+        page_size=page_size,
+    )
+    tokens = torch.randint(target.config.vocab_size, (batch, width + 1), device=device)
+    return kv, pool, chain_tree(tokens[:, 0], tokens[:, 1:])
+
+
+def ragged_rows(target, batch: int, args, device: str) -> list[dict[str, Any]]:
+    """Padded against packed verify forwards at ``batch``, one row per budget."""
+    width = args.ragged_width
+    kv, pool, tree = verify_inputs(target, batch, width, args.prompt, device)
+    positions = kv.seq_lens[:, None] + tree.depths
+    rows = []
+    for per_request in [int(n) for n in args.ragged_budgets.split(",")]:
+        budget = min(per_request * batch, width * batch)
+        lens = uneven_lens(batch, budget, width, seed=batch).to(device)
+        forward = tail_batch(kv, tree.tokens, positions, tree_mask(tree), q_lens=lens + 1)
+        times = {}
+        for layout, capacity in (("padded", None), ("packed", batch + budget)):
+            if capacity == batch * (width + 1):
+                capacity = None  # every token verified: nothing to pack
+            verify = functools.partial(
+                target_logits, target, pool, capture_layers=(), capacity=capacity
+            )
+            times[layout] = stage_ms(
+                lambda b, verify=verify: verify(b)[2], (forward,), device, args.repeat
+            )
+        rows.append(
+            {
+                "batch": batch,
+                "block": width,
+                "verified/request": budget / batch,
+                "rows padded": batch * (width + 1),
+                "rows packed": batch + budget,
+                "padded ms": times["padded"],
+                "packed ms": times["packed"],
+                "packed/padded": times["packed"] / times["padded"],
+            }
+        )
+    return rows
+
+
+def ragged_table(config: DecoderConfig, device: str, dtype: torch.dtype, args) -> None:
+    """The ``--ragged-verify`` table: verify's model work padded against packed."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; {args.shape}", flush=True)
+    target, _ = build_models(config, device, dtype)
+    fuse_projections_(target)
+    rows, begin = [], time.perf_counter()
+    for batch in [int(b) for b in args.ragged_batches.split(",")]:
+        rows += ragged_rows(target, batch, args, device)
+        print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    print(f"\n## ragged verify ({args.shape}, context {args.prompt}), target forward + logits\n")
+    print(table(rows))
 
 
 if __name__ == "__main__":

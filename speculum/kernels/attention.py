@@ -29,17 +29,18 @@ def paged_attention(
     scale: float,
     window: int = 0,
     sinks: Tensor | None = None,
+    q_starts: Tensor | None = None,
 ) -> Tensor:
     """Attention of new tokens over their paged prefix and each other, each seeing its last
     ``window`` keys only when ``window`` is above 0, with each head's ``sinks`` logit in the
-    softmax's denominator when given (see ``spec.attention``)."""
-    return spec_attention.paged_attention(
-        q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window, sinks
-    )
+    softmax's denominator when given, the queries packed from ``q_starts`` when given (see
+    ``spec.attention``)."""
+    args = (q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window, sinks)
+    return spec_attention.paged_attention(*args, q_starts)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, window=0, sinks=None):
+def _(q, k_cache, v_cache, *_):
     # One output row per query head, as wide as a value head (latent attention's values are
     # narrower than its keys).
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
@@ -55,16 +56,17 @@ def latent_attention(
     new_mask: Tensor,
     scale: float,
     latent_dim: int,
+    q_starts: Tensor | None = None,
 ) -> Tensor:
     """Multi-head latent attention run absorbed over a latent cache whose rows are ``[latent
-    (latent_dim) | rope key]``, the latent as the values (see ``spec.attention``)."""
-    return spec_attention.latent_attention(
-        q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim
-    )
+    (latent_dim) | rope key]``, the latent as the values, the queries packed from ``q_starts``
+    when given (see ``spec.attention``)."""
+    args = (q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim)
+    return spec_attention.latent_attention(*args, q_starts)
 
 
 @latent_attention.register_fake
-def _(q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim):
+def _(q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim, q_starts=None):
     return q.new_empty(*q.shape[:-1], latent_dim)
 
 

@@ -173,6 +173,18 @@ def _visible(mask_rows, j, stride_mj, row_ok, num_tail):
 
 
 @triton.jit
+def _query_rows(q_starts_ptr, b, qi, PACKED: tl.constexpr):
+    """``(request, token)`` indices of request ``b``'s queries ``qi`` in the q and output
+    tensors: ``(b, qi)`` padded, ``(0, q_starts[b] + qi)`` packed."""
+    # One return, rebinding under the constexpr branch: the compiler visits a statically
+    # chosen branch only, and a second return of another type would not compile.
+    request, token = b, qi
+    if PACKED:
+        request, token = b * 0, tl.load(q_starts_ptr + b) + qi
+    return request, token
+
+
+@triton.jit
 def _write_rows(
     out_ptr,
     m_ptr,
@@ -184,6 +196,7 @@ def _write_rows(
     row_ok,
     b,
     qi,
+    q_starts_ptr,
     head,
     d,
     d_ok,
@@ -196,24 +209,32 @@ def _write_rows(
     stride_od,
     V_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
-    """Store a program's rows (query ``qi``, head ``head``; ``row_in``: rows of the output,
-    ``row_ok``: real queries) at value columns ``d``: with ``SPLITS == 1`` the normalised
-    output into ``out_ptr``; otherwise the unnormalised accumulator into the contiguous
-    ``[batch, q, head, splits, V_DIM]`` float32 partials at ``out_ptr`` and the row max / row
-    sum into ``m_ptr`` / ``l_ptr``. Padding rows, and rows that saw no key (``l == 0``, ``acc ==
-    0``), come out as zeros."""
+    """Store a program's rows (query ``qi`` of request ``b``, head ``head``; ``row_in``: rows
+    of the padded ``[batch, q]`` layout, ``row_ok``: real queries) at value columns ``d``: with
+    ``SPLITS == 1`` the normalised output into ``out_ptr``; otherwise the unnormalised
+    accumulator into the contiguous ``[batch, q, head, splits, V_DIM]`` float32 partials at
+    ``out_ptr`` and the row max / row sum into ``m_ptr`` / ``l_ptr``. Padding rows, and rows
+    that saw no key (``l == 0``, ``acc == 0``), come out as zeros. ``PACKED``: the output rows
+    are packed from ``q_starts`` (``_query_rows``), and padding rows are not stored there,
+    since a padding row's packed row is the next request's first query; the partials keep the
+    padded layout."""
     acc = tl.where(row_ok[:, None], acc, 0.0)
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        request, token = _query_rows(q_starts_ptr, b, qi, PACKED)
+        stored = row_in
+        if PACKED:
+            stored = row_ok
         tl.store(
             out_ptr
-            + b * stride_ob
-            + qi[:, None] * stride_oi
+            + request * stride_ob
+            + token[:, None] * stride_oi
             + head[:, None] * stride_oh
             + d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & d_ok[None, :],
+            mask=stored[:, None] & d_ok[None, :],
         )
     else:
         part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
@@ -232,6 +253,7 @@ def _attention_kernel(
     page_table_ptr,
     prefix_lens_ptr,
     q_lens_ptr,
+    q_starts_ptr,
     mask_ptr,
     first_ptr,
     out_ptr,
@@ -281,6 +303,7 @@ def _attention_kernel(
     SCAN_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One (query block, request x KV head, split) program; see the module docstring.
 
@@ -309,6 +332,10 @@ def _attention_kernel(
     q_len = tl.load(q_lens_ptr + b).to(tl.int32)
     row_in = (rows < BLOCK_Q * GROUP) & (qi < num_q)  # rows of the output tensor
     row_ok = row_in & (qi < q_len)  # rows that are real queries
+    # Where query ``qi`` of request ``b`` sits in q and out: row ``qi`` of request ``b``
+    # (padded), or packed row ``q_starts[b] + qi`` of the single request row. Packed, a
+    # padding row is the next request's first token, so it is never loaded or stored.
+    q_request, q_token = _query_rows(q_starts_ptr, b, qi, PACKED)
     # A block of padding rows does no work at all: its loops get empty ranges.
     block_live = q_block * BLOCK_Q < q_len
     # Each row's first visible cache index (0 without a window), and the block's smallest. A
@@ -338,8 +365,8 @@ def _attention_kernel(
 
     q = tl.load(
         q_ptr
-        + b * stride_qb
-        + qi[:, None] * stride_qi
+        + q_request * stride_qb
+        + q_token[:, None] * stride_qi
         + head[:, None] * stride_qh
         + d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :],
@@ -403,8 +430,9 @@ def _attention_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
         l_i += tl.exp2(sink - m_i)
     _write_rows(
-        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, head, dv, dv_ok, split,
-        num_q, num_kv_heads * GROUP, stride_ob, stride_oi, stride_oh, stride_od, V_DIM, SPLITS,
+        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, q_starts_ptr, head, dv,
+        dv_ok, split, num_q, num_kv_heads * GROUP, stride_ob, stride_oi, stride_oh, stride_od,
+        V_DIM, SPLITS, PACKED,
     )  # fmt: skip
 
 
@@ -414,6 +442,8 @@ def _combine_kernel(
     m_ptr,
     l_ptr,
     sinks_ptr,
+    q_lens_ptr,
+    q_starts_ptr,
     out_ptr,
     num_q,
     num_heads,
@@ -426,10 +456,12 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """Merge the ``SPLITS`` partials of one (request, query, head) row into ``BLOCK_D`` columns
     of its output (``HEAD_DIM``: the values' width), the head's sink in the denominator when it
-    has one."""
+    has one. Packed, padding rows (``qi >= q_lens[b]``) are not stored: their packed row is
+    another request's."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (num_q * num_heads)
     qi = (row // num_heads) % num_q
@@ -452,10 +484,15 @@ def _combine_kernel(
     if HAS_SINKS:
         total += tl.exp2(tl.load(sinks_ptr + head) - m_max)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    q_request, q_token = _query_rows(q_starts_ptr, b, qi, PACKED)
+    width = HEAD_DIM
+    if PACKED:
+        width = tl.where(qi < tl.load(q_lens_ptr + b), HEAD_DIM, 0)
+    store = d < width  # d_ok, or nothing for a packed padding row
     tl.store(
-        out_ptr + b * stride_ob + qi * stride_oi + head * stride_oh + d * stride_od,
+        out_ptr + q_request * stride_ob + q_token * stride_oi + head * stride_oh + d * stride_od,
         out.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
+        mask=store,
     )
 
 
@@ -469,19 +506,28 @@ def combine_splits(
     acc: Float[Tensor, "batch q head splits v_dim"],
     m: Float[Tensor, "batch q head splits"],
     l_sum: Float[Tensor, "batch q head splits"],
-    out: Float[Tensor, "batch q head v_dim"],
+    out: Float[Tensor, "rows width head v_dim"],
     sinks2: Float[Tensor, " head"] | None = None,
+    q_lens: Int[Tensor, " batch"] | None = None,
+    q_starts: Int[Tensor, " batch"] | None = None,
 ) -> None:
     """Merge split-KV partials (contiguous unnormalised accumulators, base-2 row maxima, row
     sums) into ``out``, with each head's base-2 sink logit ``sinks2`` in the denominator when
-    given. Each output column's sum over the splits runs in one order whatever the call."""
+    given. Each output column's sum over the splits runs in one order whatever the call.
+
+    ``q_starts`` (with ``q_lens``): ``out`` is packed (``spec.attention``), request ``b``'s
+    query ``i`` at row ``q_starts[b] + i`` of ``out[0]``; padding queries are not stored."""
     batch, num_q, heads, splits, v_dim = acc.shape
+    if q_starts is not None and q_lens is None:
+        raise ValueError("packed partials (q_starts) need q_lens to tell padding queries apart")
     block_d = min(max(16, triton.next_power_of_2(v_dim)), _COMBINE_COLUMNS)
     _combine_kernel[(batch * num_q * heads, triton.cdiv(v_dim, block_d))](
         acc,
         m,
         l_sum,
         m if sinks2 is None else sinks2,  # any pointer stands in when there are none
+        m if q_lens is None else q_lens.contiguous(),
+        m if q_starts is None else q_starts.contiguous(),
         out,
         num_q,
         heads,
@@ -491,8 +537,25 @@ def combine_splits(
         HEAD_DIM=v_dim,
         BLOCK_D=block_d,
         HAS_SINKS=sinks2 is not None,
+        PACKED=q_starts is not None,
         num_warps=4,
     )
+
+
+def output_rows(
+    q: Float[Tensor, "rows width head q_dim"],
+    v_dim: int,
+    q_starts: Int[Tensor, " batch"] | None,
+    out: Float[Tensor, "rows width head v_dim"] | None,
+) -> Float[Tensor, "rows width head v_dim"]:
+    """The attention kernels' output, one ``v_dim`` row per query row and head (``out`` when
+    given): packed (``q_starts``), zeroed first, since the kernels store real queries only
+    and the rows after the last request's belong to no query."""
+    if out is None:
+        out = q.new_empty(*q.shape[:3], v_dim)
+    if q_starts is not None:
+        out.zero_()
+    return out
 
 
 @functools.cache
@@ -591,6 +654,7 @@ def paged_attention_triton(
     scale: float,
     window: int = 0,
     sinks: Float[Tensor, " head"] | None = None,
+    q_starts: Int[Tensor, " batch"] | None = None,
     *,
     num_splits: int | None = None,
     out: Float[Tensor, "batch q head head_dim"] | None = None,
@@ -610,18 +674,25 @@ def paged_attention_triton(
 
     ``sinks``: each head's sink logit joins its softmax's denominator (gpt-oss).
 
+    ``q_starts``: the queries are packed (``spec.attention``: ``q`` is ``[1, tokens, head,
+    head_dim]``, request ``b``'s at rows ``q_starts[b] ..``, ``new_mask`` padded to ``[batch,
+    q, tail]``). The launch is the padded call's (grid, tiles and splits from the padded
+    width ``q``), each program reading and writing its request's rows from its offset, so a
+    packed query's output has the same bits as the padded one's; the rows after the last
+    request's are zeroed.
+
     ``num_splits`` overrides the split-KV rule (tests force the split path with it); ``out``
     receives the result in place of a fresh tensor (tests poison it to prove every element is
     written).
     """
-    batch, num_q, heads, head_dim = q.shape
+    _, _, heads, head_dim = q.shape
+    batch, num_q = new_mask.shape[:2]
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     v_dim = v_cache.shape[-1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into {kv_heads} KV-head groups")
     group = heads // kv_heads
-    if out is None:
-        out = q.new_empty(batch, num_q, heads, v_dim)
+    out = output_rows(q, v_dim, q_starts, out)
     if q.numel() == 0:
         return out
     tiles = _tiles(num_q, group, head_dim, v_dim, q.dtype)
@@ -659,6 +730,7 @@ def paged_attention_triton(
         page_table,
         prefix_lens.contiguous(),
         q_lens.contiguous(),
+        q_lens if q_starts is None else q_starts.contiguous(),  # any pointer when padded
         mask,
         first_key,
         target,
@@ -692,11 +764,12 @@ def paged_attention_triton(
         SCAN_N=tiles["SCAN_N"],
         WINDOWED=window > 0,
         HAS_SINKS=sinks is not None,
+        PACKED=q_starts is not None,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
     if num_splits > 1:
-        combine_splits(acc, m, l_sum, out, sinks2)
+        combine_splits(acc, m, l_sum, out, sinks2, q_lens, q_starts)
     return out
 
 

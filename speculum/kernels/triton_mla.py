@@ -65,9 +65,11 @@ from speculum.kernels.triton_attention import (
     _INVARIANT_TOKENS,
     _load_seen,
     _num_splits,
+    _query_rows,
     _split_chunk,
     _write_rows,
     combine_splits,
+    output_rows,
 )
 from speculum.spec.attention import check_latent_shapes
 
@@ -150,6 +152,7 @@ def _latent_kernel(
     page_table_ptr,
     prefix_lens_ptr,
     q_lens_ptr,
+    q_starts_ptr,
     mask_ptr,
     out_ptr,
     m_ptr,
@@ -188,6 +191,7 @@ def _latent_kernel(
     SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCAN_N: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One (token block x head block, split, request) program; see the module docstring.
 
@@ -225,7 +229,11 @@ def _latent_kernel(
         col_seen = tl.max(_load_seen(token_rows, j, stride_mj, token_ok, num_tail), axis=0) > 0
         tail_end = tl.maximum(tail_end, tl.max(tl.where(col_seen, j + 1, 0)))
 
-    q_rows = q_ptr + b * stride_qb + qi[:, None] * stride_qi + head[:, None] * stride_qh
+    # Packed (ragged verify), request b's queries sit at rows q_starts[b] .. of q and out.
+    q_request, q_token = _query_rows(q_starts_ptr, b, qi, PACKED)
+    q_rows = (
+        q_ptr + q_request * stride_qb + q_token[:, None] * stride_qi + head[:, None] * stride_qh
+    )
     q_lat = tl.load(
         q_rows + cols[None, :] * stride_qd, mask=row_ok[:, None] & l_ok[None, :], other=0.0
     )
@@ -274,8 +282,9 @@ def _latent_kernel(
 
     l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
     _write_rows(
-        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, head, cols, l_ok, split,
-        num_q, num_heads, stride_ob, stride_oi, stride_oh, stride_od, LATENT, SPLITS,
+        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, q_starts_ptr, head, cols,
+        l_ok, split, num_q, num_heads, stride_ob, stride_oi, stride_oh, stride_od, LATENT,
+        SPLITS, PACKED,
     )  # fmt: skip
 
 
@@ -294,6 +303,7 @@ def latent_attention_triton(
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
     latent_dim: int,
+    q_starts: Int[Tensor, " batch"] | None = None,
     *,
     num_splits: int | None = None,
     tiles: LatentTiles | None = None,
@@ -308,16 +318,22 @@ def latent_attention_triton(
     one CUDA device (or the CPU under ``TRITON_INTERPRET=1``). Reads no tensor value on the
     host, so the call can be captured in a CUDA graph.
 
+    ``q_starts``: the queries are packed (ragged verify; ``q`` is ``[1, tokens, head,
+    cache_dim]``, request ``b``'s at rows ``q_starts[b] ..``, ``new_mask`` padded to ``[batch,
+    q, tail]``), as in ``paged_attention_triton``: the padded call's launch, each program
+    reading and writing its request's rows from its offset, so a packed query's output has the
+    padded one's bits; the rows after the last request's are zeroed.
+
     ``num_splits`` overrides the split-KV rule (tests force the split path with it), ``tiles``
     the launch shape (``benchmarks/mla_attention.py --sweep`` times alternatives with it);
     ``out`` receives the result in place of a fresh tensor (tests poison it to prove every
     element is written).
     """
     check_latent_shapes(q, cache, latent_dim)
-    batch, num_q, heads, cache_dim = q.shape
+    _, _, heads, cache_dim = q.shape
+    batch, num_q = new_mask.shape[:2]
     page_size, rope = cache.shape[1], cache_dim - latent_dim
-    if out is None:
-        out = q.new_empty(batch, num_q, heads, latent_dim)
+    out = output_rows(q, latent_dim, q_starts, out)
     if q.numel() == 0:
         return out
     tiles = latent_tiles(q.dtype) if tiles is None else tiles
@@ -350,6 +366,7 @@ def latent_attention_triton(
         page_table,
         prefix_lens.contiguous(),
         q_lens.contiguous(),
+        q_lens if q_starts is None else q_starts.contiguous(),  # any pointer when padded
         mask,
         target,
         m,
@@ -380,11 +397,12 @@ def latent_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The mask scan reads ~8K bytes a step (one per token and column), no fewer than a tile.
         SCAN_N=tiles.keys if _INTERPRET else max(tiles.keys, min(1024, 8192 // block_t)),
+        PACKED=q_starts is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        combine_splits(acc, m, l_sum, out)
+        combine_splits(acc, m, l_sum, out, q_lens=q_lens, q_starts=q_starts)
     return out
 
 

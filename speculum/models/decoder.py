@@ -49,6 +49,7 @@ __all__ = [
     "SparseMoE",
     "apply_rope",
     "cache_kv_heads",
+    "check_packable",
     "dense_attention",
     "decoder_layer",
     "dense_batch",
@@ -423,6 +424,7 @@ class Attention(nn.Module):
             self.scale,
             self.window,
             self.sinks,
+            batch.q_starts,
         )
 
     def forward(
@@ -587,6 +589,7 @@ class LatentAttention(nn.Module):
             batch.new_mask,
             self.scale,
             self.mla.kv_lora_rank,
+            batch.q_starts,
         )
         return self.o_proj(torch.einsum("bqhr,hvr->bqhv", out, up_v).flatten(2))
 
@@ -1384,6 +1387,16 @@ class LMHead(nn.Linear):
         return float32_logits(hidden, self.weight)
 
 
+def check_packable(config: DecoderConfig, pool: KVPool | None) -> None:
+    """Refuse a packed forward that this model cannot run: recurrent layers scan each
+    request's tokens in a padded row, and cache-free training has no per-request queries."""
+    if pool is None or config.is_hybrid:
+        raise ValueError(
+            "a packed forward (ragged verify) needs a KV pool and attention-only layers; run "
+            "hybrid models and cache-free training with the padded layout (no q_starts)"
+        )
+
+
 def cache_kv_heads(module: nn.Module, default: int) -> int:
     """K/V heads per layer that ``module``'s attention writes into its pool: this rank's share
     under tensor parallelism, ``default`` for a module without attention."""
@@ -1462,7 +1475,13 @@ class DecoderModel(nn.Module):
 
         ``capture_layers[i] = n`` returns the residual stream leaving layer ``n`` (what
         transformers calls ``hidden_states[n + 1]``), as the EAGLE-3 and MTP drafts need.
+
+        A packed ``batch`` (``ForwardBatch``'s packed layout, ragged verify) gives packed
+        ``[1, tokens, hidden]`` outputs: every layer but attention is per token, and attention
+        reads each request's queries from its offset.
         """
+        if batch.packed:
+            check_packable(self.config, pool)
         x = self.embed(batch.input_ids)
         layers = self.model.layers
         captured: dict[int, Tensor] = {}

@@ -36,7 +36,12 @@ from speculum.pipelines.base import (
     prefill_output,
     verified_output,
 )
-from speculum.spec.block import plan_verify, propose_block, write_accepted_context
+from speculum.spec.block import (
+    plan_verify,
+    propose_block,
+    verify_capacity,
+    write_accepted_context,
+)
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
 from speculum.spec.tree import chain_tree
@@ -105,6 +110,7 @@ def decode(
         capture_layers=resources.draft.capture_layers,
         draft_probs=None if q is None else F.pad(q, (0, 0, 1, 0)),  # node i + 1 is token i
         verify_lens=verify_lens,
+        capacity=packed_capacity(resources, config, state.root_tokens.shape[0]),
     )
     acc = verified.accepted
     kv = commit_path(resources.target_pool, state.kv, acc)
@@ -112,6 +118,15 @@ def decode(
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     new_state = replace(state, kv=kv, root_tokens=bonus, survival=survival)
     return new_state, verified_output(verified)
+
+
+def packed_capacity(resources: Resources, config: BlockConfig, batch: int) -> int | None:
+    """Rows of the round's packed target forward (``spec.block.verify_capacity``), or
+    ``None`` to verify padded: always for hybrid targets, whose recurrent layers scan padded
+    rows."""
+    if resources.target.config.is_hybrid:
+        return None
+    return verify_capacity(config, batch)
 
 
 def round_config(
@@ -122,13 +137,16 @@ def round_config(
     budget: str | int = "all",
     cost_table: tuple[tuple[int, float], ...] | None = None,
     min_verify: int = 0,
+    packed_verify: bool = True,
 ) -> BlockConfig:
     """The validated shape of a block round.
 
     ``budget`` is ``"all"``, ``"auto"`` (needs ``cost_table``: ``(tokens verified in the round,
     roots included, seconds)`` pairs, at least two, tokens increasing) or an int, the draft
     tokens verified over the whole batch each round. ``first_slot`` is 1 for DFLASH (slot 0
-    holds the root) and 0 for DSPARK.
+    holds the root) and 0 for DSPARK. ``packed_verify`` (default) runs a fixed budget's
+    target forward over the verified tokens only, packed; off, over the whole block of every
+    row (padded), with the same result.
     """
     integral = isinstance(block_size, int) and not isinstance(block_size, bool)
     num_drafts = block_size - first_slot if integral else 0
@@ -167,6 +185,7 @@ def round_config(
         min_verify=min_verify,
         cost_tokens=tuple(int(n) for n, _ in table),
         cost_seconds=tuple(float(s) for _, s in table),
+        packed_verify=packed_verify,
     )
 
 
@@ -185,5 +204,5 @@ def block_pipeline(name: str, config: BlockConfig) -> Pipeline:
 
 def pipeline(*, block_size: int, **options: Any) -> Pipeline:
     """The DFLASH pipeline value; ``options`` are :func:`round_config`'s (``sample_drafts``,
-    ``budget``, ``cost_table``, ``min_verify``)."""
+    ``budget``, ``cost_table``, ``min_verify``, ``packed_verify``)."""
     return block_pipeline("dflash", round_config(block_size=block_size, first_slot=1, **options))

@@ -29,5 +29,5 @@ __all__ = ["pipeline"]
 
 def pipeline(*, block_size: int, **options: Any) -> Pipeline:
     """The DSPARK pipeline value; ``options`` are ``pipelines.dflash.round_config``'s
-    (``sample_drafts``, ``budget``, ``cost_table``, ``min_verify``)."""
+    (``sample_drafts``, ``budget``, ``cost_table``, ``min_verify``, ``packed_verify``)."""
     return block_pipeline("dspark", round_config(block_size=block_size, first_slot=0, **options))

@@ -325,6 +325,14 @@ def parser() -> argparse.ArgumentParser:
         type=_number("--min-verify", int, 0),
         help="draft tokens every request verifies at least (default 0)",
     )
+    block.add_argument(
+        "--padded-verify",
+        dest="packed_verify",
+        action="store_const",
+        const=False,
+        help="run a fixed budget's verify over every row's whole block (padded) instead of the "
+        "verified tokens alone (packed, the default); the same tokens either way",
+    )
     ngram = gen.add_argument_group("n-gram drafting (--algorithm ngram; no --draft needed)")
     ngram.add_argument(
         "--ngram-max-depth",
@@ -1194,6 +1202,7 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     "verify_budget": ("--verify-budget", BLOCK),
     "cost_table": ("--cost-table", BLOCK),
     "min_verify": ("--min-verify", BLOCK),
+    "packed_verify": ("--padded-verify", BLOCK),
     "decode_steps": ("--decode-steps", frozenset({"plain"})),
     **{
         f"ngram_{f}": (f"--ngram-{f.replace('_', '-')}", frozenset({"ngram"}))

@@ -271,7 +271,8 @@ class SpecOptions:
     ``verify_budget`` (``"all"``, ``"auto"`` or a number of draft tokens per round over the
     batch), ``cost_table`` (``(tokens, seconds)`` points, for ``"auto"``) and ``min_verify``
     (draft tokens each request verifies at least) choose how many draft tokens are verified
-    (see ``docs/dspark.md``).
+    (see ``docs/dspark.md``); ``packed_verify`` (default) runs a fixed budget's target
+    forward over the verified tokens alone, packed, instead of every row's whole block.
 
     ``decode_steps`` (``algorithm="plain"`` only) is how many plain decoding steps a round
     runs in one launch (one CUDA graph): the scheduler checks stop conditions after the
@@ -300,6 +301,7 @@ class SpecOptions:
     verify_budget: str | int = attrs.field(default="all", converter=_verify_budget)
     cost_table: tuple[tuple[int, float], ...] | None = None
     min_verify: int = attrs.field(default=0, converter=_count(0))
+    packed_verify: bool = attrs.field(default=True, converter=_FLAG)
     decode_steps: int | None = attrs.field(default=None, converter=_optional_count(1))
 
 
@@ -398,6 +400,7 @@ def _pipeline(
             budget=spec.verify_budget,
             cost_table=spec.cost_table,
             min_verify=spec.min_verify,
+            packed_verify=spec.packed_verify,
         )
     # Multi-layer EAGLE alone has the chain_hidden option.
     extra = {"chain_hidden": spec.chain_hidden} if algorithm == "multi_layer_eagle" else {}

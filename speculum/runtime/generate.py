@@ -134,6 +134,7 @@ def generate(
     verify_budget: str | int = "all",
     cost_table: tuple[tuple[int, float], ...] | None = None,
     min_verify: int = 0,
+    packed_verify: bool = True,
     decode_steps: int | None = None,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
@@ -189,7 +190,7 @@ def generate(
     one with the best measured goodput at the batch's size (within ``adaptive_margin`` of the
     best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
     ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
-    ``verify_budget``, ``cost_table`` and ``min_verify`` (``SpecOptions``).
+    ``verify_budget``, ``cost_table``, ``min_verify`` and ``packed_verify`` (``SpecOptions``).
     ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. Plain decoding runs
     ``decode_steps`` steps per launch (default 1 on the CPU, ``engine.GPU_DECODE_STEPS`` on
     CUDA; the same tokens whatever it is). vLLM's
@@ -356,6 +357,7 @@ def _engine(
             verify_budget=a["verify_budget"],
             cost_table=a["cost_table"],
             min_verify=a["min_verify"],
+            packed_verify=a["packed_verify"],
             decode_steps=a["decode_steps"],
         ),
         device=a["device"],
@@ -411,6 +413,7 @@ _DRAFTING = (
     "verify_budget",
     "cost_table",
     "min_verify",
+    "packed_verify",
     "ngram",
     "draft_tp",
 )

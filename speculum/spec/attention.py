@@ -18,6 +18,11 @@ windowed layers, key position ``> p - window`` (the query itself and ``window - 
 it), for every shape at once: a prefill chunk, a decode step, a chain verify, a tree node at
 depth ``d`` (position ``prefix_lens + d``) and a multi-step draft, with no positions passed.
 
+Packed queries (ragged verify): with ``q_starts``, ``q`` is one row ``[1, tokens, head,
+head_dim]`` of every request's real queries back to back, request ``b``'s ``q_lens[b]`` at rows
+``q_starts[b] ..``, while ``new_mask`` keeps its padded ``[batch, q, tail]`` shape; the output is
+packed the same way, zeros in the rows after the last request's.
+
 Attention sinks (gpt-oss): ``sinks[h]``, a learned logit per query head, joins each softmax's
 denominator as one more score with no value, so a query's weights sum to less than one.
 """
@@ -28,7 +33,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from speculum.spec.paged import gather_kv
+from speculum.spec.paged import gather_kv, pack, packed_rows, unpack
 
 __all__ = [
     "check_latent_shapes",
@@ -99,14 +104,31 @@ def paged_attention(
     scale: float,
     window: int = 0,
     sinks: Float[Tensor, " head"] | None = None,
+    q_starts: Int[Tensor, " batch"] | None = None,
 ) -> Float[Tensor, "batch q head head_dim"]:
     """Softmax attention of queries over (prefix + masked tail), grouped-query aware, each
     query seeing only its last ``window`` keys when ``window`` is above 0 (sliding-window
     attention; see the module docstring), each head's ``sinks`` logit joining the softmax's
-    denominator when given.
+    denominator when given. With ``q_starts`` the queries and the output are packed (module
+    docstring); the reference unpacks them to the padded layout and packs the result.
 
     Computed in float32; padded query rows (``i >= q_lens[b]``) return zeros.
     """
+    if q_starts is not None:
+        width, capacity = new_mask.shape[1], q.shape[1]
+        padded = paged_attention(
+            unpack(q, q_starts, q_lens, width),
+            k_cache,
+            v_cache,
+            page_table,
+            prefix_lens,
+            q_lens,
+            new_mask,
+            scale,
+            window,
+            sinks,
+        )
+        return pack(padded, packed_rows(q_starts, q_lens, width, capacity))
     keys = gather_kv(k_cache, page_table).float()  # [batch, seq, kv_head, d]
     values = gather_kv(v_cache, page_table).float()
     group = q.shape[2] // keys.shape[2]
@@ -170,14 +192,17 @@ def latent_attention(
     new_mask: Bool[Tensor, "batch q tail"],
     scale: float,
     latent_dim: int,
+    q_starts: Int[Tensor, " batch"] | None = None,
 ) -> Float[Tensor, "batch q head latent"]:
     """Multi-head latent attention (DeepSeek-V2/V3) run absorbed over a latent cache.
 
     Each cached token is one row ``[latent (latent_dim) | rotated rope key]``; every query head
     (``[W_UKᵀ q_nope | rotated q_pe]``, as wide as a row) attends to the rows over prefix and
     masked tail as :func:`paged_attention` does, with the rows' latent columns as the values.
-    Returns each head's latent output (``W_UV`` maps it to ``v_head_dim`` outside).
+    Returns each head's latent output (``W_UV`` maps it to ``v_head_dim`` outside). With
+    ``q_starts`` the queries and the output are packed (module docstring).
     """
     check_latent_shapes(q, cache, latent_dim)
     values = cache[..., :latent_dim]
-    return paged_attention(q, cache, values, page_table, prefix_lens, q_lens, new_mask, scale)
+    args = (q, cache, values, page_table, prefix_lens, q_lens, new_mask, scale)
+    return paged_attention(*args, q_starts=q_starts)

@@ -63,6 +63,7 @@ __all__ = [
     "round_seconds",
     "choose_budget",
     "select_verify_lens",
+    "verify_capacity",
     "plan_verify",
     "write_accepted_context",
 ]
@@ -213,6 +214,24 @@ def select_verify_lens(
     rank = torch.empty_like(order).scatter(0, order, ranks)
     chosen = (rank < budget).reshape(batch, width).sum(-1)
     return chosen.clamp(min=min(min_verify, width))
+
+
+def verify_capacity(config: BlockConfig, batch: int) -> int | None:
+    """Rows of a packed verify forward: a static bound on the tokens a round verifies (roots
+    included) that is below the padded ``batch * (num_drafts + 1)``, or ``None`` (verify
+    padded) when no bound saves a row or ``config.packed_verify`` is off.
+
+    A ``fixed`` budget of ``N`` verifies at most ``N`` draft tokens over the batch, plus up to
+    ``min_verify`` per row that the budget did not reach (:func:`select_verify_lens`), plus the
+    roots. ``all`` verifies every token; ``auto`` may too (its budget is known only on the
+    device), so both run padded.
+    """
+    padded = batch * (config.num_drafts + 1)
+    if not config.packed_verify or config.budget != "fixed":
+        return None
+    floor = batch * min(config.min_verify, config.num_drafts)
+    bound = batch + config.budget_tokens + floor
+    return bound if bound < padded else None
 
 
 def plan_verify(

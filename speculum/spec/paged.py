@@ -6,6 +6,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from speculum.spec.checks import checking
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 from speculum.state.record import make
@@ -18,6 +19,10 @@ __all__ = [
     "write_kv",
     "gather_kv",
     "extend_batch",
+    "pack_batch",
+    "packed_rows",
+    "pack",
+    "unpack",
 ]
 
 
@@ -131,3 +136,87 @@ def tail_batch(
         new_mask=new_mask,
         state_slots=kv.state_slots,
     )
+
+
+def packed_rows(
+    q_starts: Int[Tensor, " batch"], q_lens: Int[Tensor, " batch"], q: int, capacity: int
+) -> Int[Tensor, " tokens"]:
+    """For each of ``capacity`` packed rows, the flat padded row ``b * q + i`` it holds:
+    request ``b``'s token ``i < q_lens[b]`` sits at packed row ``q_starts[b] + i``. Rows after
+    the last request's hold a padding row of the padded layout (one with ``i >= q_lens[b]``;
+    one exists whenever the packed rows outnumber the real tokens, as ``capacity <= batch *
+    q``). The real tokens must fit, ``sum(q_lens) <= capacity``: those past it are left out."""
+    batch = q_lens.shape[0]
+    offsets = torch.arange(q, device=q_lens.device)
+    valid = offsets[None, :] < q_lens[:, None]
+    padding_row = (~valid).flatten().to(torch.int64).argmax()  # the first; 0 when there is none
+    # Padding rows of the padded layout scatter into one extra row, dropped after (and so
+    # would real tokens past the capacity, rather than write out of bounds).
+    destination = (q_starts[:, None] + offsets[None, :]).clamp(max=capacity)
+    destination = torch.where(valid, destination, capacity)
+    flat = torch.arange(batch * q, device=q_lens.device)
+    rows = padding_row.expand(capacity + 1).clone()
+    return rows.scatter(0, destination.flatten(), flat)[:capacity]
+
+
+def pack(
+    x: Float[Tensor, "batch q *rest"], rows: Int[Tensor, " tokens"]
+) -> Float[Tensor, "1 tokens *rest"]:
+    """The packed ``[1, tokens, ...]`` form of padded ``x`` (:func:`packed_rows`'s ``rows``)."""
+    return x.flatten(0, 1).index_select(0, rows)[None]
+
+
+def unpack(
+    x: Float[Tensor, "1 tokens *rest"],
+    q_starts: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    q: int,
+) -> Float[Tensor, "batch q *rest"]:
+    """The padded ``[batch, q, ...]`` form of packed ``x``: request ``b``'s row ``i < q_lens[b]``
+    is packed row ``q_starts[b] + i``; padding rows are zeros."""
+    offsets = torch.arange(q, device=x.device)
+    valid = offsets[None, :] < q_lens[:, None]
+    index = (q_starts[:, None] + offsets[None, :]).clamp(max=x.shape[1] - 1)
+    out = x[0].index_select(0, index.flatten()).unflatten(0, index.shape)
+    return torch.where(valid.view(*valid.shape, *[1] * (x.dim() - 2)), out, 0)
+
+
+def pack_batch(batch: ForwardBatch, capacity: int) -> tuple[ForwardBatch, Int[Tensor, " tokens"]]:
+    """The packed form of padded ``batch`` (``ForwardBatch``'s packed layout) over ``capacity``
+    rows, and the padded row each packed row holds (:func:`packed_rows`).
+
+    ``capacity`` is a static bound on the real tokens, ``sum(q_lens) <= capacity <= batch * q``
+    (a verify budget gives it), so that the forward's shapes do not depend on the lengths and
+    the round stays capturable in a CUDA graph; eagerly, more real tokens than that are
+    refused (in a captured round, those past it would be left out). Padding rows carry token
+    0 and the padding sink's slot, as the padded layout's do, so they write no live cache
+    entry.
+    """
+    if batch.packed:
+        raise ValueError("pack_batch: the batch is already packed")
+    rows_, q = batch.input_ids.shape
+    if not 1 <= capacity <= rows_ * q:
+        raise ValueError(
+            f"pack_batch: capacity={capacity} must be between 1 and batch * q = {rows_ * q} "
+            "(a bound on the real tokens of the forward)"
+        )
+    if checking() and int(batch.q_lens.sum()) > capacity:  # one host sync, eagerly only
+        raise ValueError(
+            f"pack_batch: {int(batch.q_lens.sum())} real tokens do not fit capacity="
+            f"{capacity}; bound the tokens (a verify budget) or raise the capacity"
+        )
+    q_starts = torch.cumsum(batch.q_lens, 0) - batch.q_lens
+    rows = packed_rows(q_starts, batch.q_lens, q, capacity)
+    packed = make(
+        ForwardBatch,
+        input_ids=pack(batch.input_ids, rows),
+        positions=pack(batch.positions, rows),
+        slots=pack(batch.slots, rows),
+        page_table=batch.page_table,
+        prefix_lens=batch.prefix_lens,
+        q_lens=batch.q_lens,
+        new_mask=batch.new_mask,
+        state_slots=batch.state_slots,
+        q_starts=q_starts,
+    )
+    return packed, rows

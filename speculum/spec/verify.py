@@ -7,6 +7,7 @@ and draft models of every kind verify and commit the same way.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from speculum.spec.accept import accept
-from speculum.spec.paged import cache_slots, slots_at, tail_batch
+from speculum.spec.paged import cache_slots, pack_batch, slots_at, tail_batch, unpack
 from speculum.spec.recurrent import commit_states
 from speculum.spec.sampling import (
     filtered_probs,
@@ -24,12 +25,13 @@ from speculum.spec.sampling import (
     token_logprobs,
 )
 from speculum.spec.tree import tree_mask, tree_path_tokens
+from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool, PagedKV
 from speculum.state.record import make, replace
 from speculum.state.sampling import SamplingParams, TokenLogprobs
 from speculum.state.tree import AcceptResult, DraftTree, Verified
 
-__all__ = ["verify_tree", "path_logprobs", "commit_path", "commit_kv"]
+__all__ = ["verify_tree", "target_logits", "path_logprobs", "commit_path", "commit_kv"]
 
 
 def verify_tree(
@@ -44,6 +46,7 @@ def verify_tree(
     capture_layers: tuple[int, ...] = (),
     draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
     verify_lens: Int[Tensor, " batch"] | None = None,
+    capacity: int | None = None,
 ) -> Verified:
     """One target forward over the tree, then acceptance.
 
@@ -52,7 +55,10 @@ def verify_tree(
     distribution after each node decides acceptance (``spec.accept``); ``draft_probs`` is
     ``None`` for deterministically chosen drafts. ``verify_lens`` (chains only: node ``i`` at
     depth ``i``) verifies the first ``verify_lens[b]`` draft nodes of row ``b`` in the same
-    forward: the rest are padding rows of the batch (ragged verify). A node whose target
+    forward: the rest are padding rows of the batch (ragged verify). With ``capacity`` too (a
+    static bound on the verified tokens, roots included, below ``batch * num_nodes``) the
+    target forward runs packed over ``capacity`` rows and no padding row costs compute or
+    writes K/V (:func:`target_logits`); the result is the padded one's. A node whose target
     logits cannot be sampled is reported in ``faults`` (``spec.sampling.guard_logits``) rather
     than raised, so the rest of the batch, and the rest of the tree, decode on. Penalties
     (``sampling.penalties``) at each node count the draft tokens on its path
@@ -64,9 +70,9 @@ def verify_tree(
     q_lens = None if verify_lens is None else verify_lens + 1
     ancestors = tree_mask(tree)
     batch = tail_batch(kv, tree.tokens, positions, ancestors, q_lens=q_lens)
-    hidden, captured = target(batch, pool, capture_layers)
+    hidden, captured, raw_logits = target_logits(target, pool, batch, capture_layers, capacity)
     logits, faults = guard_logits(
-        target.logits(hidden),
+        raw_logits,
         sampling.temperature,
         sampling.logit_bias,
         sampling.penalties,
@@ -91,6 +97,36 @@ def verify_tree(
         captured=captured,
         faults=faults,
         logprobs=path_logprobs(logits, accepted, sampling),
+    )
+
+
+def target_logits(
+    target: Any,
+    pool: KVPool,
+    batch: ForwardBatch,
+    capture_layers: tuple[int, ...],
+    capacity: int | None,
+) -> tuple[
+    Float[Tensor, "batch q hidden"],
+    tuple[Float[Tensor, "batch q hidden"], ...],
+    Float[Tensor, "batch q vocab"],
+]:
+    """The target's final hidden states, captured layers and logits of padded ``batch``.
+
+    With ``capacity`` (``None``: padded) the forward and the vocabulary projection run on
+    the packed batch (``spec.paged.pack_batch``), ``capacity`` rows instead of ``batch * q``,
+    and their results are unpacked to the padded layout, padding rows zero."""
+    if capacity is None:
+        hidden, captured = target(batch, pool, capture_layers)
+        return hidden, captured, target.logits(hidden)
+    packed, _ = pack_batch(batch, capacity)
+    hidden, captured = target(packed, pool, capture_layers)
+    width = batch.input_ids.shape[1]
+    padded = functools.partial(unpack, q_starts=packed.q_starts, q_lens=batch.q_lens, q=width)
+    return (
+        padded(hidden),
+        tuple(padded(c) for c in captured),
+        padded(target.logits(hidden)),
     )
 
 

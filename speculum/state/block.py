@@ -29,7 +29,8 @@ class BlockConfig:
     ``budget_tokens`` draft tokens over the batch, ``auto`` reads the cost table
     ``cost_tokens`` -> ``cost_seconds`` (seconds of a round verifying that many tokens in total,
     roots included; linear in between and beyond). Each row verifies at least ``min_verify``
-    draft tokens.
+    draft tokens. ``packed_verify`` runs a budgeted round's target forward over the verified
+    tokens only, packed (``spec.block.verify_capacity``), instead of the whole block per row.
     """
 
     block_size: int = static()
@@ -41,6 +42,7 @@ class BlockConfig:
     min_verify: int = static(default=0)
     cost_tokens: tuple[int, ...] = static(default=())
     cost_seconds: tuple[float, ...] = static(default=())
+    packed_verify: bool = static(default=True)
 
 
 @record

@@ -391,3 +391,37 @@ def test_snapshot_restore_replays_sampled_block_decoding(name):
     first = {rid: r.output for rid, r in finished.items()}
     _, finished = run_to_completion(engine, scheduler.restore(engine, snap))
     assert {rid: r.output for rid, r in finished.items()} == first
+
+
+class PackedForwards(torch.nn.Module):
+    """The target, counting the packed forwards it runs (ragged verify's)."""
+
+    def __init__(self, target) -> None:
+        super().__init__()
+        self.target, self.config, self.packed = target, target.config, 0
+
+    def new_pool(self, *args, **kwargs):
+        return self.target.new_pool(*args, **kwargs)
+
+    def forward(self, batch, pool, capture_layers=()):
+        self.packed += batch.packed
+        return self.target(batch, pool, capture_layers)
+
+    def logits(self, hidden):
+        return self.target.logits(hidden)
+
+
+@pytest.mark.parametrize("packed_verify", [True, False])
+def test_dspark_verifying_packed_equals_plain(packed_verify):
+    """A fixed budget below the batch's draft tokens verifies packed (only the verified tokens
+    forwarded) by default, padded with ``packed_verify=False``; both decode plain's tokens."""
+    prompts = [[1, 2, 3], [9, 9, 9, 1], [4], [7, 7]]
+    target = PackedForwards(TARGET)
+    spec = SpecOptions(verify_budget=5, min_verify=1, packed_verify=packed_verify)
+    engine = engine_from_model(
+        target, algorithm="dspark", draft=HEADS["dspark-agree"], spec=spec, page_size=4,
+        max_context=64,
+    )  # fmt: skip
+    results = generate(prompts, engine=engine, max_new_tokens=20)
+    assert [r.token_ids for r in results] == plain_greedy(prompts, 20, page_size=4, max_context=64)
+    assert (target.packed > 0) == packed_verify

@@ -53,6 +53,8 @@ RUNS = {
     "dflash-block-3-budget-1": ("dflash", ["--block-size", "3", "--verify-budget", "1"], 2),
     "dspark": ("dspark", [], 7),
     "dspark-auto": ("dspark", ["--verify-budget", "auto", "--cost-table", "{costs}"], 7),
+    "dspark-budget-3": ("dspark", ["--verify-budget", "3"], 7),  # verified packed
+    "dspark-budget-3-padded": ("dspark", ["--verify-budget", "3", "--padded-verify"], 7),
     "dspark-block-2-min-verify": (
         "dspark",
         ["--block-size", "2", "--verify-budget", "0", "--min-verify", "1"],

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from speculum.kernels.triton_attention import paged_attention_triton
 from speculum.spec.attention import paged_attention
-from speculum.spec.paged import causal_mask
+from speculum.spec.paged import causal_mask, pack, packed_rows
 
 
 @attrs.define(frozen=True)
@@ -80,9 +80,9 @@ def cases(draw: st.DrawFn) -> Case:
     )
 
 
-def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel, reference) outputs of one case, on inputs drawn from its seed."""
-    inputs = kc.attention_inputs(
+def case_inputs(case: Case) -> dict:
+    """The inputs of one case (``kernel_cases.attention_inputs``), drawn from its seed."""
+    return kc.attention_inputs(
         torch.Generator().manual_seed(case.seed),
         prefix_lens=case.prefix_lens,
         q_lens=case.q_lens,
@@ -97,7 +97,11 @@ def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         window=case.window,
         sinks=case.sinks,
     )
-    return kc.run_attention(inputs, num_splits=case.num_splits)
+
+
+def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) outputs of one case, on inputs drawn from its seed."""
+    return kc.run_attention(case_inputs(case), num_splits=case.num_splits)
 
 
 @settings(max_examples=40)
@@ -207,3 +211,30 @@ def test_half_precision():
     want = paged_attention(queries.float(), k_cache.float(), v_cache.float(), *args)
     assert got.dtype == torch.float16
     assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+@settings(max_examples=20)
+@given(cases(), st.integers(0, 4))
+def test_packed_queries_match_padded(case, spare):
+    """Packed queries (ragged verify: each request's real rows back to back, ``spare`` rows of
+    padding after them) give the padded call's outputs, bit for bit in the kernel (the same
+    launch, rows read from their offsets) and in the reference, and zeros in the spare rows;
+    the padding rows' NaN never reaches a real row."""
+    inputs = case_inputs(case)
+    args = kc.kernel_args(inputs)
+    batch, q = case.new_mask.shape[:2]
+    lens = args["q_lens"]
+    capacity = min(batch * q, max(1, int(lens.sum())) + spare)
+    q_starts = torch.cumsum(lens, 0) - lens
+    rows = packed_rows(q_starts, lens, q, capacity)
+    packed_q = pack(args["q"], rows).clone()
+    packed_q[:, int(lens.sum()) :] = float("nan")  # spare rows: nothing may read them
+    padded = paged_attention_triton(**args, num_splits=case.num_splits)
+    got = paged_attention_triton(
+        **{**args, "q": packed_q}, q_starts=q_starts, num_splits=case.num_splits
+    )
+    assert torch.equal(got, pack(padded, rows))
+    reference = {**args, "new_mask": inputs["ref_mask"]}
+    want = paged_attention(**{**reference, "q": packed_q}, q_starts=q_starts)
+    assert torch.equal(want, pack(paged_attention(**reference), rows))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

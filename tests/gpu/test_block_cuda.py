@@ -1,5 +1,5 @@
 """DFLASH and DSPARK on CUDA, decoding rounds captured as CUDA graphs: greedy decoding equals
-plain decoding with every verify budget (ragged rows included)."""
+plain decoding with every verify budget (ragged rows included, verified packed and padded)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
 SPECS = {
     "all": SpecOptions(),
-    "fixed": SpecOptions(verify_budget=4, min_verify=1),
+    "fixed": SpecOptions(verify_budget=4, min_verify=1),  # verified packed
+    "fixed-padded": SpecOptions(verify_budget=4, min_verify=1, packed_verify=False),
     "auto": SpecOptions(verify_budget="auto", cost_table=((1, 1.0), (8, 1.2), (64, 3.0))),
     "sampled-drafts": SpecOptions(sample_drafts=True, block_size=3),
 }

@@ -19,7 +19,7 @@ from test_kernel_attention_gpu import make_inputs as grouped_query_inputs
 
 from speculum.kernels.triton_mla import latent_attention_triton, register
 from speculum.spec.attention import latent_attention
-from speculum.spec.paged import causal_mask
+from speculum.spec.paged import causal_mask, pack, packed_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -83,6 +83,41 @@ def test_prefill_chunk(dtype):
     """A causal 512-token chunk after a cached prefix, and a first chunk padded short."""
     inputs = make_inputs(prefix_lens=[1000, 0], q_lens=[512, 300], new_mask=causal_mask(2, 512))
     check(inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("batch", "heads", "num_splits"),
+    [(1, LITE, None), (16, LITE, None), (8, V3, None), (8, LITE, 5)],
+)
+def test_packed_chain_verify(batch, heads, num_splits, dtype):
+    """Ragged verify over an MLA target, packed: chains of 8 with per-request lengths, the
+    queries back to back with NaN spare rows after them, give the padded call's outputs bit for
+    bit (the same launch, rows read from their offsets), zeros in the spare rows, and match
+    the reference."""
+    gen = torch.Generator().manual_seed(batch)
+    q_lens = torch.randint(1, 9, (batch,), generator=gen).tolist()
+    prefix = torch.randint(0, 3000, (batch,), generator=gen).tolist()
+    inputs = make_inputs(
+        prefix_lens=prefix, q_lens=q_lens, new_mask=causal_mask(batch, 8), heads=heads
+    )
+    common = [inputs[name] for name in ("page_table", "prefix_lens", "q_lens")]
+    q, cache = inputs["q"].to(dtype), inputs["k_cache"].to(dtype)
+    lens = inputs["q_lens"]
+    total = int(lens.sum())
+    q_starts = torch.cumsum(lens, 0) - lens
+    rows = packed_rows(q_starts, lens, 8, min(batch * 8, total + 3))
+    packed_q = pack(q, rows).clone()
+    packed_q[:, total:] = float("nan")
+    kernel = [cache, *common, inputs["new_mask"], inputs["scale"], LATENT]
+    padded = latent_attention_triton(q, *kernel, num_splits=num_splits)
+    got = latent_attention_triton(packed_q, *kernel, q_starts, num_splits=num_splits)
+    assert torch.equal(got, pack(padded, rows))
+    assert not got[:, total:].any()
+    reference = [inputs["k_cache"], *common, inputs["ref_mask"], inputs["scale"], LATENT]
+    want = pack(latent_attention(inputs["q"], *reference), rows)
+    error, size = (got.float() - want).norm(), want.norm()
+    assert error <= (1e-4 if dtype == torch.float32 else 1e-2) * size
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

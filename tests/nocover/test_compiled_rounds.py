@@ -1,9 +1,10 @@
 """Compiled speculative and multi-step rounds (``EngineConfig.compile_stages``): an EAGLE tree
 round and a 3-step plain round, compiled with every stage and with the round alone, and an
-n-gram round's device part compiled with every stage, emit the eager rounds' greedy tokens, and
-seeded sampled tokens too; so does the command line's ``--compile-stages``. Slow on the CPU
-(each engine compiles a round with inductor's C++ backend), hence here rather than in
-``tests/cover``."""
+n-gram round's device part and a DSPARK round verifying a fixed budget packed (ragged verify's
+``q_starts`` traced through the target), compiled with every stage, emit the eager rounds'
+greedy tokens, and seeded sampled tokens too; so does the command line's ``--compile-stages``.
+Slow on the CPU (each engine compiles a round with inductor's C++ backend), hence here rather
+than in ``tests/cover``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from conftest import tiny_config
 from heads import agreeing_head, markov_target
 
+from speculum.models.block_draft import random_block_draft
 from speculum.models.loading import random_model, save_model
 from speculum.runtime import cli, scheduler
 from speculum.runtime.compiled import ROUND, STAGES
@@ -32,6 +34,13 @@ ROUNDS = {
     "plain 3 steps": (PLAIN, "plain", None, SpecOptions(decode_steps=3)),
     # Host work between stages: only the device round (verify, accept, commit) is compiled.
     "ngram": (TARGET, "ngram", None, SpecOptions(num_draft_tokens=4)),
+    # A budget of 3 below the batch's 2 x 4 drafts: the target forward runs packed.
+    "dspark packed": (
+        TARGET,
+        "dspark",
+        random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4, num_layers=1),
+        SpecOptions(verify_budget=3, min_verify=1),
+    ),
 }
 
 
@@ -48,13 +57,13 @@ def decoded(engine, temperature: float) -> list[tuple[tuple[int, ...], str]]:
     return [(finished[rid].output, finished[rid].finish_reason) for rid in rids]
 
 
-#: (round, compile_stages) pairs: the n-gram round with every stage only (its device part's
+#: (round, compile_stages) pairs: the n-gram and DSPARK rounds with every stage only (their
 #: kernels are the tree's and sampling's, compiled there as in the EAGLE round).
 CASES = [
     (name, stages)
     for name in ROUNDS
     for stages in ((ROUND,), STAGES)
-    if name != "ngram" or stages == STAGES
+    if name not in ("ngram", "dspark packed") or stages == STAGES
 ]
 
 
