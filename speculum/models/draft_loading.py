@@ -711,6 +711,11 @@ def save_draft(
     if LAYOUTS[layout] != config.algorithm:
         raise ValueError(f"layout {layout!r} holds {LAYOUTS[layout]} drafts, not this head")
     in_target = layout in _IN_TARGET
+    if (layout == "qwen3-next-mtp") != (config.layer.architecture in OWN_MTP_MODEL):
+        raise ValueError(
+            f"layout {layout!r} cannot express an MTP layer of {config.layer.architecture}: "
+            "qwen3-next-mtp holds Qwen3-Next's MTP layer, whose MTP layers no other layout holds"
+        )
     if in_target and target is None:
         raise ValueError(f"layout {layout!r} writes the target too: pass target=")
     folder = Path(folder)

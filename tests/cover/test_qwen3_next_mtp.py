@@ -15,7 +15,7 @@ from test_qwen3_next import hf_qwen3_next
 
 from speculum.models.config import CheckpointError, UnsupportedModel
 from speculum.models.draft import MTPHead
-from speculum.models.draft_loading import load_draft
+from speculum.models.draft_loading import load_draft, save_draft
 from speculum.models.loading import load_model
 from speculum.runtime.engine import SpecOptions, build_engine
 from speculum.runtime.generate import generate
@@ -134,6 +134,24 @@ def test_mtp_decoding_equals_plain_greedy(checkpoint, spec) -> None:
     engine = build_engine(folder, algorithm="mtp", spec=spec, **limits)
     ours = generate(prompts, engine=engine, max_new_tokens=14)
     assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+
+
+def test_saving_writes_the_hub_layout_back(checkpoint, tmp_path: Path) -> None:
+    """``save_draft(head, folder, "qwen3-next-mtp", target=...)`` writes the target with the
+    MTP layer under the hub's names, which both loaders read back to equal weights; the
+    DeepSeek layouts refuse a Qwen3-Next MTP layer."""
+    _, folder = checkpoint
+    target = load_model(folder)
+    head = load_draft(folder, target, "mtp")
+    out = save_draft(head, tmp_path / "out", "qwen3-next-mtp", target=target)
+    assert load_file(str(out / "model.safetensors")).keys() == (
+        load_file(str(folder / "model.safetensors")).keys()
+    )
+    again = load_draft(out, load_model(out), "mtp")
+    a, b = dict(head.named_parameters()), dict(again.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="cannot express an MTP layer of Qwen3NextForCausalLM"):
+        save_draft(head, tmp_path / "deepseek", "mtp-in-target", target=target)
 
 
 def rewritten(folder: Path, tmp: Path, change) -> Path:
