@@ -775,11 +775,15 @@ def save_random_draft(
 ) -> Path:
     """Write a random head for ``target`` (see ``random_draft``) and return the folder.
 
-    ``layout`` defaults to SGLang's for EAGLE and EAGLE-3 and a separate folder for MTP.
+    ``layout`` defaults to SGLang's for EAGLE and EAGLE-3 and a separate folder for MTP (for a
+    Qwen3-Next target, the target's folder with the hub's ``mtp.*`` layer: ``qwen3-next-mtp``).
     """
     algorithm = canonical_algorithm(algorithm)
     head = random_draft(target, algorithm, seed=seed, std=std, **changes)
-    return save_draft(head, folder, layout or DEFAULT_LAYOUTS[algorithm], target=target)
+    if layout is None:
+        own = algorithm == "mtp" and target.config.architecture in OWN_MTP_MODEL
+        layout = "qwen3-next-mtp" if own else DEFAULT_LAYOUTS[algorithm]
+    return save_draft(head, folder, layout, target=target)
 
 
 def _target_shape(config: DraftConfig) -> DecoderConfig:

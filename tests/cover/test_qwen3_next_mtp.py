@@ -15,7 +15,7 @@ from test_qwen3_next import hf_qwen3_next
 
 from speculum.models.config import CheckpointError, UnsupportedModel
 from speculum.models.draft import MTPHead
-from speculum.models.draft_loading import load_draft, save_draft
+from speculum.models.draft_loading import load_draft, save_draft, save_random_draft
 from speculum.models.loading import load_model
 from speculum.runtime.engine import SpecOptions, build_engine
 from speculum.runtime.generate import generate
@@ -152,6 +152,8 @@ def test_saving_writes_the_hub_layout_back(checkpoint, tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="cannot express an MTP layer of Qwen3NextForCausalLM"):
         save_draft(head, tmp_path / "deepseek", "mtp-in-target", target=target)
+    random = save_random_draft(target, "mtp", tmp_path / "random", seed=3)
+    assert isinstance(load_draft(random, load_model(random), "mtp"), MTPHead)
 
 
 def rewritten(folder: Path, tmp: Path, change) -> Path:
