@@ -11,12 +11,17 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_qwen3_next import hf_qwen3_next
+from test_qwen3_next import TARGET, hf_qwen3_next
 
 from speculum.models.config import CheckpointError, UnsupportedModel
 from speculum.models.draft import MTPHead
 from speculum.models.draft_loading import load_draft, save_draft, save_random_draft
 from speculum.models.loading import load_model
+from speculum.models.multi_layer_eagle import (
+    load_multi_layer,
+    random_multi_layer,
+    save_multi_layer,
+)
 from speculum.runtime.engine import SpecOptions, build_engine
 from speculum.runtime.generate import generate
 from speculum.spec.paged import extend_batch
@@ -213,3 +218,17 @@ def test_two_mtp_layers_are_refused_and_a_folder_without_them_says_so(checkpoint
     )
     with pytest.raises(CheckpointError, match="mtp.fc.weight"):
         load_draft(none, load_model(none), "mtp")
+
+
+def test_multi_layer_heads_over_qwen3_next_round_trip(tmp_path: Path) -> None:
+    """Multi-layer EAGLE heads over a Qwen3-Next target (gated full-attention MoE layers) save
+    in the DeepSeek-style multi-layer form, inside the target's folder or on their own, and
+    load back to equal weights."""
+    head = random_multi_layer(TARGET, 2, seed=1)
+    inside = save_multi_layer(head, tmp_path / "inside", target=TARGET)
+    alone = save_multi_layer(head, tmp_path / "alone")
+    ours = dict(head.named_parameters())
+    for again in (load_multi_layer(inside, load_model(inside)), load_multi_layer(alone, TARGET)):
+        theirs = dict(again.named_parameters())
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
