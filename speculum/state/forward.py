@@ -7,7 +7,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from speculum.state.record import record
+from speculum.state.record import record, static
 
 __all__ = ["ForwardBatch"]
 
@@ -36,3 +36,6 @@ class ForwardBatch:
     state_slots: Int[Tensor, " batch"] = attrs.field(
         default=attrs.Factory(lambda batch: torch.zeros_like(batch.prefix_lens), takes_self=True)
     )
+    #: A prompt chunk: every row's queries are a causal run of new tokens, whose only state a
+    #: later forward reads is the last one's, so recurrent layers may run their chunked form.
+    prefill: bool = static(default=False)

@@ -51,7 +51,7 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
-from speculum.spec.paged import extend_batch
+from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.recurrent import gated_delta_rule
 from speculum.state.batch import take_rows
 from speculum.state.kv import PagedKV, allocated_pages
@@ -607,3 +607,47 @@ def test_sampled_speculation_on_a_hybrid_target_follows_the_target_law() -> None
     chi2, dof = chi2_stat(counts, seeds * joint)
     assert chi2 < chi2_threshold(dof, 6.0), (chi2, dof)
     assert 0.5 * np.abs(counts / seeds - joint).sum() < tv_bound(joint, seeds, 1e-9)
+
+
+@settings(max_examples=20)
+@given(
+    q_lens=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    prefix=st.integers(0, 5),
+    chunk=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_prefill_equals_the_recurrent_form(q_lens, prefix, chunk, seed) -> None:
+    """The gated delta rule's prefill form (the causal conv at once, the delta rule ``chunk``
+    tokens at a time) gives the recurrent form's outputs for every real token and writes the
+    state after each row's last token where the recurrent form does, from a committed prefix
+    or none; a row with no tokens writes nothing of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    dims, ring, batch, q = [2, 4, 4, 3], 6, len(q_lens), max(q_lens) or 1
+    channels = 2 * 2 * 4 + 4 * 3
+    conv = torch.randn(batch + 1, ring, channels, 3, generator=gen, dtype=torch.float64)
+    ssm = torch.randn(batch + 1, ring, 4, 4, 3, generator=gen, dtype=torch.float64)
+    lens = torch.tensor(q_lens)
+    args = (
+        torch.arange(1, batch + 1),
+        torch.full((batch,), prefix),
+        lens,
+        causal_mask(batch, q),
+        torch.randn(batch, q, channels, generator=gen, dtype=torch.float64),
+        torch.randn(channels, 4, generator=gen, dtype=torch.float64),
+        -torch.rand(batch, q, 4, generator=gen, dtype=torch.float64),
+        torch.rand(batch, q, 4, generator=gen, dtype=torch.float64),
+        dims,
+    )
+    states = [(conv.clone(), ssm.clone()) for _ in range(2)]
+    recurrent = gated_delta_rule(*states[0], *args)
+    chunked = gated_delta_rule(*states[1], *args, chunk)
+    # The recurrent form's cell computes its queries, keys and values in float32.
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(chunked[row, :n], recurrent[row, :n], **close)
+        entry = (prefix + n - 1) % ring
+        for ours, theirs in zip(states[1], states[0], strict=True):
+            if n:
+                torch.testing.assert_close(ours[row + 1, entry], theirs[row + 1, entry], **close)
+            else:  # nothing new: every entry as it was
+                assert torch.equal(ours[row + 1], (conv, ssm)[ours.dim() - 4][row + 1])
