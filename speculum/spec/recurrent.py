@@ -49,6 +49,25 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _parent_states(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring *state"],
+    slots: Int[Tensor, " batch"],
+    parent: Int[Tensor, " batch"],
+) -> tuple[Tensor, Tensor]:
+    """The conv ``[batch, channels, kernel_1]`` and recurrent ``[batch, *state]`` states after
+    cache index ``parent`` of each row's slot (its ring entry), zeros where ``parent`` is -1
+    (before the first token)."""
+    ring = conv.shape[1]
+    started = parent >= 0
+    conv_in = conv[slots, parent.remainder(ring)]
+    state = ssm[slots, parent.remainder(ring)]
+    return (
+        torch.where(started.view(-1, 1, 1), conv_in, 0.0),
+        torch.where(started.view(-1, *[1] * (state.dim() - 1)), state, 0.0),
+    )
+
+
 def _scan(
     conv: Float[Tensor, "slot ring channels kernel_1"],
     ssm: Float[Tensor, "slot ring *state"],
@@ -71,11 +90,7 @@ def _scan(
     parents = node_parents(new_mask)
     outputs = []
     for i in range(q):
-        parent = prefix_lens + parents[:, i]
-        started = (parent >= 0)[:, None, None]
-        conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
-        state = ssm[slots, parent.remainder(ring)]
-        state = torch.where(started.view(-1, *[1] * (state.dim() - 1)), state, 0.0)
+        conv_in, state = _parent_states(conv, ssm, slots, prefix_lens + parents[:, i])
         window = torch.cat([conv_in, mixed[:, i, :, None].to(conv.dtype)], -1)
         x = (window * conv_weight).sum(-1)
         out, state = cell(i, F.silu(x if conv_bias is None else x + conv_bias), state)
@@ -203,10 +218,7 @@ def _chunked_prefill(
     k_heads, k_dim, v_heads, v_dim = dims
     batch, q = mixed.shape[:2]
     ring, kernel = conv.shape[1], conv_weight.shape[-1]
-    parent = prefix_lens - 1
-    started = (parent >= 0)[:, None, None]
-    conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
-    state = torch.where(started[..., None], ssm[slots, parent.remainder(ring)], 0.0)
+    conv_in, state = _parent_states(conv, ssm, slots, prefix_lens - 1)
     # window[..., i : i + kernel] is token i's conv window.
     window = torch.cat([conv_in, mixed.transpose(1, 2).to(conv.dtype)], -1)
     x = F.silu((window.unfold(-1, kernel, 1) * conv_weight[:, None]).sum(-1)).transpose(1, 2)
