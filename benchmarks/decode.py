@@ -65,9 +65,13 @@ a CPU smoke run of the script itself, whose numbers mean nothing). ``--tp 2`` sh
 draft over two GPUs (two worker processes started by the script, or ``torchrun
 --nproc-per-node 2 benchmarks/decode.py``); times are rank 0's, the roofline is one GPU's
 shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks another target:
-``deepseek-v2-lite`` (latent attention and MoE, an MTP head) or ``nemotron-h-8b`` (a hybrid of
-Mamba-2, attention and MLP layers; its roofline adds each request's recurrent states, read and
-written once a step; the reference recurrence runs, token by token).
+``deepseek-v2-lite`` (latent attention and MoE, an MTP head), ``nemotron-h-8b`` (a hybrid of
+Mamba-2, attention and MLP layers) or ``qwen3-next-like`` (gated DeltaNet and gated attention
+with MoE, Qwen3-Next-80B's layers with a quarter of its experts); a hybrid's roofline adds
+each request's recurrent states, read and written once a step. A hybrid's recurrent layers
+run the Triton kernels (``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels
+reference`` runs the ``spec.recurrent`` reference (a Python loop of small ops per query)
+instead, for the baseline rows.
 """
 
 from __future__ import annotations
@@ -95,9 +99,11 @@ from torch.utils import _pytree as pytree
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from speculum.kernels import recurrent as recurrent_ops  # noqa: E402
 from speculum.models.config import (  # noqa: E402
     NEMOTRON_H_KINDS,
     DecoderConfig,
+    LinearAttentionConfig,
     MambaConfig,
     MLAConfig,
     MoEConfig,
@@ -114,6 +120,7 @@ from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 from speculum.runtime.generate import acceptance_stats, run_to_completion  # noqa: E402
 from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
+from speculum.spec import recurrent as spec_recurrent  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
 from speculum.spec.tree import build_tree, tree_mask  # noqa: E402
@@ -220,11 +227,49 @@ NEMOTRON_H_8B = attrs.evolve(
         time_step_limit=(0.0, float("inf")),
     ),
 )
+#: A Qwen3-Next-80B-A3B-like shape (``--shape qwen3-next-like``): its 48 layers, three gated
+#: DeltaNet layers (16 key heads and 32 value heads of 128, conv 4) to one gated attention
+#: layer (16 heads, 2 KV heads of 256, a quarter rotary), each with a mixture of experts
+#: (top 10, 512 wide, plus a 512-wide shared expert); vocabulary 151936. It keeps 128 of the
+#: 512 experts so that the bf16 weights fit one H200 (a token reads as many).
+QWEN3_NEXT_LIKE = attrs.evolve(
+    LLAMA_8B,
+    architecture="Qwen3NextForCausalLM",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_layers=48,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    rope_theta=10000000.0,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    partial_rotary_factor=0.25,
+    attention_output_gate=True,
+    norm_offset=1.0,
+    linear=LinearAttentionConfig(
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 12,
+        num_k_heads=16,
+        num_v_heads=32,
+        k_dim=128,
+        v_dim=128,
+        conv_kernel=4,
+    ),
+    moe=MoEConfig(
+        num_experts=128,
+        top_k=10,
+        expert_intermediate_size=512,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=512,
+    ),
+)
 #: ``--shape`` -> the target's config.
 SHAPES = {
     "llama-3.1-8b": LLAMA_8B,
     "deepseek-v2-lite": DEEPSEEK_V2_LITE,
     "nemotron-h-8b": NEMOTRON_H_8B,
+    "qwen3-next-like": QWEN3_NEXT_LIKE,
     "small": SMALL,
 }
 #: ``--shape`` -> its CPU smoke-run stand-in (``--tiny``).
@@ -257,6 +302,25 @@ TINY_SHAPES = {
             n_groups=2,
         ),
     ),
+    "qwen3-next-like": attrs.evolve(
+        QWEN3_NEXT_LIKE,
+        **TINY_SIZES,
+        linear=attrs.evolve(
+            QWEN3_NEXT_LIKE.linear,
+            layer_types=("linear_attention", "full_attention") * 2,
+            num_k_heads=2,
+            num_v_heads=4,
+            k_dim=16,
+            v_dim=16,
+        ),
+        moe=attrs.evolve(
+            QWEN3_NEXT_LIKE.moe,
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+    ),
 }
 DRAFT_VOCAB = 32000
 #: Plain decoding one step per decode call, whatever the device's default (the rows that time
@@ -284,13 +348,15 @@ def build_models(
     """The random target and an EAGLE-3 head for it (draft ids a random subset of the
     target's), both this rank's shard of ``tp``: every rank draws the same full weights and
     keeps its slices, so any ``tp`` runs the same model. A mixture-of-experts target gets an
-    MTP (NextN) head instead: a layer of the target's own kind, as DeepSeek ships it."""
+    MTP (NextN) head instead: a layer of the target's own kind, as DeepSeek and Qwen3-Next ship
+    it (Qwen3-Next's a gated full-attention MoE layer; Nemotron-H's MTP layer is not built,
+    docs/hybrid.md)."""
     with building_on(device, dtype):
         target = DecoderModel(config)
     randomize_(target, seed=0, std=0.02)
     target.reset_rope()
     shard_(target, tp)  # before the head is built: it borrows the sharded embedding and lm_head
-    algorithm = "mtp" if config.moe is not None else "eagle3"
+    algorithm = "mtp" if config.moe is not None and config.mamba is None else "eagle3"
     vocab = {"draft_vocab_size": min(DRAFT_VOCAB, config.vocab_size // 2)}
     with building_on(device, dtype):
         head_config = draft_config(config, algorithm, **(vocab if algorithm == "eagle3" else {}))
@@ -707,6 +773,13 @@ def main() -> None:
     parser.add_argument(
         "--acceptance", type=float, default=0.7, help="per-token acceptance of the markov draft"
     )
+    parser.add_argument(
+        "--recurrent-kernels",
+        choices=["triton", "reference"],
+        default="triton",
+        help="a hybrid's recurrent layers on the GPU: the Triton kernels, or spec.recurrent's "
+        "token-by-token reference (the baseline)",
+    )
     args = parser.parse_args()
     if args.tp > 1 and not distributed.launched():
         distributed.launch(functools.partial(measure, args), args.tp)
@@ -718,6 +791,8 @@ def measure(args: argparse.Namespace) -> None:
     """Every measurement ``args`` asks for, printed as tables by rank 0 (transformers' peer is
     left out under tensor parallelism: it runs unsharded)."""
     device = "cpu" if args.tiny else "cuda"
+    if args.recurrent_kernels == "reference" and device == "cuda":
+        use_reference_recurrence()
     tp = distributed.tensor_parallel(args.tp, device)
     report = print if tp.is_leader else lambda *_, **__: None
     config = (TINY_SHAPES if args.tiny else SHAPES)[args.shape]
@@ -772,6 +847,13 @@ def measure(args: argparse.Namespace) -> None:
         )
     if args.profile:
         report("\n## profile, batch 1\n\n" + profile(target, head, args, device))
+
+
+def use_reference_recurrence() -> None:
+    """Make the recurrent ops' CUDA kernels ``spec.recurrent``'s references, in place of the
+    Triton kernels ``speculum.kernels`` registered (this process only)."""
+    recurrent_ops.gated_delta_rule.register_kernel("cuda")(spec_recurrent.gated_delta_rule)
+    recurrent_ops.mamba2_scan.register_kernel("cuda")(spec_recurrent.mamba2_scan)
 
 
 #: ``--fp8`` choice -> the scheme the target's linear layers are quantized with.

@@ -4,6 +4,9 @@ import os
 
 # Must be set before speculum's record classes are defined, i.e. before any speculum import.
 os.environ.setdefault("SPECULUM_TYPECHECK", "1")
+# Compiled-round tests (test_compiled.py) compile tiny graphs: inductor's pool of compile
+# workers costs more to start than the compilation itself on a small shared machine.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

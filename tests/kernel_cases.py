@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from speculum.spec.attention import paged_attention, visible_keys
+from speculum.spec.attention import latent_attention, paged_attention, visible_keys
 from speculum.spec.paged import cache_slots, causal_mask, slots_at
 from speculum.spec.sampling import Stream, uniforms
 from speculum.spec.tree import select_frontier, sibling_ranks
@@ -221,6 +221,23 @@ def attention_inputs(
     }
 
 
+def tree_mask(batch: int, q: int, tail: int, seed: int) -> torch.Tensor:
+    """Random trees: query ``i`` sees itself and an ancestor chain of earlier tail columns."""
+    gen = torch.Generator().manual_seed(seed)
+    offset = tail - q  # earlier draft steps sit before this step's tokens
+    mask = torch.zeros(batch, q, tail, dtype=torch.bool)
+    parent = [
+        [int(torch.randint(-1, i, (), generator=gen)) for i in range(q)] for _ in range(batch)
+    ]
+    for b in range(batch):
+        mask[b, :, :offset] = torch.rand(q, offset, generator=gen) < 0.3
+        for i in range(q):
+            mask[b, i, offset + i] = True
+            if parent[b][i] >= 0:
+                mask[b, i, offset:] |= mask[b, parent[b][i], offset:]
+    return mask
+
+
 def kernel_args(inputs: dict) -> dict:
     """The arguments of ``paged_attention`` among :func:`attention_inputs`' (all but
     ``ref_mask``)."""
@@ -240,6 +257,53 @@ def run_attention(
     out = q.new_full((*q.shape[:-1], v.shape[-1]), float("nan"))
     got = paged_attention_triton(q, k, v, **args, num_splits=num_splits, out=out)
     return got, want
+
+
+def run_latent(
+    inputs: dict,
+    latent_dim: int,
+    dtype: torch.dtype = torch.float32,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) of latent attention over :func:`attention_inputs` built with
+    ``latent_dim``: the Triton kernel on ``dtype`` copies of the queries and the cache into a
+    NaN-poisoned output, the spec twin in float32 over ``ref_mask``."""
+    from speculum.kernels.triton_mla import latent_attention_triton
+
+    common = [inputs[name] for name in ("page_table", "prefix_lens", "q_lens")]
+    want = latent_attention(
+        inputs["q"], inputs["k_cache"], *common, inputs["ref_mask"], inputs["scale"], latent_dim
+    )
+    q, cache = inputs["q"].to(dtype), inputs["k_cache"].to(dtype)
+    out = q.new_full((*q.shape[:-1], latent_dim), float("nan"))
+    got = latent_attention_triton(
+        q,
+        cache,
+        *common,
+        inputs["new_mask"],
+        inputs["scale"],
+        latent_dim,
+        num_splits=num_splits,
+        out=out,
+    )
+    return got, want
+
+
+def assert_verify_equals_decode_steps(kernel, chain: dict) -> None:
+    """``kernel(**chain)`` over a causal chain of ``t`` tokens per request gives each token
+    exactly the bits of its own decode step (``kernel`` on that token alone, after a prefix
+    one token longer per step)."""
+    verify = kernel(**chain)
+    batch, t = chain["q"].shape[:2]
+    for j in range(t):
+        step = {
+            **chain,
+            "q": chain["q"][:, j : j + 1],
+            "prefix_lens": chain["prefix_lens"] + j,
+            "q_lens": torch.ones_like(chain["q_lens"]),
+            "new_mask": causal_mask(batch, 1).to(chain["q"].device),
+        }
+        assert torch.equal(kernel(**step)[:, 0], verify[:, j]), j
 
 
 # ---------------------------------------------------------------- sampling

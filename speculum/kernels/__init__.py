@@ -18,13 +18,14 @@ import warnings
 import torch
 
 from speculum.kernels import fp8, model_ops
-from speculum.kernels.attention import paged_attention, write_kv
+from speculum.kernels.attention import latent_attention, paged_attention, write_kv
 from speculum.kernels.recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = [
     "DEVICE_KERNELS",
     "fp8",
     "gated_delta_rule",
+    "latent_attention",
     "mamba2_scan",
     "model_ops",
     "paged_attention",
@@ -33,7 +34,14 @@ __all__ = [
 ]
 
 #: The Triton modules whose ``register()`` installs CUDA kernels for speculum's ops.
-TRITON_MODULES = ("triton_attention", "triton_model_ops", "triton_sampling", "triton_tree")
+TRITON_MODULES = (
+    "triton_attention",
+    "triton_mla",
+    "triton_model_ops",
+    "triton_recurrent",
+    "triton_sampling",
+    "triton_tree",
+)
 #: Modules whose ``register()`` installs CUDA kernels built on torch alone (no Triton needed).
 TORCH_CUDA_MODULES = ("grouped_moe", "fp8")
 

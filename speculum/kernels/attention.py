@@ -8,7 +8,7 @@ from torch import Tensor
 from speculum.spec import attention as spec_attention
 from speculum.spec import paged as spec_paged
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["latent_attention", "paged_attention", "write_kv"]
 
 
 @torch.library.custom_op("speculum::write_kv", mutates_args=("cache",))
@@ -43,6 +43,29 @@ def _(q, k_cache, v_cache, page_table, prefix_lens, q_lens, new_mask, scale, win
     # One output row per query head, as wide as a value head (latent attention's values are
     # narrower than its keys).
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+@torch.library.custom_op("speculum::latent_attention", mutates_args=())
+def latent_attention(
+    q: Tensor,
+    cache: Tensor,
+    page_table: Tensor,
+    prefix_lens: Tensor,
+    q_lens: Tensor,
+    new_mask: Tensor,
+    scale: float,
+    latent_dim: int,
+) -> Tensor:
+    """Multi-head latent attention run absorbed over a latent cache whose rows are ``[latent
+    (latent_dim) | rope key]``, the latent as the values (see ``spec.attention``)."""
+    return spec_attention.latent_attention(
+        q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim
+    )
+
+
+@latent_attention.register_fake
+def _(q, cache, page_table, prefix_lens, q_lens, new_mask, scale, latent_dim):
+    return q.new_empty(*q.shape[:-1], latent_dim)
 
 
 @write_kv.register_fake

@@ -1,6 +1,8 @@
 """The recurrent-layer ops (gated DeltaNet, Mamba-2). Default kernels: the ``spec.recurrent``
-references (token by token), on every device; CUDA kernels (fla-core's gated delta rule,
-mamba-ssm's selective state update, say) would register here."""
+references (token by token; the chunked delta rule for prompt chunks); on CUDA,
+``kernels.triton_recurrent``'s launchers (a causal-conv launch and a state-update launch per
+layer, whatever the number of queries) register as the ops' CUDA kernels when
+``speculum.kernels`` is imported."""
 
 from __future__ import annotations
 

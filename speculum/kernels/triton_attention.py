@@ -173,6 +173,58 @@ def _visible(mask_rows, j, stride_mj, row_ok, num_tail):
 
 
 @triton.jit
+def _write_rows(
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc,
+    m_i,
+    l_i,
+    row_in,
+    row_ok,
+    b,
+    qi,
+    head,
+    d,
+    d_ok,
+    split,
+    num_q,
+    num_heads,
+    stride_ob,
+    stride_oi,
+    stride_oh,
+    stride_od,
+    V_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Store a program's rows (query ``qi``, head ``head``; ``row_in``: rows of the output,
+    ``row_ok``: real queries) at value columns ``d``: with ``SPLITS == 1`` the normalised
+    output into ``out_ptr``; otherwise the unnormalised accumulator into the contiguous
+    ``[batch, q, head, splits, V_DIM]`` float32 partials at ``out_ptr`` and the row max / row
+    sum into ``m_ptr`` / ``l_ptr``. Padding rows, and rows that saw no key (``l == 0``, ``acc ==
+    0``), come out as zeros."""
+    acc = tl.where(row_ok[:, None], acc, 0.0)
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + b * stride_ob
+            + qi[:, None] * stride_oi
+            + head[:, None] * stride_oh
+            + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_in[:, None] & d_ok[None, :],
+        )
+    else:
+        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
+        tl.store(
+            out_ptr + part[:, None] * V_DIM + d[None, :], acc, mask=row_in[:, None] & d_ok[None, :]
+        )
+        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
+        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -346,33 +398,14 @@ def _attention_kernel(
             l_acc, acc, qk_scale, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
-    # Padding rows, and rows that saw no key (l == 0, acc == 0), come out as zeros.
-    acc = tl.where(row_ok[:, None], acc, 0.0)
     l_i = tl.max(l_acc, axis=1)  # its columns are equal: exact in any order
-    if SPLITS == 1:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
-            l_i += tl.exp2(sink - m_i)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + b * stride_ob
-            + qi[:, None] * stride_oi
-            + head[:, None] * stride_oh
-            + dv[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & dv_ok[None, :],
-        )
-    else:
-        num_heads = num_kv_heads * GROUP
-        part = ((b * num_q + qi) * num_heads + head) * SPLITS + split
-        tl.store(
-            out_ptr + part[:, None] * V_DIM + dv[None, :],
-            acc,
-            mask=row_in[:, None] & dv_ok[None, :],
-        )
-        tl.store(m_ptr + part, tl.where(row_ok, m_i, float("-inf")), mask=row_in)
-        tl.store(l_ptr + part, tl.where(row_ok, l_i, 0.0), mask=row_in)
+    if SPLITS == 1 and HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_in, other=0.0).to(tl.float32)
+        l_i += tl.exp2(sink - m_i)
+    _write_rows(
+        out_ptr, m_ptr, l_ptr, acc, m_i, l_i, row_in, row_ok, b, qi, head, dv, dv_ok, split,
+        num_q, num_kv_heads * GROUP, stride_ob, stride_oi, stride_oh, stride_od, V_DIM, SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -394,15 +427,16 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Merge the ``SPLITS`` partials of one (request, query, head) row into its output
-    (``HEAD_DIM``: the values' width), the head's sink in the denominator when it has one."""
+    """Merge the ``SPLITS`` partials of one (request, query, head) row into ``BLOCK_D`` columns
+    of its output (``HEAD_DIM``: the values' width), the head's sink in the denominator when it
+    has one."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (num_q * num_heads)
     qi = (row // num_heads) % num_q
     head = row % num_heads
     s = tl.arange(0, SPLITS_P2)
     s_ok = s < SPLITS
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m = tl.load(m_ptr + row * SPLITS + s, mask=s_ok, other=float("-inf"))
     l_s = tl.load(l_ptr + row * SPLITS + s, mask=s_ok, other=0.0)
@@ -422,6 +456,42 @@ def _combine_kernel(
         out_ptr + b * stride_ob + qi * stride_oi + head * stride_oh + d * stride_od,
         out.to(out_ptr.dtype.element_ty),
         mask=d_ok,
+    )
+
+
+#: Output columns per combine program: all of a head of up to 128 values; wider values (a
+#: latent of 512) in several programs, so that a program's [splits, columns] float32 partials
+#: stay in registers.
+_COMBINE_COLUMNS = 128
+
+
+def combine_splits(
+    acc: Float[Tensor, "batch q head splits v_dim"],
+    m: Float[Tensor, "batch q head splits"],
+    l_sum: Float[Tensor, "batch q head splits"],
+    out: Float[Tensor, "batch q head v_dim"],
+    sinks2: Float[Tensor, " head"] | None = None,
+) -> None:
+    """Merge split-KV partials (contiguous unnormalised accumulators, base-2 row maxima, row
+    sums) into ``out``, with each head's base-2 sink logit ``sinks2`` in the denominator when
+    given. Each output column's sum over the splits runs in one order whatever the call."""
+    batch, num_q, heads, splits, v_dim = acc.shape
+    block_d = min(max(16, triton.next_power_of_2(v_dim)), _COMBINE_COLUMNS)
+    _combine_kernel[(batch * num_q * heads, triton.cdiv(v_dim, block_d))](
+        acc,
+        m,
+        l_sum,
+        m if sinks2 is None else sinks2,  # any pointer stands in when there are none
+        out,
+        num_q,
+        heads,
+        *out.stride(),
+        SPLITS=splits,
+        SPLITS_P2=triton.next_power_of_2(splits),
+        HEAD_DIM=v_dim,
+        BLOCK_D=block_d,
+        HAS_SINKS=sinks2 is not None,
+        num_warps=4,
     )
 
 
@@ -578,9 +648,8 @@ def paged_attention_triton(
     first_key = prefix_lens[:, None]
     if window:
         first_key, new_mask = window_limits(prefix_lens, new_mask, window)
-    # The kernels' exponentials are base 2, so the sinks are scaled by log2(e) like the scores
-    # (any pointer stands in when there are none).
-    sinks2 = q if sinks is None else sinks.float() * math.log2(math.e)
+    # The kernels' exponentials are base 2, so the sinks are scaled by log2(e) like the scores.
+    sinks2 = None if sinks is None else sinks.float() * math.log2(math.e)
     # Triton loads bytes; a bool tensor reinterpreted as uint8 keeps its (maybe 0) strides.
     mask = new_mask.view(torch.uint8)
     _attention_kernel[(q_blocks, batch * kv_heads, num_splits)](
@@ -595,7 +664,7 @@ def paged_attention_triton(
         target,
         m,
         l_sum,
-        sinks2,
+        q if sinks2 is None else sinks2,  # any pointer stands in when there are none
         scale * math.log2(math.e),
         num_q,
         mask.shape[2],
@@ -627,22 +696,7 @@ def paged_attention_triton(
         num_stages=tiles["num_stages"],
     )
     if num_splits > 1:
-        _combine_kernel[(batch * num_q * heads,)](
-            acc,
-            m,
-            l_sum,
-            sinks2,
-            out,
-            num_q,
-            heads,
-            *out.stride(),
-            SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=v_dim,
-            BLOCK_D=tiles["BLOCK_DV"],
-            HAS_SINKS=sinks is not None,
-            num_warps=4,
-        )
+        combine_splits(acc, m, l_sum, out, sinks2)
     return out
 
 

@@ -261,9 +261,14 @@ def fused_linear(*linears: nn.Linear | Fp8Linear) -> FusedLinear | None:
     return FusedLinear(*fused, *scales)
 
 
+@torch.compiler.assume_constant_result
 def holds(fused: FusedLinear | None, first: nn.Linear) -> bool:
     """Whether ``fused`` still holds the storage of its projections, ``first`` the first of
-    them (a later ``.to()`` gives each parameter a copy of its own)."""
+    them (a later ``.to()`` gives each parameter a copy of its own).
+
+    Under ``torch.compile`` (``runtime.compiled``) it is evaluated once while tracing and the
+    answer baked in: storage pointers cannot be traced, and a model's fusion is fixed once its
+    engine is built (a ``.to()`` after that would need the engine rebuilt anyway)."""
     return (
         fused is not None
         and fused.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
@@ -472,7 +477,8 @@ class LatentAttention(nn.Module):
     ``h`` scores ``[q_nope W_UK_h, q_pe] . [c, k_pe]``, which is ``q_nope . k_nope + q_pe .
     k_pe``), every head attends to the one latent "KV head" with the latent as its values, and
     ``kv_b_proj``'s value rows ``W_UV`` map each head's latent output to ``v_head_dim`` before
-    ``o_proj``. So the paged attention op is the grouped-query one, unchanged.
+    ``o_proj``. The ``latent_attention`` op runs it (its Triton kernel reads each latent row
+    once, as key and as value, for every head and query token of a request).
 
     Rotary dims that pair up interleaved (``rope_interleave``, DeepSeek-V2's complex rope) are
     permuted to halves (evens then odds) before the halves-convention rope op: a query's and a
@@ -559,15 +565,15 @@ class LatentAttention(nn.Module):
         cache = pool.k[self.layer]
         kernels.write_kv(cache, batch.slots, torch.cat([latent, k_pe], -1))
         absorbed = torch.cat([torch.einsum("bqhn,hnr->bqhr", q_nope, up_k), q_pe], -1)
-        out = kernels.paged_attention(
+        out = kernels.latent_attention(
             absorbed,
             cache,
-            cache[..., : self.mla.kv_lora_rank],
             batch.page_table,
             batch.prefix_lens,
             batch.q_lens,
             batch.new_mask,
             self.scale,
+            self.mla.kv_lora_rank,
         )
         return self.o_proj(torch.einsum("bqhr,hvr->bqhv", out, up_v).flatten(2))
 

@@ -18,6 +18,7 @@ from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
+from speculum.runtime.compiled import STAGES, check_stages
 from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
 from speculum.runtime.engine import GPU_DECODE_STEPS, NgramOptions
 from speculum.runtime.generate import (
@@ -65,6 +66,14 @@ def _number(flag: str, kind: type, least: float, most: float | None = None, *, a
         return value
 
     return parse
+
+
+def _stage_list(text: str) -> tuple[str, ...]:
+    """``--compile-stages``: comma-separated stage names (``runtime.compiled.STAGES``)."""
+    try:
+        return check_stages(tuple(n.strip() for n in text.split(",") if n.strip()))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--compile-stages: {error}") from None
 
 
 def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
@@ -483,6 +492,13 @@ def parser() -> argparse.ArgumentParser:
         help="on CUDA, run decoding rounds eagerly instead of as captured CUDA graphs",
     )
     gen.add_argument(
+        "--compile-stages",
+        type=_stage_list,
+        default=(),
+        help="compile parts of each decoding round with torch.compile, comma-separated: "
+        f"{', '.join(STAGES)} (default: none, the hand-written path; see docs/gpu.md)",
+    )
+    gen.add_argument(
         "--overlap",
         action="store_true",
         help="overlap scheduling: prepare each step on the host while the device runs the "
@@ -533,6 +549,7 @@ _ENGINE_DESTS = (
     "device",
     "dtype",
     "cuda_graphs",
+    "compile_stages",
     "overlap",
     "prefix_cache",
     "tp",
@@ -1283,6 +1300,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
+        compile_stages=args.compile_stages,
         overlap=args.overlap,
         prefix_cache=args.prefix_cache,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),

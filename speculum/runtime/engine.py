@@ -25,6 +25,7 @@ from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipel
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources, counting
 from speculum.runtime import checks
+from speculum.runtime.compiled import CompiledDecode, check_stages, compile_round
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
 from speculum.spec.ngram import load_corpus, new_store
 from speculum.state.parallel import SINGLE, TensorParallel
@@ -88,10 +89,17 @@ class EngineConfig:
     ``prefix_cache`` (on by default) lets requests reuse the KV pages of prompt prefixes
     earlier requests computed (``docs/prefix_cache.md``; :attr:`Engine.prefix_lookahead` says
     for which pipelines).
+    ``compile_stages`` names the parts of a decoding round ``torch.compile`` fuses
+    (``runtime.compiled.STAGES``): ``"round"`` compiles the round between the hand kernels,
+    and ``"model_ops"``, ``"sampling"``, ``"tree"`` also replace those hand kernels by
+    inductor's code for their reference math; empty, the default, compiles nothing (the
+    hand-written path; ``docs/gpu.md``, "Compiled stages").
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
-    (a prompt token and a generated one), the other counts ``>= 1``; flags are bools."""
+    (a prompt token and a generated one), the other counts ``>= 1``; flags are bools;
+    ``compile_stages`` known stage names, with ``max_batch`` at most the largest bucket (a
+    compiled round runs padded to one)."""
 
     page_size: int = attrs.field(default=16, converter=_count(1))
     num_pages: int = attrs.field(default=0, converter=_count(0))
@@ -106,6 +114,18 @@ class EngineConfig:
     logit_bias: bool = attrs.field(default=False, converter=_FLAG)
     penalties: bool = attrs.field(default=False, converter=_FLAG)
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
+    compile_stages: tuple[str, ...] = attrs.field(default=(), converter=check_stages)
+
+    def __attrs_post_init__(self) -> None:
+        # A compiled round runs padded to a bucket on every device; a captured one only on
+        # CUDA, which engine_from_model checks once it knows the device.
+        if self.compile_stages and self.max_batch > max(self.graph_buckets):
+            raise ValueError(
+                f"max_batch={self.max_batch} exceeds the largest batch bucket "
+                f"{max(self.graph_buckets)}, and compiled rounds (compile_stages="
+                f"{self.compile_stages}) run padded to a bucket: add a larger bucket to "
+                "graph_buckets, lower max_batch, or drop compile_stages"
+            )
 
     def max_pages_per_request(self, lookahead: int) -> int:
         """Page-table width: a full context plus the pipeline's lookahead slots."""
@@ -414,8 +434,11 @@ def _counted(pipeline: Pipeline, config: EngineConfig) -> Pipeline:
 def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> Pipeline:
     """``pipeline`` with its decoding round captured per batch bucket, where that applies: on
     CUDA, with graphs switched on; a round with host work between stages has its device part
-    (``Pipeline.device_round``, when it names one) captured instead."""
-    if device.type != "cuda" or not config.cuda_graphs:
+    (``Pipeline.device_round``, when it names one) captured instead. With
+    ``config.compile_stages``, that round is compiled first (``runtime.compiled``), and, where
+    it is not captured, run padded to its bucket (``CompiledDecode``)."""
+    graphs = device.type == "cuda" and config.cuda_graphs
+    if not graphs and not config.compile_stages:
         return pipeline
     if pipeline.host_work and pipeline.device_round is None:
         return pipeline
@@ -425,12 +448,21 @@ def _graphed(pipeline: Pipeline, config: EngineConfig, device: torch.device) -> 
             f"{max(config.graph_buckets)}: add a larger bucket to graph_buckets, lower max_batch, "
             "or pass cuda_graphs=False"
         )
+
+    def wrapped(round_fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not config.compile_stages:
+            return GraphedDecode(round_fn, config.graph_buckets)
+        compiled = compile_round(round_fn, config.compile_stages)
+        if graphs:
+            return GraphedDecode(compiled, config.graph_buckets)
+        return CompiledDecode(round_fn, compiled, config.graph_buckets)
+
     if pipeline.host_work:
-        graphed = GraphedDecode(pipeline.device_round, config.graph_buckets)
         return attrs.evolve(
-            pipeline, decode=functools.partial(pipeline.decode, device_round=graphed)
+            pipeline,
+            decode=functools.partial(pipeline.decode, device_round=wrapped(pipeline.device_round)),
         )
-    return attrs.evolve(pipeline, decode=GraphedDecode(pipeline.decode, config.graph_buckets))
+    return attrs.evolve(pipeline, decode=wrapped(pipeline.decode))
 
 
 def _allocate(what: str, fix: str, build: Callable[[], T]) -> T:
@@ -466,6 +498,7 @@ def engine_from_model(
     logit_bias: bool = False,
     penalties: bool = False,
     prefix_cache: bool = True,
+    compile_stages: tuple[str, ...] = (),
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -478,8 +511,8 @@ def engine_from_model(
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
     requests carry a logit bias, ``penalties`` penalties and ``min_tokens``, ``prefix_cache``
-    lets requests reuse cached prompt prefixes
-    (:class:`EngineConfig`).
+    lets requests reuse cached prompt prefixes, ``compile_stages`` compiles parts of each
+    decoding round with ``torch.compile`` (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -504,6 +537,7 @@ def engine_from_model(
         logit_bias=logit_bias,
         penalties=penalties,
         prefix_cache=prefix_cache,
+        compile_stages=compile_stages,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)

@@ -163,6 +163,7 @@ def generate(
     device: str = "cpu",
     dtype: str | None = None,
     cuda_graphs: bool = True,
+    compile_stages: Sequence[str] = (),
     overlap: bool = False,
     prefix_cache: bool = True,
     tp: int = 1,
@@ -231,11 +232,13 @@ def generate(
     a prompt is prefilled in full, never from the prefix cache).
     ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
-    ``cuda_graphs`` is False. ``overlap`` makes the scheduler prepare each step while the
-    device runs the previous one (same tokens; see ``docs/overlap.md``). ``prefix_cache``
-    (on by default) lets a prompt reuse the KV pages of the prompt prefixes earlier prompts
-    computed, in this call and, with an ``engine`` given, in earlier calls on it (same tokens;
-    ``stats["cached_tokens"]`` counts the prompt tokens reused; ``docs/prefix_cache.md``).
+    ``cuda_graphs`` is False; ``compile_stages`` compiles parts of each round with
+    ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``). ``overlap`` makes
+    the scheduler prepare each step while the device runs the previous one (same tokens; see
+    ``docs/overlap.md``). ``prefix_cache`` (on by default) lets a prompt reuse the KV pages of
+    the prompt prefixes earlier prompts computed, in this call and, with an ``engine`` given,
+    in earlier calls on it (same tokens; ``stats["cached_tokens"]`` counts the prompt tokens
+    reused; ``docs/prefix_cache.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
     that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
@@ -359,6 +362,7 @@ def _engine(
         dtype=a["dtype"],
         ngram=a["ngram"],
         cuda_graphs=a["cuda_graphs"],
+        compile_stages=tuple(a["compile_stages"]),
         overlap=a["overlap"],
         prefix_cache=a["prefix_cache"],
         tp=distributed.tensor_parallel(a["tp"], a["device"]),

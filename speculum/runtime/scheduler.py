@@ -87,6 +87,7 @@ __all__ = [
     "is_idle",
     "pages_needed",
     "host_stats",
+    "warm_up",
 ]
 
 
@@ -1251,6 +1252,35 @@ def host_stats(state: SchedulerState) -> dict[str, float]:
 def is_idle(state: SchedulerState) -> bool:
     """Whether no request is waiting, prefilling or running."""
     return not (state.waiting or state.prefilling or state.running)
+
+
+def warm_up(engine: Engine, prompt_len: int = 8, max_new_tokens: int = 16) -> None:
+    """Decode throwaway requests at every CUDA-graph batch bucket up to ``max_batch``, greedy
+    and sampled, so that each bucket's rounds are captured and every kernel is compiled before
+    the first real request: a server's first requests would otherwise wait seconds for them.
+
+    Every request finishes and frees its pages, and the shared cells (the n-gram store, the
+    adaptive measurements) get back the values they had, so the warm-up leaves nothing a later
+    request could see; the next :func:`new_state` takes the engine over.
+    """
+    vocab = engine.resources.target.config.vocab_size
+    prompt = tuple(token % vocab for token in range(1, prompt_len + 1))
+    cells = tuple(cell.value for cell in engine.resources.cells)
+    sizes = sorted({min(bucket, engine.config.max_batch) for bucket in engine.config.graph_buckets})
+    for batch, sampling in itertools.product(sizes, (Sampling(), Sampling(temperature=1.0))):
+        state = new_state(engine)
+        for _ in range(batch):
+            state, _ = add_request(
+                engine,
+                state,
+                prompt,
+                sampling=sampling,
+                max_new_tokens=max_new_tokens,
+                ignore_eos=True,
+            )
+        while not is_idle(state):
+            state, _ = step(engine, state)
+    _set_cells(engine, cells)
 
 
 def _held_pages(state: SchedulerState) -> torch.Tensor:

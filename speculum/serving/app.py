@@ -15,6 +15,7 @@ import contextlib
 import json
 import secrets
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from speculum.runtime import scheduler
 from speculum.runtime.engine import Engine
 from speculum.serving import protocol
 from speculum.serving.chat import ChatTemplate
@@ -238,8 +240,15 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Serve ``engine`` on ``host:port`` until SIGINT or SIGTERM; on either, stop accepting
-    connections, let the running requests finish, then return (uvicorn's graceful shutdown)."""
+    connections, let the running requests finish, then return (uvicorn's graceful shutdown).
+    On CUDA the engine is warmed up first (:func:`scheduler.warm_up`: every batch bucket's
+    graphs captured, every kernel compiled), so the port opens once the first request can be
+    served at full speed."""
     import uvicorn
+
+    if engine.device.type == "cuda":
+        print("speculum: warming up (CUDA graphs for every batch bucket)", file=sys.stderr)
+        scheduler.warm_up(engine)
 
     if threading.current_thread() is threading.main_thread():
         # Uvicorn re-raises the signal that stopped it once it has drained: exit then, with

@@ -30,7 +30,13 @@ from torch import Tensor
 
 from speculum.spec.paged import gather_kv
 
-__all__ = ["paged_attention", "visible_keys", "window_limits"]
+__all__ = [
+    "check_latent_shapes",
+    "latent_attention",
+    "paged_attention",
+    "visible_keys",
+    "window_limits",
+]
 
 
 def window_limits(
@@ -128,3 +134,50 @@ def paged_attention(
     out = out.masked_fill(sees_non_finite[..., None], float("nan"))
     valid = torch.arange(q.shape[1], device=q.device)[None, :] < q_lens[:, None]
     return torch.where(valid[:, :, None, None], out, 0.0).to(q.dtype)
+
+
+def check_latent_shapes(
+    q: Float[Tensor, "batch q head cache_dim"],
+    cache: Float[Tensor, "page page_size kv_head cache_dim"],
+    latent_dim: int,
+) -> None:
+    """Raise ``ValueError`` unless ``q`` and ``cache`` are absorbed latent attention's: one
+    cached "head" per token, queries as wide as it, a latent of ``latent_dim`` leading columns
+    with rotary columns after it."""
+    if cache.dim() != 4 or cache.shape[2] != 1:
+        raise ValueError(
+            f"a latent cache is [page, page_size, 1, latent + rope] (one cached head per "
+            f"token), got {tuple(cache.shape)}: allocate it with KVPool.allocate_latent"
+        )
+    if q.dim() != 4 or q.shape[-1] != cache.shape[-1]:
+        raise ValueError(
+            f"absorbed queries [batch, q, head, {cache.shape[-1]}] must be as wide as the "
+            f"latent cache's rows, got {tuple(q.shape)}: concatenate W_UKᵀ q_nope and q_pe"
+        )
+    if not 0 < latent_dim < cache.shape[-1]:
+        raise ValueError(
+            f"latent_dim={latent_dim} must leave both latent and rotary columns in the cache's "
+            f"{cache.shape[-1]}: pass kv_lora_rank"
+        )
+
+
+def latent_attention(
+    q: Float[Tensor, "batch q head cache_dim"],
+    cache: Float[Tensor, "page page_size 1 cache_dim"],
+    page_table: Int[Tensor, "batch max_pages"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    scale: float,
+    latent_dim: int,
+) -> Float[Tensor, "batch q head latent"]:
+    """Multi-head latent attention (DeepSeek-V2/V3) run absorbed over a latent cache.
+
+    Each cached token is one row ``[latent (latent_dim) | rotated rope key]``; every query head
+    (``[W_UKᵀ q_nope | rotated q_pe]``, as wide as a row) attends to the rows over prefix and
+    masked tail as :func:`paged_attention` does, with the rows' latent columns as the values.
+    Returns each head's latent output (``W_UV`` maps it to ``v_head_dim`` outside).
+    """
+    check_latent_shapes(q, cache, latent_dim)
+    values = cache[..., :latent_dim]
+    return paged_attention(q, cache, values, page_table, prefix_lens, q_lens, new_mask, scale)

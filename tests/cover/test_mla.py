@@ -397,16 +397,14 @@ def test_other_drafts_for_an_mla_target_round_trip(tmp_path: Path) -> None:
     assert same_weights(load_multi_layer(tmp_path / "multi", TARGET), multi)
 
 
-def test_the_attention_op_traces_latent_calls() -> None:
-    """``speculum::paged_attention`` passes torch's custom-op checks on latent attention's call
-    (values a narrower view of the keys): its fake kernel gives the values' width."""
+def test_the_latent_attention_op_traces() -> None:
+    """``speculum::latent_attention`` passes torch's custom-op checks: its fake kernel gives the
+    latent's width."""
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(4, 2, 1, 12, generator=gen)
     q = torch.randn(2, 3, 4, 12, generator=gen)
     args = (torch.tensor([[1, 2], [3, 0]]), torch.tensor([1, 0]), torch.tensor([3, 2]))
-    torch.library.opcheck(
-        kernels.paged_attention, (q, cache, cache[..., :8], *args, causal_mask(2, 3), 0.3)
-    )
+    torch.library.opcheck(kernels.latent_attention, (q, cache, *args, causal_mask(2, 3), 0.3, 8))
 
 
 def test_a_frozen_kv_draft_is_refused_on_an_mla_target() -> None:

@@ -495,6 +495,23 @@ def test_the_engine_hands_decode_its_device_round_through_penalty_counting():
     assert [r.token_ids for r in unpenalized] != [r.token_ids for r in results]
 
 
+def test_warm_up_leaves_nothing_a_later_request_sees():
+    """The server's warm-up decodes throwaway requests at every bucket; afterwards the n-gram
+    store holds what it held, so requests draft and decode exactly as on a fresh engine."""
+    prompts = [[1, 2, 3], [2, 3, 4, 5]]  # the warm-up's prompt is 1, 2, ..., 8
+    options = dict(max_new_tokens=12, temperature=0.8, seed=3)
+    settings = dict(max_batch=3, flush_tokens=2, store_tokens=1000)
+    fresh = generate(prompts, engine=ngram_engine(**settings), **options)
+    warmed = ngram_engine(**settings)
+    scheduler.warm_up(warmed)
+    after = generate(prompts, engine=warmed, **options)
+    assert [r.token_ids for r in after] == [r.token_ids for r in fresh]
+    # The drafts too: a store that kept the warm-up's streams would draft (and accept) more.
+    assert [r.stats["accept_length_histogram"] for r in after] == [
+        r.stats["accept_length_histogram"] for r in fresh
+    ]
+
+
 alphabets = st.sampled_from([[1, 2, 3], [4, 9, 11, 15], list(range(VOCAB))])
 
 

@@ -1,6 +1,9 @@
-"""Hybrid targets (Qwen3-Next's gated DeltaNet, Nemotron-H's Mamba-2) on the GPU: the
-reference recurrences and their state pool inside captured rounds.
+"""Hybrid targets (Qwen3-Next's gated DeltaNet, Nemotron-H's Mamba-2) on the GPU: the Triton
+recurrent kernels (``kernels.triton_recurrent``) and their state pool inside captured rounds.
 
+- The recurrent layers run the Triton kernels on CUDA (their launches show in a profile).
+- fp32: captured rounds on the Triton kernels emit the tokens the CPU reference
+  (``spec.recurrent``, token by token) emits, plain and speculative, chains and trees.
 - fp32: plain decoding and every pipeline a hybrid runs (Qwen3-Next's MTP layer, multi-layer
   EAGLE and frozen-KV drafts on Qwen3-Next only), as captured rounds over several batch
   buckets, emit exactly plain eager greedy decoding's tokens (the target drafting for itself
@@ -15,6 +18,7 @@ import torch
 from conftest import tiny_config
 from test_graphs_cuda import CHAIN, PROMPTS, TREE, VOCAB, _tokens
 
+from speculum import kernels
 from speculum.models.block_draft import random_block_draft
 from speculum.models.config import LinearAttentionConfig, MambaConfig, MoEConfig
 from speculum.models.draft import random_draft
@@ -68,10 +72,10 @@ NEMOTRON_H = {
 KINDS = {"qwen3_next": HYBRID, "nemotron_h": NEMOTRON_H}
 
 
-def _hybrid_target(kind: str = "qwen3_next", dtype: torch.dtype = torch.float32):
+def _hybrid_target(kind: str = "qwen3_next", dtype: torch.dtype = torch.float32, device="cuda"):
     changes = KINDS[kind]
     config = tiny_config(vocab_size=VOCAB, num_layers=4, hidden_size=64, head_dim=16, **changes)
-    return random_model(config, seed=5, std=0.3).to("cuda", dtype)
+    return random_model(config, seed=5, std=0.3).to(device, dtype)
 
 
 def _drafts(target) -> dict:
@@ -84,6 +88,34 @@ def _drafts(target) -> dict:
         "dflash": ("dflash", random_block_draft(target, "dflash", **block), SpecOptions()),
         "dspark": ("dspark", random_block_draft(target, "dspark", **block), SpecOptions()),
     }
+
+
+#: The state-update kernel each kind's layers launch (beside ``_conv_kernel``).
+STATE_KERNELS = {"qwen3_next": "_delta_rule_kernel", "nemotron_h": "_mamba2_kernel"}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_recurrent_layers_run_the_triton_kernels_on_cuda(kind):
+    assert kernels.DEVICE_KERNELS == "triton"
+    target = _hybrid_target(kind)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _tokens(target, prompts=PROMPTS[:2], new_tokens=4, cuda_graphs=False)
+    names = " ".join(event.key for event in prof.key_averages())
+    assert "_conv_kernel" in names and STATE_KERNELS[kind] in names
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("label", ["eagle chain", "standalone self tree"])
+def test_fp32_captured_rounds_on_the_kernels_equal_the_cpu_reference(label, kind):
+    reference = _hybrid_target(kind, device="cpu")
+    algorithm, draft, spec = _drafts(reference)[label]
+    options = dict(algorithm=algorithm, spec=spec)
+    expected_plain = _tokens(reference, cuda_graphs=False)
+    expected = _tokens(reference, cuda_graphs=False, draft=draft, **options)
+    target = _hybrid_target(kind)
+    _, draft, _ = _drafts(target)[label]
+    assert _tokens(target) == expected_plain
+    assert _tokens(target, draft=draft, **options) == expected
 
 
 def _qwen3_next_drafts(target) -> dict:

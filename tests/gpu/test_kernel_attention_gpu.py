@@ -93,23 +93,6 @@ def test_drawn_shapes(inputs, dtype, num_splits):
     check(make_inputs(**inputs), dtype, num_splits)
 
 
-def tree_mask(batch: int, q: int, tail: int, seed: int) -> torch.Tensor:
-    """Random trees: query ``i`` sees itself and an ancestor chain of earlier tail columns."""
-    gen = torch.Generator().manual_seed(seed)
-    offset = tail - q  # earlier draft steps sit before this step's tokens
-    mask = torch.zeros(batch, q, tail, dtype=torch.bool)
-    parent = [
-        [int(torch.randint(-1, i, (), generator=gen)) for i in range(q)] for _ in range(batch)
-    ]
-    for b in range(batch):
-        mask[b, :, :offset] = torch.rand(q, offset, generator=gen) < 0.3
-        for i in range(q):
-            mask[b, i, offset + i] = True
-            if parent[b][i] >= 0:
-                mask[b, i, offset:] |= mask[b, parent[b][i], offset:]
-    return mask
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 64])
 def test_decode(batch, dtype):
@@ -123,7 +106,7 @@ def test_decode(batch, dtype):
 @pytest.mark.parametrize(("q", "tail"), [(8, 8), (64, 64), (16, 48)])
 def test_tree_verify(q, tail, dtype):
     """Tree verify (tail == q) and a later multi-step draft step (tail > q)."""
-    lens, mask = [q, q, q - 3, 1], tree_mask(4, q, tail, seed=q)
+    lens, mask = [q, q, q - 3, 1], kc.tree_mask(4, q, tail, seed=q)
     check(make_inputs(prefix_lens=[1500, 0, 333, 2048], q_lens=lens, new_mask=mask), dtype)
 
 
@@ -136,7 +119,7 @@ def test_sliding_window(call, window, dtype):
     shapes = {
         "decode": (1, 1, causal_mask(1, 1)),
         "chain": (4, 5, causal_mask(4, 5)),
-        "tree": (4, 8, tree_mask(4, 8, 8, seed=1)),
+        "tree": (4, 8, kc.tree_mask(4, 8, 8, seed=1)),
         "chunk": (2, 512, causal_mask(2, 512)),
     }
     batch, q, mask = shapes[call]
@@ -153,7 +136,8 @@ def test_prefill_chunk(dtype):
 
 
 #: DeepSeek-V2-Lite's latent attention, absorbed: 16 query heads on one cache "head" of the
-#: 512-value latent and the 64-value rotary key, the latent as the values.
+#: 512-value latent and the 64-value rotary key, the latent as the values. MLA layers run the
+#: latent kernel (test_kernel_mla_gpu.py); the grouped-query op still accepts such calls.
 MLA_LITE = {"heads": 16, "kv_heads": 1, "head_dim": 576, "latent_dim": 512, "page_size": 16}
 
 
@@ -172,7 +156,7 @@ def test_forced_splits(num_splits):
     inputs = make_inputs(
         prefix_lens=[300, 5, 0],
         q_lens=[3, 3, 2],
-        new_mask=tree_mask(3, 3, 5, seed=1),
+        new_mask=kc.tree_mask(3, 3, 5, seed=1),
         heads=8,
         kv_heads=2,
     )
@@ -248,17 +232,7 @@ def test_chain_verify_equals_its_decode_steps_bit_for_bit(chain):
     gives, whatever the prefix lengths, page size and split count: greedy speculative decoding
     in bfloat16 then emits plain decoding's tokens. (Triton's interpreter cannot show this on
     the CPU: numpy's matmul rounds a row differently by its place in the tile.)"""
-    verify = paged_attention_triton(**chain)
-    batch, t = chain["q"].shape[:2]
-    for j in range(t):
-        step = {
-            **chain,
-            "q": chain["q"][:, j : j + 1],
-            "prefix_lens": chain["prefix_lens"] + j,
-            "q_lens": torch.ones_like(chain["q_lens"]),
-            "new_mask": causal_mask(batch, 1).cuda(),
-        }
-        assert torch.equal(paged_attention_triton(**step)[:, 0], verify[:, j]), j
+    kc.assert_verify_equals_decode_steps(paged_attention_triton, chain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

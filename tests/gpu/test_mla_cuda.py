@@ -2,8 +2,8 @@
 
 - fp32: over a DeepSeek-V3-shaped target (low-rank query, interleaved rope, values narrower
   than keys), each pipeline's captured rounds emit exactly plain greedy decoding's tokens, and
-  exactly what its eager rounds emit (the Triton attention and commit kernels on the latent
-  layout).
+  exactly what its eager rounds emit (the Triton latent-attention and commit kernels on the
+  latent layout).
 - bf16: captured MLA rounds run and emit every token asked for.
 """
 
