@@ -67,9 +67,9 @@ draft over two GPUs (two worker processes started by the script, or ``torchrun
 shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks another target:
 ``deepseek-v2-lite`` (latent attention and MoE, an MTP head), ``nemotron-h-8b`` (a hybrid of
 Mamba-2, attention and MLP layers) or ``qwen3-next-like`` (gated DeltaNet and gated attention
-with MoE, Qwen3-Next-80B's layers with a quarter of its experts); a hybrid's roofline adds
-each request's recurrent states, read and written once a step. A hybrid's recurrent layers
-run the Triton kernels (``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels
+with MoE, Qwen3-Next-80B's layers with a quarter of its experts, an MTP head); a hybrid's
+roofline adds each request's recurrent states, read and written once a step. A hybrid's
+recurrent layers run the Triton kernels (``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels
 reference`` runs the ``spec.recurrent`` reference (a Python loop of small ops per query)
 instead, for the baseline rows.
 """
