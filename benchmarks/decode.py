@@ -69,9 +69,9 @@ shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks an
 Mamba-2, attention and MLP layers) or ``qwen3-next-like`` (gated DeltaNet and gated attention
 with MoE, Qwen3-Next-80B's layers with a quarter of its experts, an MTP head); a hybrid's
 roofline adds each request's recurrent states, read and written once a step. A hybrid's
-recurrent layers run the Triton kernels (``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels
-reference`` runs the ``spec.recurrent`` reference (a Python loop of small ops per query)
-instead, for the baseline rows.
+recurrent layers run the Triton kernels (``kernels.triton_recurrent``) on the GPU;
+``--recurrent-kernels reference`` runs the ``spec.recurrent`` reference (a Python loop of small
+ops per query) instead, for the baseline rows.
 """
 
 from __future__ import annotations
