@@ -76,11 +76,11 @@ draft over two GPUs (two worker processes started by the script, or ``torchrun
 shard of the weights and KV cache over one GPU's bandwidth. ``--shape`` picks another target:
 ``deepseek-v2-lite`` (latent attention and MoE, an MTP head), ``nemotron-h-8b`` (a hybrid of
 Mamba-2, attention and MLP layers) or ``qwen3-next-like`` (gated DeltaNet and gated attention
-with MoE, Qwen3-Next-80B's layers with a quarter of its experts); a hybrid's roofline adds
-each request's recurrent states, read and written once a step. A hybrid's recurrent layers
-run the Triton kernels (``kernels.triton_recurrent``) on the GPU; ``--recurrent-kernels
-reference`` runs the ``spec.recurrent`` reference (a Python loop of small ops per query)
-instead, for the baseline rows.
+with MoE, Qwen3-Next-80B's layers with a quarter of its experts, an MTP head); a hybrid's
+roofline adds each request's recurrent states, read and written once a step. A hybrid's
+recurrent layers run the Triton kernels (``kernels.triton_recurrent``) on the GPU;
+``--recurrent-kernels reference`` runs the ``spec.recurrent`` reference (a Python loop of small
+ops per query) instead, for the baseline rows.
 """
 
 from __future__ import annotations
@@ -364,14 +364,15 @@ def build_models(
     """The random target and an EAGLE-3 head for it (draft ids a random subset of the
     target's), both this rank's shard of ``tp``: every rank draws the same full weights and
     keeps its slices, so any ``tp`` runs the same model. A mixture-of-experts target gets an
-    MTP (NextN) head instead: a layer of the target's own kind, as DeepSeek ships it (not a
-    hybrid one: speculum builds no hybrid MTP layer yet, docs/hybrid.md)."""
+    MTP (NextN) head instead: a layer of the target's own kind, as DeepSeek and Qwen3-Next ship
+    it (Qwen3-Next's a gated full-attention MoE layer; Nemotron-H's MTP layer is not built,
+    docs/hybrid.md)."""
     with building_on(device, dtype):
         target = DecoderModel(config)
     randomize_(target, seed=0, std=0.02)
     target.reset_rope()
     shard_(target, tp)  # before the head is built: it borrows the sharded embedding and lm_head
-    algorithm = "mtp" if config.moe is not None and not config.is_hybrid else "eagle3"
+    algorithm = "mtp" if config.moe is not None and config.mamba is None else "eagle3"
     vocab = {"draft_vocab_size": min(DRAFT_VOCAB, config.vocab_size // 2)}
     with building_on(device, dtype):
         head_config = draft_config(config, algorithm, **(vocab if algorithm == "eagle3" else {}))

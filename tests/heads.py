@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_config
 
+from speculum.models.block_draft import random_block_draft
 from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
@@ -60,6 +61,24 @@ def agreeing_multi_layer(target: DecoderModel, num_layers: int, seed: int = 3):
     head = random_multi_layer(target, num_layers, seed=seed, std=0.3)
     for layer in head.layers:
         agree_(layer.eh_proj, layer.decoder)
+    return head
+
+
+def agreeing_dspark(target, block_size: int = 5, scale: float = 50.0, seed: int = 3):
+    """A DSPARK head whose Markov head predicts the target's Markov vote (the token ``v``
+    whose ``lm_head`` row best matches the previous token's embedding): ``W1`` is the
+    identity, ``W2`` the target's ``lm_head`` against its embedding, scaled up to dominate the
+    random backbone, so rounds accept deep while the backbone, its context and its cache still
+    run (and feed the confidence head)."""
+    vocab = target.config.vocab_size
+    head = random_block_draft(
+        target, "dspark", seed=seed, std=0.3, block_size=block_size, markov_rank=vocab
+    )
+    embed, lm = target.model.embed_tokens.weight, target.lm_head.weight
+    with torch.no_grad():
+        head.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+        votes = lm @ embed.T  # [next, previous]
+        head.markov_head.markov_w2.weight.copy_(scale * votes / votes.abs().amax())
     return head
 
 

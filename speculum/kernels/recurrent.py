@@ -1,7 +1,8 @@
 """The recurrent-layer ops (gated DeltaNet, Mamba-2). Default kernels: the ``spec.recurrent``
-references (token by token); on CUDA, ``kernels.triton_recurrent``'s launchers (a causal-conv
-launch and a state-update launch per layer, whatever the number of queries) register as the
-ops' CUDA kernels when ``speculum.kernels`` is imported."""
+references (token by token; the chunked delta rule for prompt chunks); on CUDA,
+``kernels.triton_recurrent``'s launchers (a causal-conv launch and a state-update launch per
+layer, whatever the number of queries) register as the ops' CUDA kernels when
+``speculum.kernels`` is imported."""
 
 from __future__ import annotations
 
@@ -26,17 +27,21 @@ def gated_delta_rule(
     gate: Tensor,
     beta: Tensor,
     dims: list[int],
+    chunk: int = 0,
 ) -> Tensor:
     """One linear-attention layer's outputs ``[batch, q, v_head, v_dim]``, each query's conv
     and delta-rule states written into ``conv`` and ``ssm`` in place (see
-    ``spec.recurrent.gated_delta_rule``)."""
+    ``spec.recurrent.gated_delta_rule``; ``chunk`` above 0: its prefill form)."""
     return spec_recurrent.gated_delta_rule(
-        conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta, dims
-    )
+        conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta, dims,
+        chunk,
+    )  # fmt: skip
 
 
 @gated_delta_rule.register_fake
-def _(conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta, dims):
+def _(
+    conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta, dims, chunk=0
+):
     return mixed.new_empty(*mixed.shape[:2], dims[2], dims[3])
 
 

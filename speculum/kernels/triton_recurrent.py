@@ -380,9 +380,13 @@ def gated_delta_rule_triton(
     gate: Float[Tensor, "batch q head"],
     beta: Float[Tensor, "batch q head"],
     dims: list[int],
+    chunk: int = 0,
 ) -> Float[Tensor, "batch q head v_dim"]:
     """``speculum::gated_delta_rule`` in two launches (:func:`causal_conv`, then
-    :func:`delta_rule_scan`), same arguments and results as the reference."""
+    :func:`delta_rule_scan`), same arguments and results as the reference. ``chunk`` (the
+    reference's chunked prefill form) changes nothing here: the scan keeps each state in
+    registers from one query to the next whatever the form, and stores the ones a later forward
+    may read (:func:`kept_states`), a superset of what the chunked form writes."""
     parents = node_parents(new_mask)
     offset = new_mask.shape[2] - new_mask.shape[1]
     x = causal_conv(conv, slots, prefix_lens, q_lens, parents, offset, mixed, conv_weight, None)

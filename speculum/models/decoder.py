@@ -718,8 +718,13 @@ class GatedDeltaNet(nn.Module):
             gate,
             beta.sigmoid(),
             [lin.num_k_heads, lin.k_dim, lin.num_v_heads, lin.v_dim],
+            DELTA_RULE_CHUNK if batch.prefill else 0,
         )
         return self.out_proj(self.norm(out, z).flatten(2))
+
+
+#: Tokens per chunk of the gated delta rule's prefill form (fla-core's and transformers' 64).
+DELTA_RULE_CHUNK = 64
 
 
 def attention_block(

@@ -67,6 +67,8 @@ __all__ = [
     "canonical_algorithm",
     "default_capture_layers",
     "draft_config",
+    "mtp_layer_config",
+    "mtp_layer_index",
     "pool_for",
     "random_draft",
 ]
@@ -426,9 +428,11 @@ class Eagle3Head(_DraftBase):
 class _SharedHead(nn.Module):
     """DeepSeek-V3's ``shared_head``: a norm, and optionally its own copy of the lm_head."""
 
-    def __init__(self, hidden: int, vocab: int, eps: float, own_head: bool) -> None:
+    def __init__(
+        self, hidden: int, vocab: int, eps: float, own_head: bool, offset: float = 0.0
+    ) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden, eps)
+        self.norm = RMSNorm(hidden, eps, offset)
         if own_head:
             self.head = LMHead(hidden, vocab)
 
@@ -439,19 +443,27 @@ class MTPHead(_DraftBase):
     target's kind, then ``shared_head.norm``; logits by ``shared_head.head`` when the
     checkpoint has one, else the target's ``lm_head``.
 
-    The decoder layer is built as the target builds layer ``target_num_layers + depth``
-    (``decoder.decoder_layer``; ``depth`` counts the MTP layers stored after the target's):
-    an MoE layer of the target's routing in an MoE model's sparse layers, the dense MLP
-    elsewhere. Its K/V go to layer ``depth`` of the draft's pool."""
+    The decoder layer is built as the target builds layer :func:`mtp_layer_index` (``decoder.
+    decoder_layer``; ``depth`` counts the MTP layers): an MoE layer of the target's routing
+    in an MoE model's sparse layers, the dense MLP elsewhere. Its K/V go to layer ``depth``
+    of the draft's pool.
+
+    Qwen3-Next's MTP layer (SGLang ``qwen3_next_mtp.py``, vLLM ``qwen3_next_mtp.py``) is the
+    same computation under other names (``fc``, ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``norm``; ``draft_loading`` maps them): its norms are
+    zero-centred like the target's (``DecoderConfig.norm_offset``), its layer a gated
+    full-attention layer (:func:`mtp_layer_config`), and it always uses the target's
+    ``lm_head``."""
 
     def __init__(self, config: DraftConfig, target: DecoderModel, depth: int = 0) -> None:
         super().__init__(config, target)
-        h, eps = config.hidden_size, config.layer.rms_norm_eps
-        self.enorm = RMSNorm(h, eps)
-        self.hnorm = RMSNorm(h, eps)
+        layer = config.layer
+        h, eps, offset = config.hidden_size, layer.rms_norm_eps, layer.norm_offset
+        self.enorm = RMSNorm(h, eps, offset)
+        self.hnorm = RMSNorm(h, eps, offset)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.decoder = decoder_layer(config.layer, config.target_num_layers + depth, depth)
-        self.shared_head = _SharedHead(h, config.vocab_size, eps, config.own_head)
+        self.decoder = decoder_layer(layer, mtp_layer_index(config, depth), depth)
+        self.shared_head = _SharedHead(h, config.vocab_size, eps, config.own_head, offset)
 
     def forward(
         self, batch: ForwardBatch, pool: KVPool, hidden: Float[Tensor, "batch q hidden"]
@@ -466,6 +478,37 @@ class MTPHead(_DraftBase):
         """``shared_head.head`` (or the target's ``lm_head``) in float32; no further norm."""
         head = self.shared_head.head if self.config.own_head else self._target_head[0]
         return head(hidden).float()
+
+
+#: Architectures whose MTP layers form a model of their own in the checkpoint (``mtp.fc``,
+#: ``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.layers.{k}``, ``mtp.norm``: Qwen3-Next), so
+#: that MTP layer ``k`` is built as that model's layer ``k``; DeepSeek-style MTP layers are
+#: stored after the target's (``model.layers.{L + k}``) and built as its layer ``L + k``.
+OWN_MTP_MODEL = frozenset({"Qwen3NextForCausalLM"})
+
+
+def mtp_layer_index(config: DraftConfig, depth: int) -> int:
+    """The layer index MTP layer ``depth`` is built as (which decides its MLP kind): ``depth``
+    where the MTP layers form a model of their own (:data:`OWN_MTP_MODEL`, as SGLang and vLLM
+    build Qwen3-Next's), else ``target_num_layers + depth``."""
+    if config.layer.architecture in OWN_MTP_MODEL:
+        return depth
+    return config.target_num_layers + depth
+
+
+def mtp_layer_config(target: DecoderConfig) -> DecoderConfig:
+    """The config an MTP layer of ``target`` is built from: one layer of the target's kind;
+    in a gated-DeltaNet hybrid (Qwen3-Next) a gated full-attention layer, as SGLang
+    (``full_attention_interval = 1``) and vLLM (``layer_type="full_attention"``) build it.
+
+    Raises ``UnsupportedModel`` for a Mamba-2 hybrid (Nemotron-H), whose MTP layers are not
+    built."""
+    if target.mamba is not None:
+        raise UnsupportedModel(
+            f"MTP layers of {target.architecture} (Mamba-2 hybrid; mtp.* in its checkpoints) "
+            "are not built: use eagle, eagle3, standalone, dflash, dspark or ngram drafts"
+        )
+    return attrs.evolve(target, num_layers=1, num_nextn_predict_layers=0, linear=None)
 
 
 _HEADS: dict[str, type[_DraftBase]] = {"eagle": EagleHead, "eagle3": Eagle3Head, "mtp": MTPHead}
@@ -489,8 +532,10 @@ def draft_config(target: DecoderConfig, algorithm: str, **changes: object) -> Dr
     algorithm = canonical_algorithm(algorithm)
     # EAGLE-family layers built to the target's shape for training are dense, also over a
     # mixture-of-experts target; an MTP layer is the target's kind (MTPHead).
-    shape = target if algorithm == "mtp" else target.dense()
-    layer = attrs.evolve(shape, num_layers=1, num_nextn_predict_layers=0)
+    if algorithm == "mtp":
+        layer = mtp_layer_config(target)
+    else:
+        layer = attrs.evolve(target.dense(), num_layers=1, num_nextn_predict_layers=0)
     fields: dict[str, object] = {}
     if algorithm == "eagle":
         fields["fc_bias"] = True

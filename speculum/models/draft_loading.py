@@ -43,6 +43,18 @@ Layouts (``save_draft(head, folder, layout=...)`` writes each):
     ``load_model`` loads the same folder as the target.
 ``mtp``  the same keys in a folder of their own (SGLang's ``export_deepseek_nextn.py`` form,
     ``model.layers.0.*`` with ``num_hidden_layers: 1``, is read too).
+``qwen3-next-mtp``  Qwen3-Next's MTP layer inside the target checkpoint, as the hub ships it
+    (config ``mtp_num_hidden_layers``, or ``num_nextn_predict_layers`` as vLLM reads it: 1 when
+    absent): ``mtp.fc.weight`` ``[hidden, 2 * hidden]`` over ``[embedding; hidden]``,
+    ``mtp.pre_fc_norm_embedding.weight``, ``mtp.pre_fc_norm_hidden.weight``, ``mtp.norm.weight``
+    (zero-centred norms, like the target's), and the decoder layer ``mtp.layers.0.*`` under the
+    target's layer key names: a gated full-attention layer (``self_attn.{q,k,v,o}_proj``,
+    ``self_attn.{q,k}_norm``) and the target's sparse MLP (``mlp.gate``, ``mlp.experts.{e}.
+    {gate,up,down}_proj``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``), with
+    ``input_layernorm`` and ``post_attention_layernorm``. There is no ``lm_head`` or embedding
+    of its own (SGLang's ``qwen3_next_mtp.py`` and vLLM's load none and use the target's).
+    SGLang loads it by renaming ``mtp.{fc,pre_fc_norm_*}`` to the model's top level and every
+    other ``mtp.`` to ``model.``; the MTP layer is its model's layer 0, built full-attention.
 
 EAGLE-3 capture layers count differently in the two ecosystems (checked in the sources):
 SGLang (and SpecForge, which trains from SGLang's captures) read
@@ -75,6 +87,7 @@ from speculum.models.config import (
 )
 from speculum.models.decoder import DecoderModel
 from speculum.models.draft import (
+    OWN_MTP_MODEL,
     DraftConfig,
     Eagle3Head,
     EagleHead,
@@ -82,6 +95,7 @@ from speculum.models.draft import (
     build_draft,
     canonical_algorithm,
     default_capture_layers,
+    mtp_layer_config,
     random_draft,
 )
 from speculum.models.loading import (
@@ -122,7 +136,19 @@ LAYOUTS: dict[str, str] = {
     "speculators-eagle3": "eagle3",
     "mtp": "mtp",
     "mtp-in-target": "mtp",
+    "qwen3-next-mtp": "mtp",
 }
+
+#: Qwen3-Next's MTP weights outside its decoder layer: head parameter name -> key after
+#: ``mtp.`` (``qwen3-next-mtp`` layout).
+_QWEN3_NEXT_MTP_NAMES = {
+    "enorm.weight": "pre_fc_norm_embedding.weight",
+    "hnorm.weight": "pre_fc_norm_hidden.weight",
+    "eh_proj.weight": "fc.weight",
+    "shared_head.norm.weight": "norm.weight",
+    "embed_tokens.weight": "embed_tokens.weight",
+}
+_QWEN3_NEXT_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\..*")
 
 _EH_PROJ = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
 
@@ -183,6 +209,8 @@ def detect_layout(raw: dict[str, Any], found: dict[str, torch.Tensor], kind: str
                 "speculators 'eagle3' checkpoints"
             )
         return "speculators-eagle3"
+    if "mtp.fc.weight" in found:
+        return "qwen3-next-mtp"
     mtp = _mtp_layers(found)
     if mtp:
         own = any(k.startswith(f"model.layers.{mtp[0]}.") for k in found)
@@ -291,6 +319,9 @@ def _parse(
             "norm_before_residual": bool(raw.get("norm_before_residual", False)),
             "norm_before_fc": bool(raw.get("norm_before_fc", False)),
         }
+    elif layout == "qwen3-next-mtp":
+        layer, prefix = _qwen3_next_mtp_layer(raw, found, where), "mtp."
+        fields = {"own_head": False}
     else:
         layers = _mtp_layers(found)
         if len(layers) != 1 or int(raw.get("num_nextn_predict_layers") or 1) != 1:
@@ -324,6 +355,25 @@ def _parse(
     return config, prefix
 
 
+def _qwen3_next_mtp_layer(raw: dict[str, Any], found: dict[str, Any], where: str) -> DecoderConfig:
+    """The layer config of the one Qwen3-Next MTP layer a target folder's ``config.json`` and
+    ``mtp.*`` keys describe (:func:`~speculum.models.draft.mtp_layer_config`)."""
+    declared = raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers"))
+    stored = sorted({int(m.group(1)) for k in found if (m := _QWEN3_NEXT_MTP_LAYER.fullmatch(k))})
+    if int(declared or 1) != 1 or stored != [0]:
+        raise UnsupportedModel(
+            f"{where}: Qwen3-Next MTP layers {stored} (config mtp_num_hidden_layers "
+            f"{declared}); speculum's MTP head runs one layer, mtp.layers.0 (as SGLang does)"
+        )
+    target = _base_layer_config(raw, str(Path(where) / "config.json"))
+    if target.architecture not in OWN_MTP_MODEL:
+        raise CheckpointError(
+            f"{where}: mtp.fc.weight is Qwen3-Next's MTP layout, but config.json describes "
+            f"{target.architecture}"
+        )
+    return mtp_layer_config(target)
+
+
 def _check_target(vocab: int, target_hidden: int, target: DecoderConfig, where: str) -> None:
     problems = []
     if vocab != target.vocab_size:
@@ -346,6 +396,8 @@ def _key_map(layout: str, prefix: str) -> Callable[[str], str]:
         return lambda name: (
             "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
         )
+    if layout == "qwen3-next-mtp":
+        return lambda name: prefix + _QWEN3_NEXT_MTP_NAMES[name]
     if LAYOUTS[layout] == "mtp":
         return lambda name: prefix + name
     return lambda name: name
@@ -354,7 +406,8 @@ def _key_map(layout: str, prefix: str) -> Callable[[str], str]:
 def head_checkpoint_names(head: nn.Module, layout: str, prefix: str) -> dict[str, str | Stacked]:
     """Each parameter of ``head`` -> its checkpoint key in ``layout``, or the per-expert keys
     of a stacked expert weight. An MTP head's decoder layer maps as the target's layers do
-    (``loading.layer_checkpoint_names``) under ``prefix`` (``model.layers.{L}.``)."""
+    (``loading.layer_checkpoint_names``) under ``prefix`` (``model.layers.{L}.``; Qwen3-Next's
+    ``mtp.``, its layer under ``mtp.layers.0.``)."""
     to_key = _key_map(layout, prefix)
     params = [name for name, _ in head.named_parameters()]
     if not isinstance(head, MTPHead):
@@ -363,6 +416,8 @@ def head_checkpoint_names(head: nn.Module, layout: str, prefix: str) -> dict[str
         name: to_key(name) for name in params if not name.startswith("decoder.")
     }
     architecture = head.config.layer.architecture
+    if layout == "qwen3-next-mtp":
+        prefix += "layers.0."
     return names | layer_checkpoint_names(head.decoder, architecture, "decoder.", prefix)
 
 
@@ -444,7 +499,8 @@ def load_draft(
     layout = detect_layout(raw, found, kind)
     if layout is None:
         hint = (
-            f"no MTP layers (model.layers.N.eh_proj.weight) in {folder}"
+            f"no MTP layers (model.layers.N.eh_proj.weight, or Qwen3-Next's mtp.fc.weight) in "
+            f"{folder}"
             if algorithm == "mtp"
             else f"unknown draft layout in {folder}"
         )
@@ -633,25 +689,40 @@ _LAYER_FIELDS = (
 )
 
 
+#: Layouts that hold the MTP layer inside the target's folder -> the config key counting them.
+_IN_TARGET = {
+    "mtp-in-target": "num_nextn_predict_layers",
+    "qwen3-next-mtp": "mtp_num_hidden_layers",
+}
+
+
 def save_draft(
     head: Any, folder: str | Path, layout: str, *, target: DecoderModel | None = None
 ) -> Path:
     """Write ``head`` to ``folder`` in ``layout`` (one of :data:`LAYOUTS`).
 
-    ``mtp-in-target`` writes ``target`` (required) with the MTP layer appended, which both
-    ``load_model`` and ``load_draft`` read. Raises ``ValueError`` when the layout cannot
-    express the head (say, q/k/v biases in an SGLang EAGLE-3 midlayer).
+    ``mtp-in-target`` and ``qwen3-next-mtp`` write ``target`` (required) with the MTP layer
+    added, which both ``load_model`` and ``load_draft`` read. Raises ``ValueError`` when the
+    layout cannot express the head (say, q/k/v biases in an SGLang EAGLE-3 midlayer).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     config: DraftConfig = head.config
     if LAYOUTS[layout] != config.algorithm:
         raise ValueError(f"layout {layout!r} holds {LAYOUTS[layout]} drafts, not this head")
-    if layout == "mtp-in-target" and target is None:
-        raise ValueError("layout 'mtp-in-target' writes the target too: pass target=")
+    in_target = layout in _IN_TARGET
+    if (layout == "qwen3-next-mtp") != (config.layer.architecture in OWN_MTP_MODEL):
+        raise ValueError(
+            f"layout {layout!r} cannot express an MTP layer of {config.layer.architecture}: "
+            "qwen3-next-mtp holds Qwen3-Next's MTP layer, whose MTP layers no other layout holds"
+        )
+    if in_target and target is None:
+        raise ValueError(f"layout {layout!r} writes the target too: pass target=")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix = f"model.layers.{config.target_num_layers}." if config.algorithm == "mtp" else ""
+    if layout == "qwen3-next-mtp":
+        prefix = "mtp."
     tensors = {
         key: p.detach().contiguous().cpu().clone()
         for key, p in checkpoint_tensors(head, head_checkpoint_names(head, layout, prefix)).items()
@@ -663,9 +734,9 @@ def save_draft(
         ids = head.target_ids.cpu()
         tensors["d2t"] = ids - torch.arange(ids.numel())
         tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill(0, ids, True)
-    if layout == "mtp-in-target":
+    if in_target:
         assert target is not None
-        raw = {**target.config.to_dict(), "num_nextn_predict_layers": 1}
+        raw = {**target.config.to_dict(), _IN_TARGET[layout]: 1}
     else:
         raw = _config_dict(head, layout, target)
     reread, _ = _parse(layout, raw, tensors, _target_shape(config), str(folder))
@@ -674,7 +745,7 @@ def save_draft(
             f"layout {layout!r} cannot express this head's configuration "
             f"(it would read back as {reread})"
         )
-    if layout == "mtp-in-target":
+    if in_target:
         assert target is not None
         save_model(target, folder)
         from safetensors.torch import load_file
@@ -704,11 +775,15 @@ def save_random_draft(
 ) -> Path:
     """Write a random head for ``target`` (see ``random_draft``) and return the folder.
 
-    ``layout`` defaults to SGLang's for EAGLE and EAGLE-3 and a separate folder for MTP.
+    ``layout`` defaults to SGLang's for EAGLE and EAGLE-3 and a separate folder for MTP (for a
+    Qwen3-Next target, the target's folder with the hub's ``mtp.*`` layer: ``qwen3-next-mtp``).
     """
     algorithm = canonical_algorithm(algorithm)
     head = random_draft(target, algorithm, seed=seed, std=std, **changes)
-    return save_draft(head, folder, layout or DEFAULT_LAYOUTS[algorithm], target=target)
+    if layout is None:
+        own = algorithm == "mtp" and target.config.architecture in OWN_MTP_MODEL
+        layout = "qwen3-next-mtp" if own else DEFAULT_LAYOUTS[algorithm]
+    return save_draft(head, folder, layout, target=target)
 
 
 def _target_shape(config: DraftConfig) -> DecoderConfig:

@@ -152,13 +152,25 @@ def check_target(config: FrozenKVConfig, target: DecoderConfig, where: str) -> N
             "whose cache holds latents, not the per-head keys and values a frozen-KV draft "
             "attends to"
         )
+    if target.mamba is not None:
+        problems.append(
+            f"attention: the target ({target.architecture}) caches keys without rotary "
+            "embedding, which a frozen-KV draft's rotated queries do not read"
+        )
     bad = [s for s in config.source_layers if not 0 <= s < target.num_layers]
     if bad:
         problems.append(
             f"frozen_kv_source_layers {list(config.source_layers)}: layers {bad} are out of range "
             f"for a target with layers 0 .. {target.num_layers - 1}"
         )
-    for name in ("num_kv_heads", "head_dim", "rope_theta", "rope_scaling"):
+    recurrent = [s for s in config.source_layers if s not in bad and target.is_recurrent(s)]
+    if recurrent:
+        problems.append(
+            f"frozen_kv_source_layers {list(config.source_layers)}: layers {recurrent} of the "
+            f"hybrid target keep recurrent state, not K/V; name attention layers "
+            f"{attention_layers(target)}"
+        )
+    for name in ("num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "partial_rotary_factor"):
         ours, theirs = getattr(layer, name), getattr(target, name)
         if ours != theirs:
             problems.append(
@@ -172,10 +184,15 @@ def check_target(config: FrozenKVConfig, target: DecoderConfig, where: str) -> N
         )
 
 
+def attention_layers(target: DecoderConfig) -> list[int]:
+    """The target layers that cache K/V (every layer but a hybrid's recurrent ones)."""
+    return [n for n in range(target.num_layers) if not target.is_recurrent(n)]
+
+
 class FrozenKVAttention(Attention):
     """:class:`~speculum.models.decoder.Attention` without K/V projections or K/V writes: its
-    queries attend to the cache of target layer ``layer`` (the source), as ``batch`` shows it
-    (through :func:`frozen_batch`: the committed prefix only)."""
+    queries attend to layer ``layer`` of the target's pool (the source layer's pool layer), as
+    ``batch`` shows it (through :func:`frozen_batch`: the committed prefix only)."""
 
     def __init__(self, config: DecoderConfig, source: int) -> None:
         super().__init__(config, source)
@@ -230,7 +247,8 @@ class FrozenKVHead(nn.Module):
         self.layers = nn.ModuleList()
         for i, source in enumerate(config.source_layers):
             layer = DecoderLayer(config.layer, i)
-            layer.self_attn = FrozenKVAttention(config.layer, source)
+            # A hybrid's pool holds its attention layers only, in order.
+            layer.self_attn = FrozenKVAttention(config.layer, target.config.cache_layer(source))
             self.layers.append(layer)
         self.norm = RMSNorm(h, eps)
         if config.own_head:
@@ -286,9 +304,11 @@ def frozen_kv_config(
     own_head: bool = False,
 ) -> FrozenKVConfig:
     """The usual head for ``target``: ``num_layers`` layers shaped like the target's, each
-    reading the target's last layer (SGLang ties each assistant layer to the target's last
-    layer of its attention type; a Llama-family target has one type)."""
-    sources = source_layers if source_layers is not None else (target.num_layers - 1,) * num_layers
+    reading the target's last attention layer (SGLang ties each assistant layer to the
+    target's last layer of its attention type; a Llama-family target has one type, a hybrid's
+    recurrent layers have no K/V)."""
+    last = attention_layers(target)[-1]
+    sources = source_layers if source_layers is not None else (last,) * num_layers
     layer = attrs.evolve(target.dense(), num_layers=len(sources), num_nextn_predict_layers=0)
     return FrozenKVConfig(
         layer=layer,

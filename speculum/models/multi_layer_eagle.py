@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from speculum.models.config import read_json_object
 from speculum.models.decoder import DecoderModel
-from speculum.models.draft import DraftConfig, MTPHead, draft_config, pool_for
+from speculum.models.draft import DraftConfig, MTPHead, draft_config, mtp_layer_config, pool_for
 from speculum.models.draft_loading import (
     DraftTargetMismatch,
     _base_layer_config,
@@ -192,7 +192,7 @@ def load_multi_layer(
             f"(model.layers.N.eh_proj.weight), found {_mtp_layers(found)}"
         )
     layer = _base_layer_config(raw, str(folder / "config.json"))
-    layer = attrs.evolve(layer, num_layers=1, num_nextn_predict_layers=0)
+    layer = mtp_layer_config(layer)
     _check_target(layer.vocab_size, layer.hidden_size, target.config, where)
     prefixes = _prefixes(base, num_layers)
     own_head = {f"{p}shared_head.head.weight" in found for p in prefixes}

@@ -646,13 +646,11 @@ def engine_from_model(
     )
 
 
-#: Algorithms refused on a hybrid target (gated DeltaNet or Mamba-2 layers): their drafts read
-#: or extend the target's per-layer K/V (which a hybrid keeps for its attention layers only),
-#: or their draft layers are MTP layers of the target's kind (not loaded yet); see
-#: docs/hybrid.md.
-HYBRID_REFUSED = frozenset(
-    {"mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp", "dflash", "dspark"}
-)
+#: Algorithms refused on a Mamba-2 hybrid target (Nemotron-H): its MTP layers (mtp, nextn,
+#: multi_layer_eagle) are not built, and its attention layers cache keys without rotary
+#: embedding, which a frozen-KV draft's rotated queries cannot read as trained; see
+#: docs/hybrid.md. Every algorithm runs on a gated-DeltaNet hybrid (Qwen3-Next).
+MAMBA_HYBRID_REFUSED = frozenset({"mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp"})
 
 
 def _check_hybrid(target: Any, algorithm: str) -> None:
@@ -661,13 +659,13 @@ def _check_hybrid(target: Any, algorithm: str) -> None:
     config = getattr(target, "config", None)
     if not getattr(config, "is_hybrid", False):
         return
-    if algorithm in HYBRID_REFUSED:
+    if config.mamba is not None and algorithm in MAMBA_HYBRID_REFUSED:
         raise UnsupportedModel(
-            f"algorithm={algorithm!r} is not supported on the hybrid target "
-            f"{config.architecture} (recurrent layers): MTP layers (mtp, nextn, "
-            "multi_layer_eagle) of hybrid models are not built yet, and frozen-KV and block "
-            "drafters read the target's per-layer K/V, which a hybrid keeps for its attention "
-            "layers only. Use eagle, eagle3, standalone, ngram or plain"
+            f"algorithm={algorithm!r} is not supported on the Mamba-2 hybrid target "
+            f"{config.architecture}: its MTP layers (mtp, nextn, multi_layer_eagle) are not "
+            "built, and its attention caches keys without rotary embedding, which a frozen-KV "
+            "draft's rotated queries do not read. Use eagle, eagle3, standalone, dflash, "
+            "dspark, ngram or plain"
         )
     if getattr(target, "tp", SINGLE).size > 1:
         raise UnsupportedModel(
@@ -748,6 +746,7 @@ def build_engine(
         fix,
         lambda: load_model(model, dtype=torch_dtype, device=device, tp=tp),
     )
+    _check_hybrid(target, algorithm)  # before the draft loads: its loader would fail less clearly
     head = None
     if algorithm in SPECULATIVE:
         loaders = {

@@ -62,7 +62,8 @@ def prefill_target(
     (:func:`chunk_logprobs`; ``next_tokens`` is the prompt token after each row's chunk, -1
     after the prompt's end, as ``PrefillChunk.next_tokens``).
     """
-    hidden, captured = target(extend_batch(kv, tokens, q_lens), pool, capture_layers)
+    batch = replace(extend_batch(kv, tokens, q_lens), prefill=True)
+    hidden, captured = target(batch, pool, capture_layers)
     prompt_logprobs = None
     if num_prompt_logprobs is not None:
         targets = torch.where(

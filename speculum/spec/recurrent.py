@@ -23,7 +23,14 @@ from speculum.state.kv import KVPool, PagedKV
 from speculum.state.recurrent import PADDING_SLOT
 from speculum.state.tree import AcceptResult
 
-__all__ = ["node_parents", "l2norm", "gated_delta_rule", "mamba2_scan", "commit_states"]
+__all__ = [
+    "node_parents",
+    "l2norm",
+    "chunked_delta_rule",
+    "gated_delta_rule",
+    "mamba2_scan",
+    "commit_states",
+]
 
 
 def node_parents(new_mask: Bool[Tensor, "batch q tail"]) -> Int[Tensor, "batch q"]:
@@ -40,6 +47,25 @@ def node_parents(new_mask: Bool[Tensor, "batch q tail"]) -> Int[Tensor, "batch q
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x`` divided by its L2 norm over the last axis (as transformers and FLA compute it)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _parent_states(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring *state"],
+    slots: Int[Tensor, " batch"],
+    parent: Int[Tensor, " batch"],
+) -> tuple[Tensor, Tensor]:
+    """The conv ``[batch, channels, kernel_1]`` and recurrent ``[batch, *state]`` states after
+    cache index ``parent`` of each row's slot (its ring entry), zeros where ``parent`` is -1
+    (before the first token)."""
+    ring = conv.shape[1]
+    started = parent >= 0
+    conv_in = conv[slots, parent.remainder(ring)]
+    state = ssm[slots, parent.remainder(ring)]
+    return (
+        torch.where(started.view(-1, 1, 1), conv_in, 0.0),
+        torch.where(started.view(-1, *[1] * (state.dim() - 1)), state, 0.0),
+    )
 
 
 def _scan(
@@ -64,11 +90,7 @@ def _scan(
     parents = node_parents(new_mask)
     outputs = []
     for i in range(q):
-        parent = prefix_lens + parents[:, i]
-        started = (parent >= 0)[:, None, None]
-        conv_in = torch.where(started, conv[slots, parent.remainder(ring)], 0.0)
-        state = ssm[slots, parent.remainder(ring)]
-        state = torch.where(started.view(-1, *[1] * (state.dim() - 1)), state, 0.0)
+        conv_in, state = _parent_states(conv, ssm, slots, prefix_lens + parents[:, i])
         window = torch.cat([conv_in, mixed[:, i, :, None].to(conv.dtype)], -1)
         x = (window * conv_weight).sum(-1)
         out, state = cell(i, F.silu(x if conv_bias is None else x + conv_bias), state)
@@ -79,6 +101,51 @@ def _scan(
         conv[slot, where.remainder(ring)] = window[..., 1:]
         ssm[slot, where.remainder(ring)] = state
     return torch.stack(outputs, 1).to(mixed.dtype)
+
+
+def chunked_delta_rule(
+    query: Float[Tensor, "batch q head k_dim"],
+    key: Float[Tensor, "batch q head k_dim"],
+    value: Float[Tensor, "batch q head v_dim"],
+    gate: Float[Tensor, "batch q head"],
+    beta: Float[Tensor, "batch q head"],
+    state: Float[Tensor, "batch head k_dim v_dim"],
+    chunk: int,
+) -> tuple[Float[Tensor, "batch q head v_dim"], Float[Tensor, "batch head k_dim v_dim"]]:
+    """The gated delta rule over a causal run of tokens, ``chunk`` tokens at a time (the
+    prefill form; the recurrent form runs token by token): outputs and the state after the
+    last token, equal to the recurrence up to rounding.
+
+    Queries and keys come L2-normed (queries also scaled by ``1 / sqrt(k_dim)``). Within a
+    chunk starting from state ``S0``, with ``G_i`` the cumulative log decay, the values the
+    recurrence writes are ``u_i = beta_i (v_i - exp(G_i) S0ᵀk_i - sum_{j<i} exp(G_i - G_j)
+    (k_i·k_j) u_j)``, one unit-lower-triangular solve for the chunk; then ``o_i = exp(G_i)
+    S0ᵀq_i + sum_{j<=i} exp(G_i - G_j) (q_i·k_j) u_j`` and ``S = exp(G_C) S0 + sum_j
+    exp(G_C - G_j) k_j u_jᵀ``. A token with ``gate = beta = 0`` leaves the state as it was
+    (how callers pad rows)."""
+    outputs = []
+    for start in range(0, query.shape[1], chunk):
+        # [batch, head, c, dim]: one chunk, heads first.
+        q, k, v = (t[:, start : start + chunk].transpose(1, 2) for t in (query, key, value))
+        g, b = (t[:, start : start + chunk].transpose(1, 2) for t in (gate, beta))
+        cumulative = g.cumsum(-1)
+        c = cumulative.shape[-1]
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        # decay[i, j] = exp(G_i - G_j) for j <= i; the masked entries may overflow, so zero
+        # their exponents first.
+        gap = (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~lower, 0.0)
+        decay = gap.exp().masked_fill(~lower, 0.0)
+        strict = (decay * (k @ k.transpose(-1, -2))).tril(-1) * b[..., None]
+        eye = torch.eye(c, dtype=q.dtype, device=q.device)
+        start_decay = cumulative.exp()[..., None]
+        written = b[..., None] * (v - start_decay * (k @ state))
+        u = torch.linalg.solve_triangular(eye + strict, written, upper=False, unitriangular=True)
+        attended = (q @ k.transpose(-1, -2)) * decay
+        outputs.append(start_decay * (q @ state) + attended @ u)
+        last = cumulative[..., -1:]
+        to_end = (last - cumulative).exp()[..., None]
+        state = last.exp()[..., None] * state + (k * to_end).transpose(-1, -2) @ u
+    return torch.cat(outputs, 2).transpose(1, 2), state
 
 
 def gated_delta_rule(
@@ -93,6 +160,7 @@ def gated_delta_rule(
     gate: Float[Tensor, "batch q head"],
     beta: Float[Tensor, "batch q head"],
     dims: Sequence[int],
+    chunk: int = 0,
 ) -> Float[Tensor, "batch q head v_dim"]:
     """Linear-attention outputs of ``q`` queries of one layer, writing each query's conv and
     delta-rule states into that layer's ``conv`` and ``ssm`` (``RecurrentPool.conv[layer]``,
@@ -101,10 +169,20 @@ def gated_delta_rule(
     ``mixed`` are the conv inputs (queries, keys, values concatenated); ``gate`` is the log
     decay ``g`` and ``beta`` the write strength per value head; ``dims`` is ``(k_heads, k_dim,
     v_heads, v_dim)``. Padded queries (``i >= q_lens``) write to the padding slot.
+
+    ``chunk`` above 0 is the prefill form, for a causal run of new tokens per row (a prompt
+    chunk; never a tree): the delta rule runs ``chunk`` tokens at a time
+    (:func:`chunked_delta_rule`), and only each row's last token's states are written (the
+    only ones a later forward reads: the next token's parent).
     """
     k_heads, k_dim, v_heads, v_dim = dims
     batch = mixed.shape[0]
     group = v_heads // k_heads
+    if chunk > 0:
+        return _chunked_prefill(
+            conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, gate, beta,
+            dims, chunk,
+        )  # fmt: skip
 
     def cell(i: int, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         query, key, value = x.split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], -1)
@@ -118,6 +196,57 @@ def gated_delta_rule(
         return (state * (query / k_dim**0.5)[..., None]).sum(-2), state
 
     return _scan(conv, ssm, slots, prefix_lens, q_lens, new_mask, mixed, conv_weight, None, cell)
+
+
+def _chunked_prefill(
+    conv: Float[Tensor, "slot ring channels kernel_1"],
+    ssm: Float[Tensor, "slot ring head k_dim v_dim"],
+    slots: Int[Tensor, " batch"],
+    prefix_lens: Int[Tensor, " batch"],
+    q_lens: Int[Tensor, " batch"],
+    new_mask: Bool[Tensor, "batch q tail"],
+    mixed: Float[Tensor, "batch q channels"],
+    conv_weight: Float[Tensor, "channels kernel"],
+    gate: Float[Tensor, "batch q head"],
+    beta: Float[Tensor, "batch q head"],
+    dims: Sequence[int],
+    chunk: int,
+) -> Float[Tensor, "batch q head v_dim"]:
+    """:func:`gated_delta_rule`'s prefill form: the causal conv over each row's run at once,
+    the chunked delta rule from the committed prefix's states, and the last real token's conv
+    and delta-rule states written at its ring entry (padded tokens change no state)."""
+    k_heads, k_dim, v_heads, v_dim = dims
+    batch, q = mixed.shape[:2]
+    ring, kernel = conv.shape[1], conv_weight.shape[-1]
+    conv_in, state = _parent_states(conv, ssm, slots, prefix_lens - 1)
+    # window[..., i : i + kernel] is token i's conv window.
+    window = torch.cat([conv_in, mixed.transpose(1, 2).to(conv.dtype)], -1)
+    x = F.silu((window.unfold(-1, kernel, 1) * conv_weight[:, None]).sum(-1)).transpose(1, 2)
+    # In the state's dtype (float32 in the pool), as the recurrent form computes.
+    dtype = ssm.dtype
+    query, key, value = x.to(dtype).split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], -1)
+    group = v_heads // k_heads
+    query, key = (
+        l2norm(t.reshape(batch, q, k_heads, k_dim)).repeat_interleave(group, 2)
+        for t in (query, key)
+    )
+    real = (torch.arange(q, device=mixed.device) < q_lens[:, None])[..., None]
+    out, state = chunked_delta_rule(
+        query / k_dim**0.5,
+        key,
+        value.reshape(batch, q, v_heads, v_dim),
+        torch.where(real, gate.to(dtype), 0.0),
+        torch.where(real, beta.to(dtype), 0.0),
+        state,
+        chunk,
+    )
+    last = (q_lens - 1).clamp(min=0)
+    taps = last[:, None, None] + 1 + torch.arange(kernel - 1, device=mixed.device)
+    where = (prefix_lens + new_mask.shape[2] - q + last).remainder(ring)
+    slot = torch.where(q_lens > 0, slots, PADDING_SLOT)
+    conv[slot, where] = window.gather(-1, taps.expand(batch, window.shape[1], kernel - 1))
+    ssm[slot, where] = state
+    return out.to(mixed.dtype)
 
 
 def mamba2_scan(

@@ -7,7 +7,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from speculum.state.record import record
+from speculum.state.record import record, static
 
 __all__ = ["ForwardBatch"]
 
@@ -49,6 +49,9 @@ class ForwardBatch:
     q_starts: Int[Tensor, " batch"] | None = attrs.field(
         default=None, validator=lambda batch, _, value: check_layout(batch, value)
     )
+    #: A prompt chunk: every row's queries are a causal run of new tokens, whose only state a
+    #: later forward reads is the last one's, so recurrent layers may run their chunked form.
+    prefill: bool = static(default=False)
 
     @property
     def packed(self) -> bool:

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_config
+from heads import agreeing_dspark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import max_new_tokens, page_sizes, prefill_budgets, prompt_batches
@@ -158,24 +159,6 @@ def test_impossible_rounds_are_refused(options, match):
 
 
 # --------------------------------------------------------------------------- real drafts
-
-
-def agreeing_dspark(target, block_size: int = 5, scale: float = 50.0, seed: int = 3):
-    """A DSPARK head whose Markov head predicts the target's Markov vote (the token ``v``
-    whose ``lm_head`` row best matches the previous token's embedding): ``W1`` is the
-    identity, ``W2`` the target's ``lm_head`` against its embedding, scaled up to dominate the
-    random backbone, so rounds accept deep while the backbone, its context and its cache still
-    run (and feed the confidence head)."""
-    vocab = target.config.vocab_size
-    head = random_block_draft(
-        target, "dspark", seed=seed, std=0.3, block_size=block_size, markov_rank=vocab
-    )
-    embed, lm = target.model.embed_tokens.weight, target.lm_head.weight
-    with torch.no_grad():
-        head.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
-        votes = lm @ embed.T  # [next, previous]
-        head.markov_head.markov_w2.weight.copy_(scale * votes / votes.abs().amax())
-    return head
 
 
 HEADS = {

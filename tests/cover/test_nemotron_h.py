@@ -12,6 +12,7 @@ import torch
 import transformers
 from conftest import tiny_config
 from heads import (
+    agreeing_dspark,
     agreeing_head,
     assert_greedy_equals_transformers,
     assert_pipeline_equals_plain,
@@ -27,6 +28,7 @@ from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
 from test_models import assert_ragged_logits_equal
 
 from speculum import kernels
+from speculum.models.block_draft import random_block_draft
 from speculum.models.config import (
     NEMOTRON_H_KINDS,
     CheckpointError,
@@ -36,6 +38,9 @@ from speculum.models.config import (
     UnsupportedModel,
 )
 from speculum.models.decoder import Mamba2Mixer, NoPEAttention, SquaredReluMLP, SquaredReluMoE
+from speculum.models.draft import random_draft
+from speculum.models.draft_loading import DraftTargetMismatch
+from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import load_model, random_model, save_model
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
@@ -218,6 +223,14 @@ PIPELINES = {
     "standalone self tree": ("standalone", StandaloneHead(TARGET, PIPE_VOCAB), "tree"),
     "standalone stranger": ("standalone", StandaloneHead(STRANGER, PIPE_VOCAB), "tree"),
     "ngram": ("ngram", None, {"num_draft_tokens": 6}),
+    # Block drafters read captured hidden states, never the target's cache.
+    "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=6), {}),
+    "dspark": ("dspark", agreeing_dspark(TARGET, block_size=6), {}),
+    "adaptive standalone": (
+        "standalone",
+        StandaloneHead(TARGET, PIPE_VOCAB),
+        {"adaptive_steps": (1, 3)},
+    ),
 }
 TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (4, 2, 8)])
 
@@ -318,9 +331,14 @@ def test_tensor_parallelism_refuses_mamba2_layers() -> None:
         shard_(random_model(tiny_config(**HYBRID), seed=1), TensorParallel(rank=0, size=2))
 
 
-@pytest.mark.parametrize("algorithm", ["mtp", "frozen_kv_mtp"])
-def test_algorithms_reading_per_layer_kv_are_refused(algorithm) -> None:
-    """MTP layers of a hybrid are not built, and frozen-KV drafts read K/V the Mamba-2 layers
-    do not keep: refused before anything is built, saying why."""
-    with pytest.raises(UnsupportedModel, match="hybrid target NemotronHForCausalLM"):
+@pytest.mark.parametrize("algorithm", ["mtp", "nextn", "multi_layer_eagle", "frozen_kv_mtp"])
+def test_mtp_and_frozen_kv_drafts_are_refused(algorithm) -> None:
+    """Nemotron-H's MTP layers are not built, and its attention caches keys without rotary
+    embedding, which a frozen-KV draft's rotated queries do not read: refused before anything
+    is built, saying why; building such heads directly is refused too."""
+    with pytest.raises(UnsupportedModel, match="Mamba-2 hybrid target NemotronHForCausalLM"):
         engine_from_model(TARGET, algorithm=algorithm, draft=object())
+    with pytest.raises(UnsupportedModel, match="MTP layers of NemotronHForCausalLM"):
+        random_draft(TARGET, "mtp")
+    with pytest.raises(DraftTargetMismatch, match="caches keys without rotary embedding"):
+        random_frozen_kv(TARGET)

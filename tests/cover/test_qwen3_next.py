@@ -13,7 +13,9 @@ import torch
 import transformers
 from conftest import tiny_config
 from heads import (
+    agreeing_dspark,
     agreeing_head,
+    agreeing_multi_layer,
     assert_greedy_equals_transformers,
     assert_pipeline_equals_plain,
     assert_sampled_snapshot_replays,
@@ -30,22 +32,26 @@ from strategies import page_sizes, parent_lists, prefill_budgets, prompt_batches
 from test_scheduler_machine import PROMPTS, Expected, SchedulerMachine
 
 from speculum import kernels
+from speculum.models.block_draft import random_block_draft
 from speculum.models.config import (
     CheckpointError,
     DecoderConfig,
     LinearAttentionConfig,
     MoEConfig,
-    UnsupportedModel,
 )
 from speculum.models.decoder import GatedAttention, GatedDeltaNet
+from speculum.models.draft import random_draft
+from speculum.models.draft_loading import DraftTargetMismatch
+from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import load_model, random_model, save_model
+from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.models.parallel import UnsupportedSplit, shard_
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
-from speculum.spec.paged import extend_batch
+from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.recurrent import gated_delta_rule
 from speculum.state.batch import take_rows
 from speculum.state.kv import PagedKV, allocated_pages
@@ -176,6 +182,40 @@ PIPELINES = {
     "standalone self tree": ("standalone", StandaloneHead(TARGET, PIPE_VOCAB), "tree"),
     "standalone stranger": ("standalone", StandaloneHead(STRANGER, PIPE_VOCAB), "tree"),
     "ngram": ("ngram", None, {"num_draft_tokens": 6}),
+    # Qwen3-Next's MTP layer (a gated full-attention MoE layer), agreeing and random.
+    "mtp chain": ("mtp", agreeing_head(TARGET, "mtp"), {"num_steps": 3}),
+    "mtp tree": ("mtp", agreeing_head(TARGET, "mtp"), "tree"),
+    "mtp stranger tree": ("mtp", random_draft(TARGET, "mtp", seed=4, std=0.3), "tree"),
+    "adaptive mtp": ("mtp", agreeing_head(TARGET, "mtp"), {"adaptive_steps": (0, 2, 3)}),
+    "adaptive standalone": (
+        "standalone",
+        StandaloneHead(TARGET, PIPE_VOCAB),
+        {"adaptive_steps": (1, 3)},
+    ),
+    "multi-layer eagle": (
+        "multi_layer_eagle",
+        agreeing_multi_layer(TARGET, 3),
+        {"num_steps": 3},
+    ),
+    "multi-layer eagle stranger": (
+        "multi_layer_eagle",
+        random_multi_layer(TARGET, 2, seed=6, std=0.3),
+        {"num_steps": 2},
+    ),
+    # Frozen-KV layers reading the attention layers' K/V (decoder layers 3 and 1).
+    "frozen kv": (
+        "frozen_kv_mtp",
+        random_frozen_kv(TARGET, num_layers=2, source_layers=(3, 1), seed=3, std=0.3),
+        "tree",
+    ),
+    # Block drafters read captured hidden states, never the target's cache.
+    "dflash": ("dflash", random_block_draft(TARGET, "dflash", seed=1, std=0.3, block_size=6), {}),
+    "dspark": ("dspark", agreeing_dspark(TARGET, block_size=6), {}),
+    "dspark stranger": (
+        "dspark",
+        random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=5, num_layers=1),
+        {},
+    ),
 }
 TREES = st.sampled_from([(3, 1, 4), (3, 2, 6), (2, 3, 7), (4, 2, 8)])
 
@@ -275,12 +315,21 @@ def test_the_prefix_cache_is_off_for_a_hybrid_target() -> None:
     assert again.stats["cached_tokens"] == 0
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "mtp", "multi_layer_eagle", "frozen_kv_mtp"])
-def test_unsupported_algorithms_are_refused_on_a_hybrid_target(algorithm) -> None:
-    """Algorithms whose drafts read the target's per-layer K/V, or Qwen3-Next's MTP layers,
-    are refused before anything is built, saying why."""
-    with pytest.raises(UnsupportedModel, match="hybrid target Qwen3NextForCausalLM"):
-        engine_from_model(TARGET, algorithm=algorithm, draft=object())
+def test_a_frozen_kv_draft_reading_a_deltanet_layer_is_refused() -> None:
+    """A gated DeltaNet layer keeps recurrent state, no K/V: a frozen-KV source naming one is
+    refused, listing the attention layers it may read instead."""
+    with pytest.raises(DraftTargetMismatch, match=r"layers \[2\] .* attention layers \[1, 3\]"):
+        random_frozen_kv(TARGET, source_layers=(2,))
+
+
+@pytest.mark.parametrize("name", ["mtp tree", "multi-layer eagle", "dspark"])
+def test_agreeing_drafts_accept_deep_on_the_hybrid_target(name) -> None:
+    """The equality above is only strong if rounds accept deep paths: the agreeing MTP,
+    multi-layer and DSPARK drafts do (their recurrent target state committed past several
+    draft tokens a round)."""
+    results = generate(TWO_PROMPTS, engine=hybrid_engine(name), max_new_tokens=24)
+    # The first prompt leads the target off its Markov vote (EAGLE accepts little there too).
+    assert results[1].stats["accept_length_mean"] > 1.8
 
 
 _alone_cache: dict = {}
@@ -558,3 +607,47 @@ def test_sampled_speculation_on_a_hybrid_target_follows_the_target_law() -> None
     chi2, dof = chi2_stat(counts, seeds * joint)
     assert chi2 < chi2_threshold(dof, 6.0), (chi2, dof)
     assert 0.5 * np.abs(counts / seeds - joint).sum() < tv_bound(joint, seeds, 1e-9)
+
+
+@settings(max_examples=20)
+@given(
+    q_lens=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    prefix=st.integers(0, 5),
+    chunk=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_prefill_equals_the_recurrent_form(q_lens, prefix, chunk, seed) -> None:
+    """The gated delta rule's prefill form (the causal conv at once, the delta rule ``chunk``
+    tokens at a time) gives the recurrent form's outputs for every real token and writes the
+    state after each row's last token where the recurrent form does, from a committed prefix
+    or none; a row with no tokens writes nothing of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    dims, ring, batch, q = [2, 4, 4, 3], 6, len(q_lens), max(q_lens) or 1
+    channels = 2 * 2 * 4 + 4 * 3
+    conv = torch.randn(batch + 1, ring, channels, 3, generator=gen, dtype=torch.float64)
+    ssm = torch.randn(batch + 1, ring, 4, 4, 3, generator=gen, dtype=torch.float64)
+    lens = torch.tensor(q_lens)
+    args = (
+        torch.arange(1, batch + 1),
+        torch.full((batch,), prefix),
+        lens,
+        causal_mask(batch, q),
+        torch.randn(batch, q, channels, generator=gen, dtype=torch.float64),
+        torch.randn(channels, 4, generator=gen, dtype=torch.float64),
+        -torch.rand(batch, q, 4, generator=gen, dtype=torch.float64),
+        torch.rand(batch, q, 4, generator=gen, dtype=torch.float64),
+        dims,
+    )
+    states = [(conv.clone(), ssm.clone()) for _ in range(2)]
+    recurrent = gated_delta_rule(*states[0], *args)
+    chunked = gated_delta_rule(*states[1], *args, chunk)
+    # The recurrent form's cell computes its queries, keys and values in float32.
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    for row, n in enumerate(q_lens):
+        torch.testing.assert_close(chunked[row, :n], recurrent[row, :n], **close)
+        entry = (prefix + n - 1) % ring
+        for ours, theirs in zip(states[1], states[0], strict=True):
+            if n:
+                torch.testing.assert_close(ours[row + 1, entry], theirs[row + 1, entry], **close)
+            else:  # nothing new: every entry as it was
+                assert torch.equal(ours[row + 1], (conv, ssm)[ours.dim() - 4][row + 1])

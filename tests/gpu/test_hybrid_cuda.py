@@ -4,7 +4,8 @@ recurrent kernels (``kernels.triton_recurrent``) and their state pool inside cap
 - The recurrent layers run the Triton kernels on CUDA (their launches show in a profile).
 - fp32: captured rounds on the Triton kernels emit the tokens the CPU reference
   (``spec.recurrent``, token by token) emits, plain and speculative, chains and trees.
-- fp32: plain decoding and every pipeline a hybrid runs, as captured rounds over several batch
+- fp32: plain decoding and every pipeline a hybrid runs (Qwen3-Next's MTP layer, multi-layer
+  EAGLE and frozen-KV drafts on Qwen3-Next only), as captured rounds over several batch
   buckets, emit exactly plain eager greedy decoding's tokens (the target drafting for itself
   too: both pools hold recurrent slots), and overlapped scheduling changes nothing.
 - bf16: captured hybrid rounds run and emit every token asked for.
@@ -18,9 +19,12 @@ from conftest import tiny_config
 from test_graphs_cuda import CHAIN, PROMPTS, TREE, VOCAB, _tokens
 
 from speculum import kernels
+from speculum.models.block_draft import random_block_draft
 from speculum.models.config import LinearAttentionConfig, MambaConfig, MoEConfig
 from speculum.models.draft import random_draft
+from speculum.models.frozen_kv import random_frozen_kv
 from speculum.models.loading import random_model
+from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.models.standalone import StandaloneHead
 from speculum.runtime.engine import SpecOptions
 
@@ -75,11 +79,14 @@ def _hybrid_target(kind: str = "qwen3_next", dtype: torch.dtype = torch.float32,
 
 
 def _drafts(target) -> dict:
+    block = {"seed": 1, "std": 0.3, "block_size": 6}
     return {
         "eagle chain": ("eagle", random_draft(target, "eagle", seed=2, std=0.3), CHAIN),
         "eagle3 tree": ("eagle3", random_draft(target, "eagle3", seed=2, std=0.3), TREE),
         "standalone self tree": ("standalone", StandaloneHead(target, VOCAB), TREE),
         "ngram": ("ngram", None, SpecOptions(num_draft_tokens=6)),
+        "dflash": ("dflash", random_block_draft(target, "dflash", **block), SpecOptions()),
+        "dspark": ("dspark", random_block_draft(target, "dspark", **block), SpecOptions()),
     }
 
 
@@ -111,11 +118,30 @@ def test_fp32_captured_rounds_on_the_kernels_equal_the_cpu_reference(label, kind
     assert _tokens(target, draft=draft, **options) == expected
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("label", ["eagle chain", "eagle3 tree", "standalone self tree", "ngram"])
+def _qwen3_next_drafts(target) -> dict:
+    """The drafts only Qwen3-Next runs (its MTP layer, and K/V-reading frozen-KV layers)."""
+    return {
+        "mtp tree": ("mtp", random_draft(target, "mtp", seed=2, std=0.3), TREE),
+        "multi-layer eagle": (
+            "multi_layer_eagle",
+            random_multi_layer(target, 3, seed=2, std=0.3),
+            SpecOptions(num_steps=3),
+        ),
+        "frozen kv": ("frozen_kv_mtp", random_frozen_kv(target, seed=2, std=0.3), TREE),
+    }
+
+
+LABELS = ["eagle chain", "eagle3 tree", "standalone self tree", "ngram", "dflash", "dspark"]
+CASES = [(label, kind) for kind in sorted(KINDS) for label in LABELS] + [
+    (label, "qwen3_next") for label in ("mtp tree", "multi-layer eagle", "frozen kv")
+]
+
+
+@pytest.mark.parametrize(("label", "kind"), CASES)
 def test_fp32_captured_rounds_on_a_hybrid_target_equal_plain(label, kind):
     target = _hybrid_target(kind)
-    algorithm, draft, spec = _drafts(target)[label]
+    drafts = _drafts(target) | (_qwen3_next_drafts(target) if kind == "qwen3_next" else {})
+    algorithm, draft, spec = drafts[label]
     plain = _tokens(target, cuda_graphs=False)
     assert _tokens(target) == plain
     options = dict(algorithm=algorithm, draft=draft, spec=spec)
