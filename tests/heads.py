@@ -9,6 +9,7 @@ from conftest import tiny_config
 from speculum.models.block_draft import random_block_draft
 from speculum.models.decoder import DecoderModel, SparseMoE
 from speculum.models.draft import random_draft
+from speculum.models.draft_loading import LAYOUTS
 from speculum.models.loading import random_model
 from speculum.models.multi_layer_eagle import random_multi_layer
 from speculum.runtime import scheduler
@@ -17,6 +18,10 @@ from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec.paged import causal_mask
 from speculum.spec.tree import tree_mask
 from speculum.state.tree import DraftTree
+
+#: The draft layouts a head of any target family can be written in: ``qwen3-next-mtp`` holds
+#: Qwen3-Next's own MTP layer only (tests/cover/test_qwen3_next_mtp.py covers it).
+PORTABLE_LAYOUTS = sorted(name for name in LAYOUTS if name != "qwen3-next-mtp")
 
 
 def markov_target(vocab: int, head_scale: float = 1.0, **changes: object) -> DecoderModel:

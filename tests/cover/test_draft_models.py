@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
+from heads import PORTABLE_LAYOUTS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -266,8 +267,7 @@ def mtp_case(folder: Path, name: str, target_folder: Path) -> Case:
 
 
 #: Every layout of a Llama-family target (Qwen3-Next's own: test_qwen3_next_mtp).
-LLAMA_LAYOUTS = [name for name in LAYOUTS if name != "qwen3-next-mtp"]
-CASES = [*LLAMA_LAYOUTS, "mtp-exported"]
+CASES = [*PORTABLE_LAYOUTS, "mtp-exported"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -669,7 +669,7 @@ def test_save_draft_round_trips(written: dict, tmp_path: Path, target, name: str
     hidden = torch.randn(1, 3, case.shape.hidden, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = head.logits(head(batch, head.new_pool(3, 4), hidden))
-    for layout in (k for k in LLAMA_LAYOUTS if LAYOUTS[k] == case.algorithm):
+    for layout in (k for k in PORTABLE_LAYOUTS if LAYOUTS[k] == case.algorithm):
         out = save_draft(head, tmp_path / layout, layout, target=target)
         again = load_draft(out, target, case.algorithm)
         assert again.config.capture_layers == head.config.capture_layers
