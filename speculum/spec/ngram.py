@@ -770,9 +770,7 @@ def _match_row(
     """The real nodes of one request's tree: (tokens, parents, depths), root first; with
     ``legal``, only paths it accepts (:func:`match`)."""
     depth_bound, _ = bounds
-    tree = _Tree(
-        int(context[-1]), config.num_draft_tokens, depth_bound, config.max_breadth, legal
-    )
+    tree = _Tree(int(context[-1]), config.num_draft_tokens, depth_bound, config.max_breadth, legal)
     longest = min(config.max_depth, context.size)
     if longest < config.min_match:
         return tree.tokens, tree.parents, tree.depths
