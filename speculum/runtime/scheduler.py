@@ -912,6 +912,8 @@ class _Grammar:
     pending: tuple[Launched, ...]
     vocab: int
     device: torch.device
+    # The tokens in flight, read at the first ``legal`` (a drafter asks about many paths).
+    late: dict[int, tuple[int, ...]] | None = attrs.field(default=None, init=False)
 
     def __call__(self, paths: torch.Tensor) -> torch.Tensor:
         return _bitmasks(self.requests, self.pending, self.vocab, self.device, paths)
@@ -922,7 +924,9 @@ class _Grammar:
         request = self.requests[row]
         if request.constraint is None:
             return True
-        before = request.output + _pending_tokens(self.pending).get(request.rid, ())
+        if self.late is None:
+            self.late = _pending_tokens(self.pending)
+        before = request.output + self.late.get(request.rid, ())
         return structured.legal(request.constraint, before + path)
 
 
