@@ -70,6 +70,7 @@ from speculum.spec.ngram import (
     tree_bounds,
     validate_ngram_config,
 )
+from speculum.spec.tree import tree_mask, tree_path_tokens
 from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace, static, tree_map_tensors
@@ -166,29 +167,54 @@ def draft(
     state: NgramState,
     config: NgramPipelineConfig,
     corpus: CorpusIndex | None,
-) -> NgramDraft:
-    """The round's draft trees, matched on the host, moved to the cache's device."""
+) -> tuple[NgramDraft, Int[Tensor, "batch num_nodes words"]]:
+    """The round's draft trees, matched on the host, moved to the cache's device, and the
+    grammar's packed masks at their nodes (:func:`tree_masks`).
+
+    Under a grammar (``sampling.grammar``, a ``HostGrammar``) each continuation is pruned at
+    its first token the grammar refuses (``spec.ngram.match``'s ``legal``): copied text is not
+    drawn from a masked distribution, and a refused token has target probability 0, so
+    verifying it would only spend a tree position."""
     cell = resources.ngram_store
+    grammar = state.sampling.grammar
     drafted = match(
         state.history,
         state.history_len,
         config.matcher,
         store=None if cell is None else cell.value,
         corpus=corpus,
+        legal=None if grammar is None else grammar.legal,
     )
     device = state.kv.seq_lens.device
-    return tree_map_tensors(lambda x: x.to(device, non_blocking=True), drafted)
+    masks = tree_masks(grammar, drafted.tree, device)
+    return tree_map_tensors(lambda x: x.to(device, non_blocking=True), drafted), masks
+
+
+def tree_masks(
+    grammar: Callable[[Tensor], Tensor] | None, tree: DraftTree, device: torch.device
+) -> Int[Tensor, "batch num_nodes words"]:
+    """The grammar's packed masks after each node's path of the host ``tree`` (``[batch,
+    num_nodes, 0]``, no words, without a grammar): an n-gram tree is known on the host before
+    the round, so its masks are computed with it and travel with the round as an input, and
+    the verify needs no mask from the host in the middle of the round (on CUDA: one graph,
+    not graphs cut at a mask request)."""
+    if grammar is None:
+        return torch.zeros((*tree.tokens.shape, 0), dtype=torch.int32, device=device)
+    return grammar(tree_path_tokens(tree, tree_mask(tree)))
 
 
 @record
 class NgramRound:
     """The device part of a round's input: the target cache, the sampling state and the
     drafted trees (every leaf on the device, batch first, so a round can be padded to a
-    CUDA-graph bucket and captured)."""
+    CUDA-graph bucket and captured). ``masks`` are the grammar's packed masks at the tree's
+    nodes (:func:`tree_masks`; no words without a grammar), and ``sampling`` carries no
+    grammar callback: the round asks the host nothing."""
 
     kv: PagedKV
     sampling: SamplingParams
     tree: DraftTree
+    masks: Int[Tensor, "batch num_nodes words"]
 
 
 def verify(resources: Resources, round_: NgramRound, config: NgramPipelineConfig) -> Verified:
@@ -201,6 +227,7 @@ def verify(resources: Resources, round_: NgramRound, config: NgramPipelineConfig
         round_.sampling,
         max_depth=config.tree_depth,
         max_children=config.max_children,
+        grammar_masks=round_.masks if round_.masks.shape[-1] else None,
     )
 
 
@@ -263,8 +290,9 @@ def decode(
 ) -> tuple[NgramState, StepOutput]:
     """One round: match (host), verify, accept, commit (``device_round``: :func:`verified_round`
     or a captured version of it), record the emitted tokens (host)."""
-    drafted = draft(resources, state, config, corpus)
-    round_ = make(NgramRound, kv=state.kv, sampling=state.sampling, tree=drafted.tree)
+    drafted, masks = draft(resources, state, config, corpus)
+    sampling = replace(state.sampling, grammar=None)  # its masks are in the round's input
+    round_ = make(NgramRound, kv=state.kv, sampling=sampling, tree=drafted.tree, masks=masks)
     kv, bonus, output = device_round(resources, round_)
     # A faulty row emits fewer tokens than it accepted; it is finished with an error, so its
     # history no longer matters.

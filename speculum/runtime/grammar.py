@@ -28,6 +28,8 @@ __all__ = [
     "constraint",
     "words",
     "fill_bitmask",
+    "legal",
+    "forget_shorter",
     "finished",
 ]
 
@@ -95,10 +97,15 @@ _KINDS = {"json_schema": "JSON schema", "regex": "regular expression", "grammar"
 class _Matcher:
     """An xgrammar matcher and the tokens it has accepted: a cache of what
     :func:`fill_bitmask` would compute from scratch (it is rebuilt whenever the output it is asked
-    about does not extend those tokens, so a kept state value reads its own)."""
+    about does not extend those tokens, so a kept state value reads its own). ``masks`` holds
+    the packed mask row already computed after each token sequence (a round's verify asks
+    about the nodes its draft masked, the next round's root is the last round's carried
+    prediction: each is computed once), ``computed`` counts the rows xgrammar wrote."""
 
     inner: Any
     accepted: tuple[int, ...]
+    masks: dict[tuple[int, ...], torch.Tensor] = attrs.field(factory=dict)
+    computed: int = 0
 
 
 @attrs.define(frozen=True, slots=True, kw_only=True, eq=False)
@@ -184,12 +191,35 @@ def fill_bitmask(c: Constraint, output: tuple[int, ...], bitmask: torch.Tensor, 
     xgrammar packs it) which tokens may follow ``output`` under the grammar. All ones where
     nothing may follow: past the grammar's end (its EOS accepted: the request ends there) or
     after a token the grammar forbids (a draft token the masked target can never accept, so
-    what follows it is never emitted); a row of no allowed token would read as a fault."""
+    what follows it is never emitted); a row of no allowed token would read as a fault. A
+    sequence asked about before (since :func:`forget_shorter` last dropped it) is copied from
+    the cache rather than walked again."""
+    known = c.cache.masks.get(output)
+    if known is not None:
+        bitmask[index] = known
+        return
     matcher = _matcher(c, output)
     if matcher is None or matcher.is_terminated():
         bitmask[index] = -1
-        return
-    matcher.fill_next_token_bitmask(bitmask, index)
+    else:
+        matcher.fill_next_token_bitmask(bitmask, index)
+        c.cache.computed += 1
+    c.cache.masks[output] = bitmask[index].clone()
+
+
+def forget_shorter(c: Constraint, length: int) -> None:
+    """Drop the cached masks of sequences shorter than ``length`` tokens: once the output is
+    that long, every sequence asked about extends it. (A rejected branch's masks stay until
+    the output outgrows them, a few rounds at most: a round drafts a bounded depth.)"""
+    masks = c.cache.masks
+    for key in [key for key in masks if len(key) < length]:
+        del masks[key]
+
+
+def legal(c: Constraint, tokens: tuple[int, ...]) -> bool:
+    """Whether the grammar accepts ``tokens`` one by one (none after its end): a host drafter
+    (n-gram) prunes its proposals at the first token for which this fails."""
+    return _matcher(c, tokens) is not None
 
 
 def finished(c: Constraint, output: tuple[int, ...]) -> bool:

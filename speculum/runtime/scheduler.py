@@ -899,8 +899,35 @@ def _constrained(
     if all(r.constraint is None for r in requests):
         return sampling
     vocab = engine.resources.target.config.vocab_size
-    masks = functools.partial(_bitmasks, requests, pending, vocab, engine.device)
-    return replace(sampling, grammar=masks)
+    return replace(sampling, grammar=_Grammar(requests, pending, vocab, engine.device))
+
+
+@attrs.define(slots=True, eq=False)
+class _Grammar:
+    """A round's grammar callback (``SamplingParams.grammar``, a ``state.sampling.HostGrammar``):
+    called with path tokens, the packed masks after them (:func:`_bitmasks`); ``legal`` tells
+    a host drafter (n-gram) whether a row's grammar accepts a path."""
+
+    requests: tuple[Request, ...]
+    pending: tuple[Launched, ...]
+    vocab: int
+    device: torch.device
+    # The tokens in flight, read at the first ``legal`` (a drafter asks about many paths).
+    late: dict[int, tuple[int, ...]] | None = attrs.field(default=None, init=False)
+
+    def __call__(self, paths: torch.Tensor) -> torch.Tensor:
+        return _bitmasks(self.requests, self.pending, self.vocab, self.device, paths)
+
+    def legal(self, row: int, path: tuple[int, ...]) -> bool:
+        """Whether row ``row``'s grammar accepts ``path`` after the request's output (and the
+        tokens of the launches in flight); always, for a request without one."""
+        request = self.requests[row]
+        if request.constraint is None:
+            return True
+        if self.late is None:
+            self.late = _pending_tokens(self.pending)
+        before = request.output + self.late.get(request.rid, ())
+        return structured.legal(request.constraint, before + path)
 
 
 def _bitmasks(
@@ -925,6 +952,7 @@ def _bitmasks(
         if request.constraint is None:
             continue
         before = request.output + late.get(request.rid, ())
+        structured.forget_shorter(request.constraint, len(before))
         for i, path in enumerate(host[b].reshape(rows, host.shape[-1])):
             structured.fill_bitmask(request.constraint, before + _path(path), packed, b * rows + i)
     return to_device(packed.reshape(*host.shape[:-1], -1), device)

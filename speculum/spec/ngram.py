@@ -70,8 +70,10 @@ Padding (exact, no masking needed in ``spec.accept``)
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -678,14 +680,29 @@ def _breadth(config: NgramConfig, length: int, level: int) -> int:
 class _Tree:
     """The tree under construction: root first, nodes in creation order (parents first)."""
 
-    def __init__(self, root: int, size: int, max_depth: int, max_children: int):
+    def __init__(
+        self,
+        root: int,
+        size: int,
+        max_depth: int,
+        max_children: int,
+        legal: Callable[[tuple[int, ...]], bool] | None = None,
+    ):
         self.tokens, self.parents, self.depths = [root], [-1], [0]
         self.kids: list[dict[int, int]] = [{}]
         self.size, self.max_depth, self.max_children = size, max_depth, max_children
+        # Under a grammar: whether it accepts a path of draft tokens (root excluded).
+        self.legal = legal
+        self.paths: list[tuple[int, ...]] = [()]
 
     @property
     def full(self) -> bool:
         return len(self.tokens) >= self.size
+
+    def allows(self, node: int, token: int) -> bool:
+        """Whether the grammar (if any) accepts ``token`` after ``node``'s path: a token it
+        refuses the target can never emit, so it is pruned with everything after it."""
+        return self.legal is None or self.legal((*self.paths[node], token))
 
     def child(self, node: int, token: int) -> int | None:
         """The child of ``node`` carrying ``token``, created if there is room; else None."""
@@ -694,6 +711,7 @@ class _Tree:
             return existing
         if self.full or len(self.kids[node]) >= self.max_children:
             return None
+        self.paths.append((*self.paths[node], token))
         self.tokens.append(token)
         self.parents.append(node)
         self.depths.append(self.depths[node] + 1)
@@ -730,7 +748,10 @@ def _expand(tree: _Tree, config: NgramConfig, length: int, continuations, keys, 
             continue
         if node not in memo:
             memo[node] = _ranked_children(continuations, keys, rows, level, config.order)
-        for token, group in memo[node][: _breadth(config, length, level)]:
+        # Refused tokens are skipped before the breadth is counted: their room goes to the
+        # next candidates.
+        ranked = (c for c in memo[node] if c[0] in tree.kids[node] or tree.allows(node, c[0]))
+        for token, group in itertools.islice(ranked, _breadth(config, length, level)):
             child = tree.child(node, token)
             if child is not None:
                 queue.append((child, group))
@@ -744,10 +765,12 @@ def _match_row(
     corpus: _CorpusView | None,
     config: NgramConfig,
     bounds: tuple[int, int],
+    legal: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """The real nodes of one request's tree: (tokens, parents, depths), root first."""
+    """The real nodes of one request's tree: (tokens, parents, depths), root first; with
+    ``legal``, only paths it accepts (:func:`match`)."""
     depth_bound, _ = bounds
-    tree = _Tree(int(context[-1]), config.num_draft_tokens, depth_bound, config.max_breadth)
+    tree = _Tree(int(context[-1]), config.num_draft_tokens, depth_bound, config.max_breadth, legal)
     longest = min(config.max_depth, context.size)
     if longest < config.min_match:
         return tree.tokens, tree.parents, tree.depths
@@ -824,12 +847,17 @@ def match(
     *,
     store: NgramStore | None = None,
     corpus: CorpusIndex | None = None,
+    legal: Callable[[int, tuple[int, ...]], bool] | None = None,
 ) -> NgramDraft:
     """Draft trees for a batch from n-gram matches (module docstring), on the host.
 
     ``history[b, :history_len[b]]`` are request ``b``'s tokens, ending with the root (the last
     verified token); ``history_len >= 1``. Returns CPU tensors: trees of ``num_draft_tokens``
     nodes, padded exactly (never-accepted fillers), and each tree's count of matched nodes.
+    ``legal(b, path)`` (structured output: whether row ``b``'s grammar accepts the draft
+    tokens ``path`` after the root) prunes each continuation at its first token it refuses, so
+    the tree's matched nodes are all tokens the masked target can emit, and the room goes to
+    the next candidates (the fillers and the no-match guess stay placeholders).
     """
     validate_ngram_config(config)
     history = history.detach().cpu().numpy()
@@ -850,8 +878,9 @@ def match(
     corpus_view = _CorpusView(corpus) if corpus is not None else None
     size = config.num_draft_tokens
     rows, counts = [], []
-    for context in contexts:
-        real = _match_row(context, store_view, corpus_view, config, bounds)
+    for row, context in enumerate(contexts):
+        row_legal = None if legal is None else functools.partial(legal, row)
+        real = _match_row(context, store_view, corpus_view, config, bounds, row_legal)
         counts.append(len(real[0]))
         rows.append(_pad(*real, size, bounds))
     tokens, parents, depths = (

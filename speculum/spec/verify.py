@@ -47,6 +47,7 @@ def verify_tree(
     draft_probs: Float[Tensor, "batch num_nodes vocab"] | None = None,
     verify_lens: Int[Tensor, " batch"] | None = None,
     capacity: int | None = None,
+    grammar_masks: Int[Tensor, "batch num_nodes words"] | None = None,
 ) -> Verified:
     """One target forward over the tree, then acceptance.
 
@@ -65,7 +66,13 @@ def verify_tree(
     (``spec.tree.tree_path_tokens``), as plain decoding counts the same prefix. With
     ``sampling.num_logprobs > 0``, each emitted token's log-probabilities are read from the
     target's distribution at the path node that decided it (:func:`path_logprobs`).
+    ``grammar_masks`` (packed as ``SamplingParams.grammar`` returns them) are the grammar's
+    masks at the nodes when they are known before the round (a host drafter's tree), used
+    instead of asking ``sampling.grammar``.
     """
+    grammar = sampling.grammar
+    if grammar_masks is not None:
+        grammar = lambda _paths: grammar_masks  # noqa: E731 (the masks need no path)
     positions = kv.seq_lens[:, None] + tree.depths
     q_lens = None if verify_lens is None else verify_lens + 1
     ancestors = tree_mask(tree)
@@ -77,7 +84,7 @@ def verify_tree(
         sampling.logit_bias,
         sampling.penalties,
         tree_path_tokens(tree, ancestors) if reads_path(sampling) else None,
-        sampling.grammar,
+        grammar,
     )
     target_probs = filtered_probs(logits, sampling)
     accepted = accept(

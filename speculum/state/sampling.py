@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from speculum.state.record import record, static
 
-__all__ = ["Penalties", "SamplingParams", "TokenLogprobs"]
+__all__ = ["HostGrammar", "Penalties", "SamplingParams", "TokenLogprobs"]
 
 
 @record
@@ -74,7 +75,9 @@ class SamplingParams:
     ``t % 32`` of word ``t // 32``; all ones for requests without one) on the device. Every
     target distribution and every draft distribution applies it before anything reads it
     (``spec.sampling.grammar_logits``); a static field, so a round with one is a round of its
-    own kind: on CUDA, graphs cut at each call (``runtime.graphs.capture_cut``).
+    own kind: on CUDA, graphs cut at each call (``runtime.graphs.capture_cut``). A host
+    drafter (n-gram) also calls its ``legal(row, path)`` (:class:`HostGrammar`) to prune its
+    proposals, and computes its tree's masks before the round.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -86,6 +89,16 @@ class SamplingParams:
     logit_bias: Float[Tensor, "batch bias_vocab"] | None = None
     penalties: Penalties | None = None
     grammar: Callable[[Tensor], Tensor] | None = static(default=None)
+
+
+class HostGrammar(Protocol):
+    """What a host drafter reads of ``SamplingParams.grammar`` (the scheduler's callback is
+    one): the packed masks after path tokens, and whether row ``row``'s grammar accepts the
+    draft tokens ``path`` after the request's output."""
+
+    def __call__(self, paths: Tensor) -> Tensor: ...
+
+    def legal(self, row: int, path: tuple[int, ...]) -> bool: ...
 
 
 @record

@@ -326,3 +326,89 @@ def test_a_mask_cut_pads_the_rounds_masks_to_the_bucket():
     masks = cut(torch.full((4, 5, 2), -1))
     assert masks.shape == (4, 5, 3) and cut.words == 3
     assert (masks[:2] == 0).all() and (masks[2:] == -1).all()
+
+
+@pytest.mark.parametrize("name", ["eagle chain", "eagle tree", "ngram"])
+def test_each_mask_is_computed_once_and_verify_reuses_the_drafts(name, plain_outputs, monkeypatch):
+    """A round's verify asks about the tree's nodes, whose masks its draft mostly computed
+    already (each level masks its frontier's children after the frontier's path), and the
+    root's is the last round's carried prediction's: xgrammar computes the mask after each
+    token sequence once, the asks after that copy it. Greedy output is unchanged."""
+    from speculum.runtime import grammar as structured
+
+    asked, constraints = [], {}
+    fill = structured.fill_bitmask
+
+    def recording(c, output, bitmask, index):
+        asked.append((id(c), output))
+        constraints[id(c)] = c
+        fill(c, output, bitmask, index)
+
+    monkeypatch.setattr(structured, "fill_bitmask", recording)
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    results = generate(mix, engine=grammar_engine(name), max_new_tokens=16)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
+    computed = sum(c.cache.computed for c in constraints.values())
+    unique = set(asked)
+    legal = [key for key in unique if _legal(constraints[key[0]].compiled, key[1])]
+    # Every mask xgrammar wrote was for a sequence asked about for the first time (dead
+    # paths, refused or past the end, get all-ones rows without xgrammar), ...
+    assert computed <= len(legal) and computed > 0
+    # ... and the verify's (and the next root's) asks found most of theirs already made.
+    if name != "ngram":
+        assert len(asked) - len(unique) >= len(unique) // 3
+
+
+def test_an_ngram_round_asks_the_host_for_masks_once_before_it_runs(monkeypatch):
+    """An n-gram tree is built on the host, so its masks are computed with it and handed to
+    the round: one ask per decoding round (its tree) and one per prefill, none from inside
+    the round's verify."""
+    calls = []
+    bitmasks = scheduler._bitmasks
+
+    def counting(requests, pending, vocab, device, paths):
+        calls.append(tuple(paths.shape))
+        return bitmasks(requests, pending, vocab, device, paths)
+
+    monkeypatch.setattr(scheduler, "_bitmasks", counting)
+    built = grammar_engine("ngram")
+    for prompt, kind in zip(PROMPTS, GRAMMARS):
+        calls.clear()
+        (result,) = generate(constrained([prompt], [kind]), engine=built, max_new_tokens=16)
+        assert len(calls) == 1 + result.stats["num_rounds"], calls
+        # The rounds' asks are whole trees: [batch, num_draft_tokens, num_draft_tokens].
+        assert all(shape[1:] == (6, 6) for shape in calls[1:]), calls
+
+
+def test_ngram_proposals_under_a_grammar_hold_no_illegal_token():
+    """n-gram proposals are copied text: under a grammar each is cut at its first token the
+    grammar refuses after the output, so every matched node of the tree is one the target
+    can emit, and the room goes to the next candidates."""
+    from speculum.runtime import grammar as structured
+    from speculum.spec.ngram import NgramConfig, match
+    from speculum.spec.tree import tree_mask, tree_path_tokens
+
+    built = grammar_engine("plain")
+    state = scheduler.new_state(built)
+    sampling = scheduler.Sampling(json_schema=SCHEMA)
+    state, _ = scheduler.add_request(built, state, [1], sampling=sampling)
+    c = state.waiting[0].constraint
+    tokens = {ch: i for i, ch in enumerate(CHARS)}
+    prompt = [tokens[ch] for ch in "1,5]1,9]1,-4]1,2a1,7"]
+    output = tuple(tokens[ch] for ch in "[1,")  # the schema allows 1, 23 or -4 next
+    history = torch.tensor([[*prompt, *output]])
+    config = NgramConfig(num_draft_tokens=8, max_depth=3)
+
+    def legal_paths(drafted) -> list[bool]:
+        paths = tree_path_tokens(drafted.tree, tree_mask(drafted.tree))[0]
+        return [
+            structured.legal(c, output + tuple(t for t in paths[node].tolist() if t >= 0))
+            for node in range(1, int(drafted.num_nodes[0]))
+        ]
+
+    lengths = torch.tensor([history.shape[1]])
+    free = legal_paths(match(history, lengths, config))
+    pruned = match(history, lengths, config, legal=lambda row, p: structured.legal(c, output + p))
+    assert not all(free)  # copied text proposes "5", "9", "7", "]" ...
+    assert legal_paths(pruned) and all(legal_paths(pruned))
+    assert len(legal_paths(pruned)) > free.count(True)  # their room went to legal candidates

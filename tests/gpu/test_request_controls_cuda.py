@@ -84,3 +84,16 @@ def test_captured_grammar_rounds_equal_eager_constrained_decoding(label):
     captured, decode = _constrained(target, **options)
     assert captured == eager
     assert any(c.cuts for _, _, c in decode.graphs), "no round was captured with its cuts"
+
+
+def test_captured_ngram_grammar_rounds_are_uncut_and_equal_eager():
+    """An n-gram round's tree is built on the host, its proposals pruned by the grammar and
+    its masks computed with it: the round is one graph with no cut, and emits eager constrained
+    decoding's tokens."""
+    target = _target()
+    eager, _ = _constrained(target, cuda_graphs=False)
+    algorithm, draft, spec = _drafts(target)["ngram"]
+    captured, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=spec)
+    assert captured == eager
+    graphs = decode.keywords["device_round"].graphs
+    assert graphs and not any(c.cuts for _, _, c in graphs)
