@@ -205,7 +205,11 @@ def plain_round(
     # state the draft pairs with the token sampled after it.
     path = torch.arange(num_tokens, device=ones.device).expand(ones.shape[0], num_tokens)
     accepted = make(
-        AcceptResult, path=path, emitted=steps.tokens, num_accepted=ones * (num_tokens - 1)
+        AcceptResult,
+        path=path,
+        emitted=steps.tokens,
+        num_accepted=ones * (num_tokens - 1),
+        chain=True,
     )
     verified = make(
         Verified,

@@ -206,7 +206,8 @@ def accept(
     given walk uses, only how many are drawn, so any sufficient bounds give identical results.
 
     Returns ``AcceptResult``: ``path`` (root first), ``emitted`` (accepted tokens then the bonus
-    token) and ``num_accepted``, padded with -1 to width ``max_depth + 1``. Eager calls validate
+    token) and ``num_accepted``, padded with -1 to width ``max_depth + 1``, and ``chain`` when
+    ``max_children`` is 1 (a static fact commit uses to skip moving recurrent states). Eager calls validate
     the tree and distributions (one host sync) and raise ``ValueError`` naming the batch rows;
     under ``torch.compile`` the check is skipped. See the module docstring for the rule, its
     randomness and why it is lossless.
@@ -259,7 +260,14 @@ def _accept_core(
         coins,
         bonus_coins,
     )
-    return make(AcceptResult, path=path, emitted=emitted, num_accepted=num_accepted)
+    # At most one child per node makes the tree a chain in level order: node d at depth d.
+    return make(
+        AcceptResult,
+        path=path,
+        emitted=emitted,
+        num_accepted=num_accepted,
+        chain=max_children == 1,
+    )
 
 
 @torch.library.custom_op("speculum::accept_tree", mutates_args=())

@@ -293,15 +293,31 @@ def mamba2_scan(
 
 def commit_states(pool: KVPool, kv: PagedKV, accepted: AcceptResult) -> None:
     """Copy the state after the accepted path's last node (at its own cache index) to the
-    entry of the accepted depth, where the next round reads it, in every recurrent
-    layer, in place (chains: the same entry, a no-op). A rejected node's state stays behind in
-    an entry no record points at."""
+    entry of the accepted depth, where the next round reads it, in every recurrent layer, in
+    place. A rejected node's state stays behind in an entry no record points at.
+
+    A chain round (``accepted.chain``, static) copies nothing: its accepted node at depth
+    ``d`` is node ``d``, already at the entry of depth ``d``. Deciding it from the static
+    field, not from the data, keeps the round free of host syncs and CUDA-graph capturable.
+    """
     states = pool.recurrent
-    if states is None:
+    if states is None or accepted.chain:
         return
     depth = accepted.num_accepted
     node = accepted.path.gather(1, depth[:, None])[:, 0]
-    source = (kv.seq_lens + node).remainder(states.ring)
-    destination = (kv.seq_lens + depth).remainder(states.ring)
+    ring = states.ring
+    # Rows of the caches viewed as [layer, slot * ring, ...]: row slot * ring + entry.
+    source = kv.state_slots * ring + (kv.seq_lens + node).remainder(ring)
+    destination = kv.state_slots * ring + (kv.seq_lens + depth).remainder(ring)
     for cache in (states.conv, states.ssm):
-        cache[:, kv.state_slots, destination] = cache[:, kv.state_slots, source]
+        # view, not flatten: a copy would take the writes and leave the pool as it was.
+        rows = cache.view(cache.shape[0], cache.shape[1] * ring, *cache.shape[3:])
+        # Fewest bytes torch can move here: pure torch has no copy between two places of one
+        # tensor, so the accepted states are gathered once ([layer, batch, ...]: one read and
+        # one write of what moves) and written once (one read, one write). Each is a whole
+        # ``[...]`` state per (layer, row), so index_select / index_copy_ copy contiguous
+        # blocks, where ``cache[:, slots, entry] = cache[:, slots, entry]`` computes an offset
+        # per element from two index tensors (1.6x slower on CPU for the same bytes). Rows
+        # whose accepted node is its depth still copy onto themselves: skipping them needs a
+        # data-dependent shape. The gather also reads every source before any write.
+        rows.index_copy_(1, destination, rows.index_select(1, source))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from speculum.state.record import record
+from speculum.state.record import record, static
 from speculum.state.sampling import TokenLogprobs
 
 __all__ = ["DraftCandidates", "DraftTree", "AcceptResult", "Verified"]
@@ -52,11 +52,16 @@ class AcceptResult:
     the bonus token. Unused entries are -1; ``max_emit == max_depth + 1``. ``num_accepted``
     excludes the bonus: ``num_accepted + 1`` tokens are emitted per round (the acceptance length,
     bonus included).
+
+    ``chain`` (static) says the tree was a chain, every node at most one child (``accept``'s
+    ``max_children == 1``): the accepted node at depth ``d`` is then node ``d``, so commit moves
+    nothing (``spec.recurrent.commit_states`` skips its copy). ``False`` is always safe.
     """
 
     path: Int[Tensor, "batch max_emit"]
     emitted: Int[Tensor, "batch max_emit"]
     num_accepted: Int[Tensor, " batch"]
+    chain: bool = static(default=False)
 
 
 @record

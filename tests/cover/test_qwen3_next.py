@@ -52,12 +52,15 @@ from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
 from speculum.spec.paged import causal_mask, extend_batch
+from speculum.spec.accept import accept
 from speculum.spec.recurrent import gated_delta_rule
+from speculum.spec.verify import commit_path
 from speculum.state.batch import take_rows
-from speculum.state.kv import PagedKV, allocated_pages
+from speculum.state.kv import KVPool, PagedKV, allocated_pages
 from speculum.state.parallel import TensorParallel
 from speculum.state.record import tree_equal
-from speculum.state.recurrent import PADDING_SLOT
+from speculum.state.recurrent import PADDING_SLOT, RecurrentPool
+from speculum.state.tree import DraftTree
 
 transformers.logging.disable_progress_bar()
 
@@ -527,6 +530,61 @@ def test_each_tree_node_gets_the_state_of_its_own_path(parents, prefix, seed) ->
         )  # fmt: skip
 
     assert_tree_states_follow_paths(run, parents, prefix, pools)
+
+
+def _greedy_accept(tokens: list[int], parents: list[int], targets: list[int], max_children: int):
+    """``accept`` of one request's tree (``depths`` from ``parents``) whose target puts all
+    its mass on ``targets[i]`` after node ``i``."""
+    depths = [0]
+    for parent in parents[1:]:
+        depths.append(depths[parent] + 1)
+    tree = DraftTree(
+        tokens=torch.tensor([tokens]),
+        parents=torch.tensor([parents]),
+        depths=torch.tensor([depths]),
+    )
+    probs = torch.nn.functional.one_hot(torch.tensor([targets]), 8).float()
+    zero = torch.tensor([0])
+    return accept(tree, probs, zero, zero, max(depths), max_children=max_children)
+
+
+def test_commit_moves_recurrent_states_for_trees_only() -> None:
+    """A chain round's commit leaves the recurrent pool untouched (no write at all: its
+    accepted node at depth d already sits at depth d's entry); a tree round whose accepted
+    node is not at its depth's index copies that node's states to the depth's entry, and
+    nothing else changes."""
+    ring, prefix = 6, 3
+    gen = torch.Generator().manual_seed(0)
+    states = RecurrentPool(
+        conv=torch.randn(2, 3, ring, 5, 3, generator=gen),
+        ssm=torch.randn(2, 3, ring, 2, 4, 3, generator=gen),
+    )
+    pool = KVPool(
+        k=torch.zeros(1, 3, 4, 1, 2), v=torch.zeros(1, 3, 4, 1, 2), page_size=4, recurrent=states
+    )
+    kv = PagedKV(
+        page_table=torch.tensor([[1, 2]]),
+        seq_lens=torch.tensor([prefix]),
+        page_size=4,
+        state_slots=torch.tensor([2]),
+    )
+    before = [c.clone() for c in (states.conv, states.ssm)]
+    versions = [c._version for c in (states.conv, states.ssm)]
+
+    chain = _greedy_accept([1, 5, 6], [-1, 0, 1], [5, 6, 7], max_children=1)
+    assert chain.chain and chain.path.tolist() == [[0, 1, 2]]
+    commit_path(pool, kv, chain)
+    assert [c._version for c in (states.conv, states.ssm)] == versions
+    assert all(torch.equal(c, b) for c, b in zip((states.conv, states.ssm), before))
+
+    # Root's children 5 (node 1) and 6 (node 2); node 3 (7) follows 6: path 0, 2, 3.
+    tree = _greedy_accept([1, 5, 6, 7], [-1, 0, 0, 2], [6, 0, 7, 2], max_children=2)
+    assert not tree.chain and tree.path.tolist() == [[0, 2, 3]]
+    commit_path(pool, kv, tree)
+    for cache, old in zip((states.conv, states.ssm), before):
+        want = old.clone()
+        want[:, 2, (prefix + 2) % ring] = old[:, 2, (prefix + 3) % ring]
+        assert torch.equal(cache, want)
 
 
 def test_tensor_parallelism_refuses_a_hybrid() -> None:
