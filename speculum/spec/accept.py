@@ -207,10 +207,10 @@ def accept(
 
     Returns ``AcceptResult``: ``path`` (root first), ``emitted`` (accepted tokens then the bonus
     token) and ``num_accepted``, padded with -1 to width ``max_depth + 1``, and ``chain`` when
-    ``max_children`` is 1 (a static fact commit uses to skip moving recurrent states). Eager calls validate
-    the tree and distributions (one host sync) and raise ``ValueError`` naming the batch rows;
-    under ``torch.compile`` the check is skipped. See the module docstring for the rule, its
-    randomness and why it is lossless.
+    ``max_children`` is 1 (a static fact commit uses to skip moving recurrent states). Eager
+    calls validate the tree and distributions (one host sync) and raise ``ValueError`` naming
+    the batch rows; under ``torch.compile`` the check is skipped. See the module docstring for
+    the rule, its randomness and why it is lossless.
 
     ``verify_lens[b]`` (ragged verify), when given, verifies only row ``b``'s nodes of depth
     ``<= verify_lens[b]``: deeper nodes are dropped from the tree before the walk, so a walk

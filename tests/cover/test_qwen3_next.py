@@ -51,8 +51,8 @@ from speculum.runtime import scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.runtime.graphs import pad_batch
-from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.accept import accept
+from speculum.spec.paged import causal_mask, extend_batch
 from speculum.spec.recurrent import gated_delta_rule
 from speculum.spec.verify import commit_path
 from speculum.state.batch import take_rows
