@@ -151,6 +151,16 @@ def _parent_state(head, tile, tile_in, state, prefix, parent, i, offset, ring, s
 
 
 @triton.jit
+def _keep_state(head, tile, tile_in, state, keep_ptr, b, q, i, prefix, offset, ring, stride_ring):
+    """Store query ``i``'s state tile at its own ring entry when :func:`kept_states` keeps it,
+    visible to the later queries that may reload it (a tree node's children)."""
+    keep = tl.load(keep_ptr + b * q + i) != 0
+    own = (prefix + offset + i) % ring
+    tl.store(head + own * stride_ring + tile, state, mask=_where_flag(tile_in, keep))
+    tl.debug_barrier()
+
+
+@triton.jit
 def _where_flag(mask, flag):
     """``mask & flag`` for a scalar ``flag``, spelled so that Triton's interpreter broadcasts
     it too (it rejects a scalar boolean anded onto a block as a mask)."""
@@ -322,11 +332,9 @@ def _delta_rule_kernel(
         state = state + key[:, None] * delta[None, :]
         out = tl.sum(state * (query / root_k)[:, None], axis=0)
         tl.store(out_ptr + ((b * q + i) * V_HEADS + h) * V_DIM + vs, out, mask=v_in)
-        keep = tl.load(keep_ptr + b * q + i) != 0
-        own = (prefix + offset + i) % ring
-        tl.store(head + own * stride_ring + tile, state, mask=_where_flag(tile_in, keep))
-        # A later query may reload this entry (a tree node's child): make the store visible.
-        tl.debug_barrier()
+        _keep_state(
+            head, tile, tile_in, state, keep_ptr, b, q, i, prefix, offset, ring, stride_ring
+        )
 
 
 def delta_rule_scan(
@@ -450,11 +458,9 @@ def _mamba2_kernel(
         state = state * tl.exp(step * a) + (step * x)[:, None] * b_in[None, :]
         y = tl.sum(state * c_out[None, :], axis=1) + skip * x
         tl.store(out_ptr + ((b * q + i) * HEADS + h) * HEAD_DIM + ps, y, mask=p_in)
-        keep = tl.load(keep_ptr + b * q + i) != 0
-        own = (prefix + offset + i) % ring
-        tl.store(head + own * stride_ring + tile, state, mask=_where_flag(tile_in, keep))
-        # A later query may reload this entry (a tree node's child): make the store visible.
-        tl.debug_barrier()
+        _keep_state(
+            head, tile, tile_in, state, keep_ptr, b, q, i, prefix, offset, ring, stride_ring
+        )
 
 
 def mamba2_state_scan(
