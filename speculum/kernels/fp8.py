@@ -29,12 +29,12 @@ __all__ = [
     "FP8",
     "FP8_MAX",
     "GEMV_ROWS",
+    "cuda_kernel",
     "dequantize",
     "expand_scale",
     "fp8_linear",
     "fp8_linear_cuda",
     "fp8_linear_reference",
-    "gemv_supported",
     "quantize_rows",
     "quantize_weight",
     "register",
@@ -149,11 +149,14 @@ def scaled_mm_supported(x: Tensor, weight: Tensor, block: list[int]) -> bool:
     )
 
 
-def gemv_supported(x: Tensor) -> bool:
-    """Whether :func:`fp8_linear_cuda` runs the Triton matrix-vector kernel
-    (``kernels.triton_fp8.fp8_gemv``): Triton is installed and ``x`` has at most
-    :data:`GEMV_ROWS` rows (tokens), whatever the scales. Shapes alone decide."""
-    return _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]
+def cuda_kernel(x: Tensor, weight: Tensor, block: list[int]) -> str:
+    """Which kernel :func:`fp8_linear_cuda` runs for ``x``: ``"triton_gemv"`` (Triton is
+    installed and ``x`` has at most :data:`GEMV_ROWS` rows, whatever the scales),
+    ``"scaled_mm"`` (more rows, where :func:`scaled_mm_supported`) or ``"reference"``.
+    Shapes, dtypes and the device alone decide, so a captured graph keeps the choice."""
+    if _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]:
+        return "triton_gemv"
+    return "scaled_mm" if scaled_mm_supported(x, weight, block) else "reference"
 
 
 def fp8_linear_cuda(
@@ -164,19 +167,19 @@ def fp8_linear_cuda(
     input_scale: Tensor | None,
     bias: Tensor | None,
 ) -> Tensor:
-    """The CUDA kernel of ``speculum::fp8_linear``. At most :data:`GEMV_ROWS` rows
-    (:func:`gemv_supported`: decode, small verifies): the Triton matrix-vector kernel, which
+    """The CUDA kernel of ``speculum::fp8_linear``, as :func:`cuda_kernel` picks. At most
+    :data:`GEMV_ROWS` rows (decode, small verifies): the Triton matrix-vector kernel, which
     dequantizes the weight in registers (any scales; activations not quantized, as the
     reference's). More rows, where :func:`scaled_mm_supported`: activations quantized to
     e4m3 per token (:func:`quantize_rows`, one Triton launch where Triton is installed), then
     ``torch._scaled_mm`` with row-wise scales (a per-tensor weight scale repeated per row),
-    float32 accumulation and bfloat16 output. Else the reference. Shapes alone decide, so a
-    captured graph keeps the choice."""
-    if gemv_supported(x):
+    float32 accumulation and bfloat16 output. Else the reference."""
+    kernel = cuda_kernel(x, weight, block)
+    if kernel == "triton_gemv":
         from speculum.kernels.triton_fp8 import fp8_gemv
 
         return fp8_gemv(x, weight, scale, block, bias)
-    if not scaled_mm_supported(x, weight, block):
+    if kernel == "reference":
         return fp8_linear_reference(x, weight, scale, block, input_scale, bias).contiguous()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if _TRITON:  # one launch where torch's ops take about six

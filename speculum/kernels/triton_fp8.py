@@ -63,8 +63,9 @@ def _fp8_gemv(
     (+ bias[n])`` over one block of ``m`` and of ``n``, the weights rounded to ``x``'s dtype,
     accumulated in float32, the sum rounded once to ``out``'s dtype. Without ``SCALE_COLS``
     the scale spans the input width (per channel or per tensor) and is loaded once."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # row tiles vary fastest, so the programs reading one weight block run together (L2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live, live_rows = cols < n_out, rows < n_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_row_stride
@@ -104,7 +105,7 @@ def fp8_gemv(
     n_out, n_in = weight.shape
     out = torch.empty(rows.shape[0], n_out, dtype=x.dtype, device=x.device)
     scale = scale.float().contiguous()
-    grid = (triton.cdiv(n_out, _BLOCK_N), triton.cdiv(rows.shape[0], _BLOCK_M))
+    grid = (triton.cdiv(rows.shape[0], _BLOCK_M), triton.cdiv(n_out, _BLOCK_N))
     _fp8_gemv[grid](
         rows,
         weight,

@@ -397,6 +397,19 @@ def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias, dtyp
     torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+def test_the_cuda_kernel_is_chosen_by_row_count_alone() -> None:
+    """Up to ``GEMV_ROWS`` rows (decode, small verifies) every scale layout runs the Triton
+    matrix-vector kernel; above, ``_scaled_mm`` only where it applies (here, on the CPU,
+    never: the reference), whatever the scales."""
+    pytest.importorskip("triton")
+    from speculum.kernels import fp8
+
+    weight = torch.zeros(32, 64, dtype=fp8.FP8)
+    for block in ([32, 64], [1, 64], [16, 16]):
+        assert fp8.cuda_kernel(torch.zeros(2, 8, 64), weight, block) == "triton_gemv"
+        assert fp8.cuda_kernel(torch.zeros(17, 64), weight, block) == "reference"
+
+
 def test_an_fp8_draft_checkpoint_is_refused_not_misread(tmp_path: Path) -> None:
     """Drafts load unquantized: an FP8 tensor in a draft checkpoint (its values meaningless
     without scales) is named, not cast."""
