@@ -55,6 +55,7 @@ def _fp8_gemv(
     block_cols,
     SCALE_COLS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -62,7 +63,8 @@ def _fp8_gemv(
     """``out[m, n] = sum_k round(w[n, k] * scale[n // block_rows, k // block_cols]) * x[m, k]
     (+ bias[n])`` over one block of ``m`` and of ``n``, the weights rounded to ``x``'s dtype,
     accumulated in float32, the sum rounded once to ``out``'s dtype. Without ``SCALE_COLS``
-    the scale spans the input width (per channel or per tensor) and is loaded once."""
+    the scale spans the input width (per channel or per tensor) and is loaded once.
+    ``PRECISION`` is the dot's: ``"ieee"`` for float32 (not TF32's 10-bit mantissas)."""
     # row tiles vary fastest, so the programs reading one weight block run together (L2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,7 +86,7 @@ def _fp8_gemv(
         else:
             scale = row_scale
         weight = (w * scale).to(x.dtype)
-        acc = tl.dot(x, tl.trans(weight), acc, input_precision="ieee")
+        acc = tl.dot(x, tl.trans(weight), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :]
@@ -123,6 +125,7 @@ def fp8_gemv(
         block[1],
         SCALE_COLS=block[1] < n_in,
         HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # 16-bit floats ignore it
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K,
