@@ -4,15 +4,15 @@ of the ``torch._scaled_mm`` path, in one launch.
 
 At decode sizes (``kernels.fp8.GEMV_ROWS`` rows at most) a linear layer is a stream of its
 weight: per-tensor, per-channel and DeepSeek-V3's 128 x 128 block scales all run this kernel
-there (``torch._scaled_mm`` reaches about half the bandwidth at 1-16 rows, and takes no block
-scales at all). Each program is a block of ``_BLOCK_N`` output features by up to ``_BLOCK_M``
-input rows: it streams its weight rows in e4m3 (16-byte loads along the input features),
-multiplies each element by its scale (one per output row where the scale spans the input
-width, else its block's, gathered), rounds to the activations' dtype (as the reference's
-dequantized weight is) and accumulates the rows' products in float32 on the tensor cores
-(exact products for bfloat16 and float16; IEEE float32 otherwise). Activations are not
-quantized. The tile is fixed, whatever the row count, so a row's output does not depend on how
-many rows share the call: a verify of k + 1 rows computes each row as a decode step would.
+there (``torch._scaled_mm`` reached about half the bandwidth at 1-8 rows on the H200, and takes
+no block scales at all). Each program is a block of ``_BLOCK_N`` output features by up to
+``_BLOCK_M`` input rows: it streams its weight rows in e4m3 (16-byte loads along the input
+features), multiplies each element by its scale (one per output row where the scale spans the
+input width, else its block's, gathered), rounds to the activations' dtype (as the reference's
+dequantized weight is) and accumulates the rows' products in float32 on the tensor cores (exact
+products for bfloat16 and float16; IEEE float32 otherwise). Activations are not quantized.
+The tile is fixed, whatever the row count, so a row's output does not depend on how many rows
+share the call: a verify of k + 1 rows computes each row as a decode step would.
 """
 
 from __future__ import annotations
