@@ -46,9 +46,10 @@ its acceptance length in tokens where plain decoding emits one).
   synchronous and overlapped (``idle removed``: the share of it overlapping removes).
 
 - fp8 (``--fp8 channel|tensor|block``): plain decoding over the bf16 target, then over the same
-  weights quantized to FP8 in place (``models.fp8.quantize_``: per-channel or per-tensor
-  scales run ``torch._scaled_mm``, DeepSeek's 128 x 128 blocks the dequantizing fallback),
-  with each one's weight bytes, roofline and peak GPU memory.
+  weights quantized to FP8 in place (``models.fp8.quantize_``: per-channel, per-tensor or
+  DeepSeek's 128 x 128 block scales), with each one's weight bytes, roofline, peak GPU memory
+  and the FP8 kernel its decode steps run (``kernels.fp8.cuda_kernel``: the Triton
+  matrix-vector kernel up to 16 rows, ``_scaled_mm`` or the dequantizing reference above).
 
 - multi-step (``--decode-steps 1,4,8``): the scheduler's loop for plain decoding of K steps
   per round (one CUDA graph; ``SpecOptions.decode_steps``) at batch sizes 1, 8, 64
@@ -108,6 +109,7 @@ from torch.utils import _pytree as pytree
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from speculum.kernels import fp8 as fp8_ops  # noqa: E402
 from speculum.kernels import recurrent as recurrent_ops  # noqa: E402
 from speculum.models.config import (  # noqa: E402
     NEMOTRON_H_KINDS,
@@ -119,6 +121,7 @@ from speculum.models.config import (  # noqa: E402
 )
 from speculum.models.decoder import (  # noqa: E402
     DecoderModel,
+    Fp8Linear,
     SparseMoE,
     cache_kv_heads,
     fuse_projections_,
@@ -905,13 +908,27 @@ def fp8_table(target, head, args, device: str) -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            row = {"weights": weights, "weight GB": weight_bytes / 1e9}
+            row = {"weights": weights, "fp8 kernel": fp8_kernel(target, batch, device)}
+            row["weight GB"] = weight_bytes / 1e9
             row |= plain_row(target, head, batch, args, bandwidth, device)
             if device == "cuda":
                 row["peak GPU GB"] = torch.cuda.max_memory_allocated() / 1e9
             rows.append(row)
             print(table([row]), flush=True)
     print(f"\n## plain decoding, {unquantized} vs FP8 weights\n\n" + table(rows))
+
+
+def fp8_kernel(target, batch: int, device: str) -> str:
+    """The kernel ``speculum::fp8_linear`` runs for a decode step of ``batch`` rows through
+    ``target``'s first MLP down projection (``kernels.fp8.cuda_kernel``; ``-`` where it is not
+    FP8, ``reference`` off CUDA)."""
+    down = target.model.layers[0].mlp.down_proj
+    if not isinstance(down, Fp8Linear):
+        return "-"
+    if device != "cuda":
+        return "reference"
+    x = torch.empty(batch, down.weight.shape[1], device=device, dtype=torch.bfloat16)
+    return fp8_ops.cuda_kernel(x, down.weight, list(down.block))
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

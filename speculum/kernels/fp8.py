@@ -7,12 +7,13 @@ layout covers every granularity: a per-tensor scale is the block ``(out, in)`` (
 scale), a per-channel one the block ``(1, in)`` (``[out, 1]``), DeepSeek's ``(128, 128)``.
 
 The op's default kernel is the reference: the weight dequantized to the activations' dtype and
-the ordinary matmul (activations are not quantized). On CUDA (Hopper, bfloat16 activations,
-widths that are multiples of 16) per-tensor and per-channel weights run ``torch._scaled_mm``
-with the activations quantized to e4m3 per token (dynamically, or with the checkpoint's static
-``input_scale``). Block-scaled weights (and anything else) run, for decode-sized inputs, a Triton
-matrix-vector kernel that dequantizes in registers (``kernels.triton_fp8``), and otherwise the
-reference, which dequantizes the whole weight on every call (docs/fp8.md).
+the ordinary matmul (activations are not quantized). On CUDA, decode-sized inputs (at most
+:data:`GEMV_ROWS` rows) of every scale layout run a Triton matrix-vector kernel that
+dequantizes in registers (``kernels.triton_fp8``; activations not quantized either). Larger
+inputs with per-tensor and per-channel weights (Hopper, bfloat16 activations, widths that are
+multiples of 16) run ``torch._scaled_mm`` with the activations quantized to e4m3 per token
+(dynamically, or with the checkpoint's static ``input_scale``); anything else the reference,
+which dequantizes the whole weight on every call (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "FP8",
     "FP8_MAX",
     "GEMV_ROWS",
+    "cuda_kernel",
     "dequantize",
     "expand_scale",
     "fp8_linear",
@@ -39,12 +41,12 @@ __all__ = [
     "scaled_mm_supported",
 ]
 
-#: Whether Triton can be imported (the matrix-vector kernel for other scales is Triton's):
+#: Whether Triton can be imported (the matrix-vector kernel is Triton's):
 #: looked up once, not in every layer of every eager step.
 _TRITON = importlib.util.find_spec("triton") is not None
 
-#: The most input rows (tokens) the Triton matrix-vector kernel takes; more dequantize the
-#: weight once and run the matmul, where the weight's reads are shared by many rows.
+#: The most input rows (tokens) the Triton matrix-vector kernel takes (one tile of its rows);
+#: more run ``torch._scaled_mm`` or dequantize the weight once and run the matmul.
 GEMV_ROWS = 16
 
 FP8 = torch.float8_e4m3fn
@@ -147,6 +149,16 @@ def scaled_mm_supported(x: Tensor, weight: Tensor, block: list[int]) -> bool:
     )
 
 
+def cuda_kernel(x: Tensor, weight: Tensor, block: list[int]) -> str:
+    """Which kernel :func:`fp8_linear_cuda` runs for ``x``: ``"triton_gemv"`` (Triton is
+    installed and ``x`` has at most :data:`GEMV_ROWS` rows, whatever the scales),
+    ``"scaled_mm"`` (more rows, where :func:`scaled_mm_supported`) or ``"reference"``.
+    Shapes, dtypes and the device alone decide, so a captured graph keeps the choice."""
+    if _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]:
+        return "triton_gemv"
+    return "scaled_mm" if scaled_mm_supported(x, weight, block) else "reference"
+
+
 def fp8_linear_cuda(
     x: Tensor,
     weight: Tensor,
@@ -155,18 +167,19 @@ def fp8_linear_cuda(
     input_scale: Tensor | None,
     bias: Tensor | None,
 ) -> Tensor:
-    """The CUDA kernel of ``speculum::fp8_linear``: where :func:`scaled_mm_supported`,
-    activations quantized to e4m3 per token (:func:`quantize_rows`, one Triton launch where
-    Triton is installed), then ``torch._scaled_mm`` with row-wise scales (a per-tensor weight
-    scale repeated per row), float32 accumulation and bfloat16 output; else, for at most
-    :data:`GEMV_ROWS` rows, the Triton matrix-vector kernel that dequantizes in
-    registers (block scales at decode sizes); else the reference. Shapes alone decide, so a
-    captured graph keeps the choice."""
-    if not scaled_mm_supported(x, weight, block):
-        if _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]:
-            from speculum.kernels.triton_fp8 import fp8_gemv
+    """The CUDA kernel of ``speculum::fp8_linear``, as :func:`cuda_kernel` picks. At most
+    :data:`GEMV_ROWS` rows (decode, small verifies): the Triton matrix-vector kernel, which
+    dequantizes the weight in registers (any scales; activations not quantized, as the
+    reference's). More rows, where :func:`scaled_mm_supported`: activations quantized to
+    e4m3 per token (:func:`quantize_rows`, one Triton launch where Triton is installed), then
+    ``torch._scaled_mm`` with row-wise scales (a per-tensor weight scale repeated per row),
+    float32 accumulation and bfloat16 output. Else the reference."""
+    kernel = cuda_kernel(x, weight, block)
+    if kernel == "triton_gemv":
+        from speculum.kernels.triton_fp8 import fp8_gemv
 
-            return fp8_gemv(x, weight, scale, block, bias)
+        return fp8_gemv(x, weight, scale, block, bias)
+    if kernel == "reference":
         return fp8_linear_reference(x, weight, scale, block, input_scale, bias).contiguous()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if _TRITON:  # one launch where torch's ops take about six

@@ -1,15 +1,18 @@
-"""FP8 linear layers of any scale blocks, for a few rows: matrix-vector products that read the
-e4m3 weight once and dequantize it in registers; and the per-token activation quantizer of the
-``torch._scaled_mm`` path, in one launch.
+"""FP8 linear layers of any scale blocks, for a few rows: a matrix-vector kernel that reads
+the e4m3 weight once and dequantizes it in registers; and the per-token activation quantizer
+of the ``torch._scaled_mm`` path, in one launch.
 
-``torch._scaled_mm`` takes per-tensor and per-row scales only; DeepSeek-V3's 128 x 128 block
-scales would otherwise go through the reference (``kernels.fp8``), which writes the whole
-weight out in bfloat16 and reads it back: five bytes moved per weight where bfloat16 needs
-two. Here each program is one row of the input and a block of output features; it streams its
-weight rows in e4m3, multiplies each element by its block's scale, rounds to the activations'
-dtype (as the reference's dequantized weight is) and accumulates in float32. Rows re-read the
-weights (from L2 after the first), so this path is for decode-sized inputs
-(``kernels.fp8.GEMV_ROWS`` rows at most); larger ones dequantize once and run the matmul.
+At decode sizes (``kernels.fp8.GEMV_ROWS`` rows at most) a linear layer is a stream of its
+weight: per-tensor, per-channel and DeepSeek-V3's 128 x 128 block scales all run this kernel
+there (``torch._scaled_mm`` reached about half the bandwidth at 1-8 rows on the H200, and takes
+no block scales at all). Each program is a block of ``_BLOCK_N`` output features by up to
+``_BLOCK_M`` input rows: it streams its weight rows in e4m3 (16-byte loads along the input
+features), multiplies each element by its scale (one per output row where the scale spans the
+input width, else its block's, gathered), rounds to the activations' dtype (as the reference's
+dequantized weight is) and accumulates the rows' products in float32 on the tensor cores (exact
+products for bfloat16 and float16; IEEE float32 otherwise). Activations are not quantized.
+The tile is fixed, whatever the row count, so a row's output does not depend on how many rows
+share the call: a verify of k + 1 rows computes each row as a decode step would.
 """
 
 from __future__ import annotations
@@ -22,21 +25,26 @@ from torch import Tensor
 
 __all__ = ["fp8_gemv", "quantize_rows_triton"]
 
-#: Output features per program, and input features per step of its loop.
-_BLOCK_N, _BLOCK_K = 32, 128
+#: Input rows per program (the tensor cores' smallest tile: fewer rows are masked), output
+#: features per program (small, so that even a 4096-wide layer has a few programs per SM),
+#: and input features per step of its loop (256 e4m3 weights: 16 loads of 16 bytes a row).
+_BLOCK_M, _BLOCK_N, _BLOCK_K = 16, 16, 256
+#: Warps per program, and loads in flight per program (the loop's software pipeline).
+_WARPS, _STAGES = 4, 4
 #: Features per step of the activation quantizer's loops.
 _BLOCK_ROW = 1024
 #: The largest finite e4m3 value (``kernels.fp8.FP8_MAX``).
 _FP8_MAX = 448.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _fp8_gemv(
     x_ptr,
     w_ptr,
     scale_ptr,
     bias_ptr,
     out_ptr,
+    n_rows,
     n_out,
     n_in,
     x_row_stride,
@@ -45,32 +53,44 @@ def _fp8_gemv(
     out_row_stride,
     block_rows,
     block_cols,
+    SCALE_COLS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """``out[m, n] = sum_k round(w[n, k] * scale[n // block_rows, k // block_cols]) * x[m, k]
-    (+ bias[n])`` over one block of ``n``, the products rounded to ``x``'s dtype, accumulated
-    in float32, the sum rounded once to ``out``'s dtype."""
-    row = tl.program_id(0).to(tl.int64)
+    (+ bias[n])`` over one block of ``m`` and of ``n``, the weights rounded to ``x``'s dtype,
+    accumulated in float32, the sum rounded once to ``out``'s dtype. Without ``SCALE_COLS``
+    the scale spans the input width (per channel or per tensor) and is loaded once.
+    ``PRECISION`` is the dot's: ``"ieee"`` for float32 (not TF32's 10-bit mantissas)."""
+    # row tiles vary fastest, so the programs reading one weight block run together (L2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = cols < n_out
+    live, live_rows = cols < n_out, rows < n_rows
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_row_stride
     scale_rows = scale_ptr + (cols // block_rows).to(tl.int64)[:, None] * scale_row_stride
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if not SCALE_COLS:
+        row_scale = tl.load(scale_rows, mask=live[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_in, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         inside = ks < n_in
-        x = tl.load(x_ptr + row * x_row_stride + ks, mask=inside, other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & inside[None, :], other=0.0)
         mask = live[:, None] & inside[None, :]
         w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(scale_rows + (ks // block_cols)[None, :], mask=mask, other=0.0)
-        weight = (w * scale).to(x.dtype).to(tl.float32)
-        acc += tl.sum(weight * x.to(tl.float32)[None, :], axis=1)
+        if SCALE_COLS:
+            scale = tl.load(scale_rows + (ks // block_cols)[None, :], mask=mask, other=0.0)
+        else:
+            scale = row_scale
+        weight = (w * scale).to(x.dtype)
+        acc = tl.dot(x, tl.trans(weight), acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    out = out_ptr + row * out_row_stride + cols
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
+        acc += tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live_rows[:, None] & live[None, :])
 
 
 def fp8_gemv(
@@ -80,19 +100,21 @@ def fp8_gemv(
     block: list[int],
     bias: Tensor | None,
 ) -> Float[Tensor, "*rows out"]:
-    """``linear(x, dequantize(weight, scale, block), bias)`` over the rows of ``x`` (a few:
-    one program column each), in ``x``'s dtype, reading the e4m3 weight once per row."""
+    """``linear(x, dequantize(weight, scale, block), bias)`` in ``x``'s dtype, reading the e4m3
+    weight once per :data:`_BLOCK_M` rows of ``x`` (meant for a few: ``kernels.fp8.GEMV_ROWS``).
+    Any block shape: per tensor ``(out, in)``, per channel ``(1, in)``, DeepSeek's blocks."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_out, n_in = weight.shape
     out = torch.empty(rows.shape[0], n_out, dtype=x.dtype, device=x.device)
     scale = scale.float().contiguous()
-    grid = (rows.shape[0], triton.cdiv(n_out, _BLOCK_N))
+    grid = (triton.cdiv(rows.shape[0], _BLOCK_M), triton.cdiv(n_out, _BLOCK_N))
     _fp8_gemv[grid](
         rows,
         weight,
         scale,
         bias if bias is not None else out,
         out,
+        rows.shape[0],
         n_out,
         n_in,
         rows.stride(0),
@@ -101,9 +123,14 @@ def fp8_gemv(
         out.stride(0),
         block[0],
         block[1],
+        SCALE_COLS=block[1] < n_in,
         HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # 16-bit floats ignore it
+        BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K,
+        num_warps=_WARPS,
+        num_stages=_STAGES,
     )
     return out.view(*x.shape[:-1], n_out)
 

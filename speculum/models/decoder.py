@@ -906,10 +906,10 @@ class Fp8Linear(nn.Module):
     activation scale (``None``: activations are scaled per token when quantized).
 
     Calling it runs ``speculum::fp8_linear`` (``kernels.fp8``): the weight dequantized to the
-    input's dtype on the CPU; on CUDA ``torch._scaled_mm`` or a Triton kernel that dequantizes
-    in registers (docs/fp8.md says which runs where). Casting the model
-    (``.to(bfloat16)``) leaves the weight and its scales as they are; the bias follows the
-    cast. ``models.fp8`` builds these from checkpoints and from float models."""
+    input's dtype on the CPU; on CUDA a Triton kernel that dequantizes in registers (up to 16
+    rows), ``torch._scaled_mm`` or the reference (docs/fp8.md says which runs where).
+    Casting the model (``.to(bfloat16)``) leaves the weight and its scales as they are; the
+    bias follows the cast. ``models.fp8`` builds these from checkpoints and from float models."""
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from conftest import tiny_config
 from heads import agreeing_head, markov_target, pipeline_engine
@@ -364,29 +365,49 @@ def test_fp8_projections_fuse_where_their_scales_line_up(case: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("shape", "block", "rows", "bias"),
+    ("shape", "block", "rows", "bias", "dtype"),
     [
-        ((48, 40), (16, 16), 1, False),  # partial column blocks
-        ((40, 48), (16, 8), 3, True),  # partial row blocks, with a bias
-        ((64, 256), (128, 128), 5, False),  # DeepSeek's blocks, two K steps of the loop
-        ((32, 24), (32, 24), 2, True),  # one scale per tensor
-        ((32, 24), (1, 24), 16, False),  # one per row, at the most rows the kernel takes
+        ((48, 40), (16, 16), 1, False, torch.float32),  # partial column blocks
+        ((40, 48), (16, 8), 3, True, torch.float32),  # partial row blocks, with a bias
+        ((64, 256), (128, 128), 5, False, torch.float32),  # DeepSeek's blocks
+        ((32, 24), (32, 24), 2, True, torch.float32),  # one scale per tensor
+        ((32, 24), (1, 24), 16, False, torch.float32),  # one per row, one full tile of rows
+        ((37, 300), (1, 300), 7, True, torch.float16),  # per row: odd widths, two K steps
+        ((37, 300), (37, 300), 1, False, torch.float16),  # per tensor: odd widths
+        ((19, 520), (1, 520), 17, False, torch.float32),  # per row: two tiles of rows
     ],
 )
-def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias) -> None:
-    """The matrix-vector kernel (run by Triton's interpreter here) computes the reference's
-    dequantized product: the same rounded weights, summed in another order."""
+def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias, dtype) -> None:
+    """The matrix-vector kernel (run by Triton's interpreter here, whose dot cannot read
+    bfloat16: tests/gpu checks that) computes the reference's dequantized product in ``x``'s
+    dtype: the same rounded weights, summed in float32 in another order."""
     pytest.importorskip("triton")
     from speculum.kernels import fp8
     from speculum.kernels.triton_fp8 import fp8_gemv
 
     gen = torch.Generator().manual_seed(rows)
     weight, scale = fp8.quantize_weight(torch.randn(shape, generator=gen), block)
-    x = torch.randn(rows, shape[1], generator=gen)
-    b = torch.randn(shape[0], generator=gen) if bias else None
-    expected = fp8.fp8_linear_reference(x, weight, scale, list(block), None, b)
+    x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+    b = torch.randn(shape[0], generator=gen).to(dtype) if bias else None
+    rounded = fp8.dequantize(weight, scale, block, dtype).float()  # the reference's weights
+    expected = F.linear(x.float(), rounded, b.float() if bias else None)
     ours = fp8_gemv(x[None], weight, scale, list(block), b)[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert ours.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3  # the output's own rounding
+    torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_cuda_kernel_is_chosen_by_row_count_alone() -> None:
+    """Up to ``GEMV_ROWS`` rows (decode, small verifies) every scale layout runs the Triton
+    matrix-vector kernel; above, ``_scaled_mm`` only where it applies (here, on the CPU,
+    never: the reference), whatever the scales."""
+    pytest.importorskip("triton")
+    from speculum.kernels import fp8
+
+    weight = torch.zeros(32, 64, dtype=fp8.FP8)
+    for block in ([32, 64], [1, 64], [16, 16]):
+        assert fp8.cuda_kernel(torch.zeros(2, 8, 64), weight, block) == "triton_gemv"
+        assert fp8.cuda_kernel(torch.zeros(17, 64), weight, block) == "reference"
 
 
 def test_an_fp8_draft_checkpoint_is_refused_not_misread(tmp_path: Path) -> None:
