@@ -23,6 +23,7 @@ with a head that draws its block sequentially and slot ``k`` predicting the toke
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from speculum.pipelines.base import (
     verified_output,
 )
 from speculum.spec.block import (
+    budget_bound,
+    choose_budget,
     plan_verify,
     propose_block,
     verify_capacity,
@@ -49,7 +52,15 @@ from speculum.spec.verify import commit_path, verify_tree
 from speculum.state.block import BUDGETS, BlockConfig, BlockState
 from speculum.state.record import make, replace
 
-__all__ = ["BlockConfig", "BlockState", "prefill", "decode", "round_config", "pipeline"]
+__all__ = [
+    "BlockConfig",
+    "BlockState",
+    "prefill",
+    "decode",
+    "auto_decode",
+    "round_config",
+    "pipeline",
+]
 
 
 def _check_head(resources: Resources, config: BlockConfig) -> None:
@@ -110,23 +121,47 @@ def decode(
         capture_layers=resources.draft.capture_layers,
         draft_probs=None if q is None else F.pad(q, (0, 0, 1, 0)),  # node i + 1 is token i
         verify_lens=verify_lens,
-        capacity=packed_capacity(resources, config, state.root_tokens.shape[0]),
+        capacity=packed_capacity(resources, config, state.root_tokens.shape[0], state.budget_bound),
     )
     acc = verified.accepted
     kv = commit_path(resources.target_pool, state.kv, acc)
     write_accepted_context(resources, state.kv, verified)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
-    new_state = replace(state, kv=kv, root_tokens=bonus, survival=survival)
+    # The host's budget was this round's alone: a state between rounds carries none.
+    new_state = replace(
+        state, kv=kv, root_tokens=bonus, survival=survival, budget=None, budget_bound=None
+    )
     return new_state, verified_output(verified)
 
 
-def packed_capacity(resources: Resources, config: BlockConfig, batch: int) -> int | None:
-    """Rows of the round's packed target forward (``spec.block.verify_capacity``), or
-    ``None`` to verify padded: always for hybrid targets, whose recurrent layers scan padded
-    rows."""
+def auto_decode(
+    resources: Resources,
+    state: BlockState,
+    *,
+    config: BlockConfig,
+    device_round: Callable[[Resources, BlockState], tuple[BlockState, StepOutput]],
+) -> tuple[BlockState, StepOutput]:
+    """A round under the ``auto`` budget, verified packed: the budget is read on the host
+    from the previous round's survivals (a copy of ``batch x num_drafts`` floats, so the
+    bound is exact, not a second computation that could round differently), then
+    ``device_round`` (:func:`decode`, captured per batch bucket and ``budget_bound``) runs
+    with that budget and a packed capacity for the next power of two above it."""
+    if resources.target.config.is_hybrid:
+        return device_round(resources, state)
+    budget = int(choose_budget(state.survival.cpu(), config))
+    given = torch.full_like(state.root_tokens, budget)
+    return device_round(resources, replace(state, budget=given, budget_bound=budget_bound(budget)))
+
+
+def packed_capacity(
+    resources: Resources, config: BlockConfig, batch: int, bound: int | None = None
+) -> int | None:
+    """Rows of the round's packed target forward (``spec.block.verify_capacity``, ``bound``
+    an ``auto`` round's budget bound), or ``None`` to verify padded: always for hybrid
+    targets, whose recurrent layers scan padded rows."""
     if resources.target.config.is_hybrid:
         return None
-    return verify_capacity(config, batch)
+    return verify_capacity(config, batch, bound)
 
 
 def round_config(
@@ -144,9 +179,9 @@ def round_config(
     ``budget`` is ``"all"``, ``"auto"`` (needs ``cost_table``: ``(tokens verified in the round,
     roots included, seconds)`` pairs, at least two, tokens increasing) or an int, the draft
     tokens verified over the whole batch each round. ``first_slot`` is 1 for DFLASH (slot 0
-    holds the root) and 0 for DSPARK. ``packed_verify`` (default) runs a fixed budget's
-    target forward over the verified tokens only, packed; off, over the whole block of every
-    row (padded), with the same result.
+    holds the root) and 0 for DSPARK. ``packed_verify`` (default) runs a fixed or ``auto``
+    budget's target forward over the verified tokens only, packed; off, over the whole block
+    of every row (padded), with the same result.
     """
     integral = isinstance(block_size, int) and not isinstance(block_size, bool)
     num_drafts = block_size - first_slot if integral else 0
@@ -193,12 +228,22 @@ def block_pipeline(name: str, config: BlockConfig) -> Pipeline:
     """The pipeline value of a block round ``config``."""
     # Verify writes the root and the draft tokens after the committed entries; the block
     # forward writes block_size draft-cache entries there; the context write fewer.
+    round_fn = functools.partial(decode, config=config)
+    shape = {
+        "name": name,
+        "prefill": functools.partial(prefill, config=config),
+        "max_tokens_per_step": config.num_drafts + 1,
+        "kv_lookahead": max(config.num_drafts + 1, config.block_size),
+    }
+    if config.budget != "auto" or not config.packed_verify:
+        return Pipeline(decode=round_fn, **shape)
+    # A packed auto round reads its budget on the host first (auto_decode); the engine
+    # captures the device round per batch bucket and budget bound.
     return Pipeline(
-        name=name,
-        prefill=functools.partial(prefill, config=config),
-        decode=functools.partial(decode, config=config),
-        max_tokens_per_step=config.num_drafts + 1,
-        kv_lookahead=max(config.num_drafts + 1, config.block_size),
+        decode=functools.partial(auto_decode, config=config, device_round=round_fn),
+        host_work=True,
+        device_round=round_fn,
+        **shape,
     )
 
 

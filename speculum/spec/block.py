@@ -64,6 +64,7 @@ __all__ = [
     "choose_budget",
     "select_verify_lens",
     "verify_capacity",
+    "budget_bound",
     "plan_verify",
     "write_accepted_context",
 ]
@@ -216,33 +217,44 @@ def select_verify_lens(
     return chosen.clamp(min=min(min_verify, width))
 
 
-def verify_capacity(config: BlockConfig, batch: int) -> int | None:
+def verify_capacity(config: BlockConfig, batch: int, budget_bound: int | None = None) -> int | None:
     """Rows of a packed verify forward: a static bound on the tokens a round verifies (roots
     included) that is below the padded ``batch * (num_drafts + 1)``, or ``None`` (verify
     padded) when no bound saves a row or ``config.packed_verify`` is off.
 
-    A ``fixed`` budget of ``N`` verifies at most ``N`` draft tokens over the batch, plus up to
-    ``min_verify`` per row that the budget did not reach (:func:`select_verify_lens`), plus the
-    roots. ``all`` verifies every token; ``auto`` may too (its budget is known only on the
-    device), so both run padded.
+    A budget of at most ``N`` draft tokens (``fixed``: ``N``; ``auto``: ``budget_bound``,
+    read on the host before the round) verifies at most ``N`` draft tokens over the batch,
+    plus up to ``min_verify`` per row that the budget did not reach
+    (:func:`select_verify_lens`), plus the roots. ``all`` verifies every token, and ``auto``
+    without a bound may too (its budget is then known only on the device): both run padded.
     """
     padded = batch * (config.num_drafts + 1)
-    if not config.packed_verify or config.budget != "fixed":
+    if not config.packed_verify or config.budget == "all":
+        return None
+    most = config.budget_tokens if config.budget == "fixed" else budget_bound
+    if most is None:
         return None
     floor = batch * min(config.min_verify, config.num_drafts)
-    bound = batch + config.budget_tokens + floor
+    bound = batch + most + floor
     return bound if bound < padded else None
+
+
+def budget_bound(budget: int) -> int:
+    """The smallest power of two ``>= budget`` (1 for 0): the static bound an ``auto`` round is
+    captured for, so a batch bucket needs at most ``log2(batch * num_drafts) + 1`` graphs."""
+    return 1 << max(budget - 1, 0).bit_length()
 
 
 def plan_verify(
     state: BlockState, proposal: BlockProposal, config: BlockConfig
 ) -> tuple[Int[Tensor, " batch"] | None, Float[Tensor, "batch num_draft"]]:
     """The round's verify lengths (``None``: every draft token) and this round's survivals,
-    which the next round's budget reads."""
+    which the next round's budget reads. A budget the host chose (``state.budget``) is used
+    as given."""
     current = survival(proposal.confidence)
     if config.budget == "all":
         return None, current
-    budget = choose_budget(state.survival, config)
+    budget = choose_budget(state.survival, config) if state.budget is None else state.budget[0]
     return select_verify_lens(current, budget, config.min_verify), current
 
 

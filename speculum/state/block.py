@@ -54,12 +54,20 @@ class BlockState:
     slot 0. ``survival[b, k]`` is the previous round's predicted chance that row ``b``'s draft
     token ``k + 1`` was accepted (ones before the first round): the ``auto`` budget of a round
     is chosen from it, before any of the round's draft tokens exist.
+
+    ``budget`` (every entry the same) and ``budget_bound`` are set on the host just before a
+    packed ``auto`` round (``pipelines.dflash.auto_decode``): the budget read from
+    ``survival``, and a static power of two at least that large which sizes the round's packed
+    verify (one captured graph per bound). Otherwise, and between rounds, both are ``None``
+    and the round chooses its budget on the device.
     """
 
     kv: PagedKV
     root_tokens: Int[Tensor, " batch"]
     survival: Float[Tensor, "batch num_draft"]
     sampling: SamplingParams
+    budget: Int[Tensor, " batch"] | None = None
+    budget_bound: int | None = static(default=None)
 
 
 @record

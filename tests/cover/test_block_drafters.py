@@ -395,12 +395,21 @@ class PackedForwards(torch.nn.Module):
 
 
 @pytest.mark.parametrize("packed_verify", [True, False])
-def test_dspark_verifying_packed_equals_plain(packed_verify):
-    """A fixed budget below the batch's draft tokens verifies packed (only the verified tokens
-    forwarded) by default, padded with ``packed_verify=False``; both decode plain's tokens."""
+@pytest.mark.parametrize(
+    "budget",
+    [
+        {"verify_budget": 5, "min_verify": 1},
+        # Seconds growing as fast as the tokens: every auto round verifies its roots alone.
+        {"verify_budget": "auto", "cost_table": ((1, 1.0), (64, 64.0))},
+    ],
+)
+def test_dspark_verifying_packed_equals_plain(budget, packed_verify):
+    """A fixed budget below the batch's draft tokens, or an ``auto`` budget read on the host
+    below them, verifies packed (only the verified tokens forwarded) by default, padded with
+    ``packed_verify=False``; both decode plain's tokens."""
     prompts = [[1, 2, 3], [9, 9, 9, 1], [4], [7, 7]]
     target = PackedForwards(TARGET)
-    spec = SpecOptions(verify_budget=5, min_verify=1, packed_verify=packed_verify)
+    spec = SpecOptions(**budget, packed_verify=packed_verify)
     engine = engine_from_model(
         target, algorithm="dspark", draft=HEADS["dspark-agree"], spec=spec, page_size=4,
         max_context=64,
@@ -408,3 +417,43 @@ def test_dspark_verifying_packed_equals_plain(packed_verify):
     results = generate(prompts, engine=engine, max_new_tokens=20)
     assert [r.token_ids for r in results] == plain_greedy(prompts, 20, page_size=4, max_context=64)
     assert (target.packed > 0) == packed_verify
+
+
+@settings(max_examples=12)
+@given(
+    name=st.sampled_from(list(HEADS)),
+    block_size=st.integers(2, 6),
+    table=st.tuples(st.floats(0.1, 4.0), st.floats(0.0, 1.0)),
+    min_verify=st.integers(0, 2),
+    temperature=st.sampled_from([0.0, 1.0]),
+    seed=st.integers(0, 2**16),
+    prompts=prompt_batches(VOCAB, max_batch=4),
+)
+def test_the_auto_budget_verifying_packed_equals_padded(
+    name, block_size, table, min_verify, temperature, seed, prompts
+):
+    """The ``auto`` budget, read on the host and verified packed over the next power of two,
+    emits exactly the tokens of the padded verify whose budget the device chooses: greedy
+    and seeded sampling, both drafters, any cost table (its slope decides how many tokens a
+    round verifies); greedy equals plain decoding."""
+    algorithm = name.split("-")[0]
+    cost = ((1, table[0]), (64, table[0] + 63 * table[1] + 1e-3))
+    limits = {"page_size": 4, "max_context": 48}
+
+    def tokens(packed_verify: bool) -> list[list[int]]:
+        spec = SpecOptions(
+            block_size=block_size, verify_budget="auto", cost_table=cost, min_verify=min_verify,
+            sample_drafts=temperature > 0, packed_verify=packed_verify,
+        )  # fmt: skip
+        engine = engine_from_model(
+            TARGET, algorithm=algorithm, draft=HEADS[name], spec=spec, **limits
+        )
+        results = generate(
+            prompts, engine=engine, max_new_tokens=12, temperature=temperature, seed=seed
+        )
+        return [r.token_ids for r in results]
+
+    packed = tokens(packed_verify=True)
+    assert packed == tokens(packed_verify=False)
+    if temperature == 0:
+        assert packed == plain_greedy(prompts, 12, **limits)

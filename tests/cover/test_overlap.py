@@ -94,6 +94,14 @@ PIPELINES = {
         None,
         True,
     ),
+    # The auto budget read on the host (a sync inside the launch) for a packed verify.
+    "dspark auto": (
+        "dspark",
+        random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4),
+        {"verify_budget": "auto", "cost_table": ((1, 1.0), (64, 20.0))},
+        None,
+        True,
+    ),
     # Which variant runs depends on measured times, so only greedy tokens are reproducible.
     "adaptive": (
         "eagle",

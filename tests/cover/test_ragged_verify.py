@@ -15,7 +15,7 @@ from speculum.models.config import MLAConfig, MoEConfig
 from speculum.models.decoder import dense_batch
 from speculum.models.loading import random_model
 from speculum.pipelines.dflash import round_config
-from speculum.spec.block import verify_capacity
+from speculum.spec.block import budget_bound, verify_capacity
 from speculum.spec.paged import extend_batch, pack, pack_batch, packed_rows, unpack
 from speculum.spec.tree import chain_tree
 from speculum.spec.verify import verify_tree
@@ -201,3 +201,24 @@ def test_a_packed_forward_needs_a_pool(tiny_model):
 def test_the_packed_capacity_bounds_a_fixed_budget(options, batch, capacity):
     config = round_config(block_size=5, first_slot=1, **options)
     assert verify_capacity(config, batch) == capacity
+
+
+AUTO = {"budget": "auto", "cost_table": ((1, 1.0), (9, 2.0))}
+
+
+@pytest.mark.parametrize(
+    ("options", "bound", "capacity"),
+    [
+        (AUTO, 4, 6),  # 2 roots and at most 4 draft tokens, below 2 * 5
+        ({**AUTO, "min_verify": 1}, 4, 8),  # and up to one more per row
+        (AUTO, 8, None),  # the bound reaches the padded 10 rows
+        ({**AUTO, "packed_verify": False}, 4, None),
+    ],
+)
+def test_an_auto_budget_bound_read_on_the_host_sizes_the_packed_verify(options, bound, capacity):
+    config = round_config(block_size=5, first_slot=1, **options)
+    assert verify_capacity(config, 2, bound) == capacity
+
+
+def test_budget_bounds_are_the_next_power_of_two():
+    assert [budget_bound(n) for n in (0, 1, 2, 3, 4, 5, 8, 9)] == [1, 1, 2, 4, 4, 8, 8, 16]

@@ -18,7 +18,12 @@ SPECS = {
     "all": SpecOptions(),
     "fixed": SpecOptions(verify_budget=4, min_verify=1),  # verified packed
     "fixed-padded": SpecOptions(verify_budget=4, min_verify=1, packed_verify=False),
+    # auto: the budget read on the host, rounds captured per power-of-two bound, packed.
     "auto": SpecOptions(verify_budget="auto", cost_table=((1, 1.0), (8, 1.2), (64, 3.0))),
+    "auto-padded": SpecOptions(
+        verify_budget="auto", cost_table=((1, 1.0), (8, 1.2), (64, 3.0)), packed_verify=False
+    ),
+    "auto-steep": SpecOptions(verify_budget="auto", cost_table=((1, 1.0), (64, 40.0))),
     "sampled-drafts": SpecOptions(sample_drafts=True, block_size=3),
 }
 

@@ -41,6 +41,13 @@ ROUNDS = {
         random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4, num_layers=1),
         SpecOptions(verify_budget=3, min_verify=1),
     ),
+    # The auto budget read on the host first: the device round is compiled per budget bound.
+    "dspark auto": (
+        TARGET,
+        "dspark",
+        random_block_draft(TARGET, "dspark", seed=2, std=0.3, block_size=4, num_layers=1),
+        SpecOptions(verify_budget="auto", cost_table=((1, 1.0), (64, 20.0))),
+    ),
 }
 
 
@@ -63,7 +70,7 @@ CASES = [
     (name, stages)
     for name in ROUNDS
     for stages in ((ROUND,), STAGES)
-    if name not in ("ngram", "dspark packed") or stages == STAGES
+    if name not in ("ngram", "dspark packed", "dspark auto") or stages == STAGES
 ]
 
 
