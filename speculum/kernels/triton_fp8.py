@@ -26,11 +26,13 @@ from torch import Tensor
 __all__ = ["fp8_gemv", "quantize_rows_triton"]
 
 #: Input rows per program (the tensor cores' smallest tile: fewer rows are masked), output
-#: features per program (small, so that even a 4096-wide layer has a few programs per SM),
-#: and input features per step of its loop (256 e4m3 weights: 16 loads of 16 bytes a row).
-_BLOCK_M, _BLOCK_N, _BLOCK_K = 16, 16, 256
+#: features per program (small, so that even a 4096-wide layer has a program per SM), and
+#: input features per step of its loop (512 e4m3 weights: 32 loads of 16 bytes a row).
+#: Chosen by ``python benchmarks/fp8_gemv.py --sweep`` on the H200 (docs/fp8.md): the best
+#: tile at 6 of the 8B shape's 12 (layer, rows) cases.
+_BLOCK_M, _BLOCK_N, _BLOCK_K = 16, 32, 512
 #: Warps per program, and loads in flight per program (the loop's software pipeline).
-_WARPS, _STAGES = 4, 4
+_WARPS, _STAGES = 4, 3
 #: Features per step of the activation quantizer's loops.
 _BLOCK_ROW = 1024
 #: The largest finite e4m3 value (``kernels.fp8.FP8_MAX``).

@@ -61,7 +61,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class Captured:
     """One recorded call: the graph, the static buffers its inputs are copied into, the
     treespec those inputs must have, and the (static, overwritten-by-each-replay) outputs,
-    also kept flattened (``output_leaves``, all tensors), since every replay copies them."""
+    also kept flattened (``output_leaves``: tensors, and ``None`` where an optional field is
+    empty, a constant of the graph), since every replay copies them."""
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[Any, ...]
@@ -71,17 +72,19 @@ class Captured:
     # host reads ``paths`` (the captured round's path tokens), writes the packed masks into
     # the static ``masks`` and replays the cut's graph, the rest of the round.
     cuts: tuple[tuple[Tensor, Tensor, torch.cuda.CUDAGraph], ...] = ()
-    output_leaves: list[Tensor] = attrs.field(init=False)
+    output_leaves: list[Tensor | None] = attrs.field(init=False)
     _out_spec: pytree.TreeSpec = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         leaves, spec = pytree.tree_flatten(self.outputs)
-        if not all(isinstance(x, Tensor) for x in leaves):
-            raise TypeError("a captured call must return records whose leaves are all tensors")
+        if not all(x is None or isinstance(x, Tensor) for x in leaves):
+            raise TypeError(
+                "a captured call must return records whose leaves are all tensors (or None)"
+            )
         object.__setattr__(self, "output_leaves", leaves)
         object.__setattr__(self, "_out_spec", spec)
 
-    def unflatten_outputs(self, leaves: list[Tensor]) -> Any:
+    def unflatten_outputs(self, leaves: list[Tensor | None]) -> Any:
         """The outputs' structure over other ``leaves`` (in ``output_leaves`` order)."""
         return pytree.tree_unflatten(leaves, self._out_spec)
 
@@ -173,11 +176,9 @@ def copy_all(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
 def fresh_rows(captured: Captured, rows: int) -> Any:
     """The first ``rows`` rows of ``captured``'s outputs, in new tensors (the static outputs
     are overwritten by the next replay)."""
-    leaves = captured.output_leaves
-    if rows != leaves[0].shape[0]:
-        leaves = [x[:rows] for x in leaves]
-    fresh = [torch.empty_like(x) for x in leaves]
-    copy_all(fresh, leaves)
+    leaves = [x if x is None else x[:rows] for x in captured.output_leaves]
+    fresh = [x if x is None else torch.empty_like(x) for x in leaves]
+    copy_all([x for x in fresh if x is not None], [x for x in leaves if x is not None])
     return captured.unflatten_outputs(fresh)
 
 

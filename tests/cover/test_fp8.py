@@ -393,7 +393,8 @@ def test_the_triton_fp8_gemv_equals_the_reference(shape, block, rows, bias, dtyp
     expected = F.linear(x.float(), rounded, b.float() if bias else None)
     ours = fp8_gemv(x[None], weight, scale, list(block), b)[0]
     assert ours.dtype == dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-3  # the output's own rounding
+    # float32: another summation order (TF32 would be off by ~1e-3); else the output's rounding
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
 
 

@@ -52,7 +52,9 @@ def test_the_cuda_kernels_are_within_rounding_of_the_dequantized_product(label, 
     assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 256)
     expected = fp8.fp8_linear_reference(x, q, scale, list(block), None, bias)
     kernel = fp8.cuda_kernel(x, q, list(block))
-    assert kernel == ("triton_gemv" if 2 * rows <= fp8.GEMV_ROWS else "scaled_mm")
+    # Past the GEMV's rows, block scales have no _scaled_mm: the reference runs.
+    large = "reference" if label == "block-128" else "scaled_mm"
+    assert kernel == ("triton_gemv" if 2 * rows <= fp8.GEMV_ROWS else large)
     if kernel == "triton_gemv" or label == "block-128":
         if kernel != "triton_gemv":  # the reference itself
             assert torch.equal(ours, expected)
@@ -83,7 +85,8 @@ def test_the_triton_gemv_computes_each_row_as_a_decode_step_would(block, dtype) 
     rounded = fp8.dequantize(q, scale, block, dtype).float()
     expected = x.float() @ rounded.T
     error = (ours.float() - expected).norm() / expected.norm()
-    assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
+    # float32: another summation order over 4096 products, ~1e-6 relative
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
     for row in range(16):
         assert torch.equal(fp8_gemv(x[row : row + 1], q, scale, list(block), None)[0], ours[row])
 
