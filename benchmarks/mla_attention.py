@@ -16,7 +16,7 @@ latent kernel's output is in parentheses.
 
 ``--sweep`` times the latent kernel at other launch shapes (rows, keys per tile, warps, stages)
 instead, at five of the shapes, one line per shape and candidate, to pick
-``triton_mla._HALF_TILES``.
+``triton_mla.latent_tiles``' half-precision shapes.
 
 Run: ``python benchmarks/mla_attention.py [--sweep]`` (needs a GPU and Triton; flashinfer's rows
 where flashinfer is installed).

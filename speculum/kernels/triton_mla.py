@@ -86,12 +86,17 @@ class LatentTiles(NamedTuple):
     num_stages: int
 
 
-#: Half-precision tiles on the GPU. 64 rows are the smallest Hopper warpgroup product and hold a
-#: 16-head 4-token verify; 64 x 512 float32 accumulators take 128 registers a thread over 8
-#: warps. 32-key tiles (36 KiB of bfloat16 latent and rope) in 2 stages beside a 72 KiB query
-#: tile fit the 228 KiB of shared memory. Not yet measured: `benchmarks/mla_attention.py
-#: --sweep` times the alternatives.
-_HALF_TILES = LatentTiles(rows=64, keys=32, num_warps=8, num_stages=2)
+#: Half-precision tiles on the GPU, by the model's heads (a per-model constant, so decode steps
+#: and verifies tile alike and agree bit for bit), chosen by `benchmarks/mla_attention.py
+#: --sweep` on the H200 (docs/benchmarks.md, fifteenth session). Up to 16 heads (DeepSeek-V2-Lite):
+#: 32 rows (a decode's 16 heads fill half the tile, not a quarter) and 32-key tiles on 4 warps,
+#: 1.2x faster at batch 1 and 1.5x at batch 32 than 64 rows, 9% slower on a 4-token verify.
+#: More heads (DeepSeek-V3's 128): 64 rows, the smallest Hopper warpgroup product, and 64-key
+#: tiles (72 KiB of bfloat16 latent and rope a stage) in 2 stages beside the 72 KiB query tile,
+#: within the 228 KiB of shared memory; 64 x 512 float32 accumulators take 128 registers a
+#: thread over 8 warps.
+_FEW_HEAD_TILES = LatentTiles(rows=32, keys=32, num_warps=4, num_stages=2)
+_MANY_HEAD_TILES = LatentTiles(rows=64, keys=64, num_warps=8, num_stages=2)
 #: float32 (parity tests) multiplies on CUDA cores: smaller tiles keep its operands in shared
 #: memory. The interpreter takes them too, so that tiny test shapes cross key-tile, split and
 #: head-block boundaries.
@@ -288,10 +293,12 @@ def _latent_kernel(
     )  # fmt: skip
 
 
-def latent_tiles(dtype: torch.dtype) -> LatentTiles:
-    """The launch shape for queries of ``dtype`` (a function of the dtype alone, so every call
-    of a batch tiles alike)."""
-    return _SMALL_TILES if _INTERPRET or dtype == torch.float32 else _HALF_TILES
+def latent_tiles(dtype: torch.dtype, heads: int) -> LatentTiles:
+    """The launch shape for queries of ``dtype`` over ``heads`` heads (a function of the model
+    alone, not of the call's tokens, so every call of a batch tiles alike)."""
+    if _INTERPRET or dtype == torch.float32:
+        return _SMALL_TILES
+    return _FEW_HEAD_TILES if heads <= 16 else _MANY_HEAD_TILES
 
 
 def latent_attention_triton(
@@ -336,7 +343,7 @@ def latent_attention_triton(
     out = output_rows(q, latent_dim, q_starts, out)
     if q.numel() == 0:
         return out
-    tiles = latent_tiles(q.dtype) if tiles is None else tiles
+    tiles = latent_tiles(q.dtype, heads) if tiles is None else tiles
     block_h = min(triton.next_power_of_2(heads), tiles.rows)
     block_t = tiles.rows // block_h
     head_blocks = triton.cdiv(heads, block_h)
