@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -28,6 +28,7 @@ __all__ = [
     "constraint",
     "words",
     "fill_bitmask",
+    "fill_bitmasks",
     "legal",
     "forget_shorter",
     "finished",
@@ -165,25 +166,44 @@ def _matcher(c: Constraint, output: tuple[int, ...]) -> Any:
     cache = c.cache
     if cache.inner is None:
         cache.inner, cache.accepted = _xgrammar().GrammarMatcher(c.compiled), ()
-    common = 0
-    for mine, theirs in zip(cache.accepted, output):
-        if mine != theirs:
-            break
-        common += 1
+    common = _common_prefix(cache.accepted, output)
     if common < len(cache.accepted):
         cache.inner.rollback(len(cache.accepted) - common)
-        cache.accepted = cache.accepted[:common]
+    walked = common
     for token in output[common:]:
         if cache.inner.is_terminated() or not cache.inner.accept_token(token):
-            return None
-        cache.accepted += (token,)
-    return cache.inner
+            break
+        walked += 1
+    # One slice, not a tuple grown per token: each growth would copy the whole output.
+    cache.accepted = output[:walked]
+    return cache.inner if walked == len(output) else None
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens ``a`` and ``b`` share. The tuples are compared as slices (in C,
+    not token by token in Python: they hold the whole output), stepping back from the end by
+    doubling, since two paths asked about in a round part within their last few tokens."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    back = 1
+    while a[: max(n - back, 0)] != b[: max(n - back, 0)]:
+        back *= 2
+    common = max(n - back, 0)
+    while a[common] == b[common]:  # a mismatch lies below n: this stops there
+        common += 1
+    return common
 
 
 def words(vocab: int) -> int:
     """How many int32 words a packed bitmask of ``vocab`` tokens takes (xgrammar's layout:
     token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
     return (vocab + 31) // 32
+
+
+#: One row a round asks for: a request's constraint, the token sequence the mask follows (its
+#: output, then a tree path), and the bitmask row to write it to.
+Ask = tuple[Constraint, tuple[int, ...], int]
 
 
 def fill_bitmask(c: Constraint, output: tuple[int, ...], bitmask: torch.Tensor, index: int) -> None:
@@ -194,17 +214,58 @@ def fill_bitmask(c: Constraint, output: tuple[int, ...], bitmask: torch.Tensor, 
     what follows it is never emitted); a row of no allowed token would read as a fault. A
     sequence asked about before (since :func:`forget_shorter` last dropped it) is copied from
     the cache rather than walked again."""
-    known = c.cache.masks.get(output)
-    if known is not None:
-        bitmask[index] = known
-        return
-    matcher = _matcher(c, output)
-    if matcher is None or matcher.is_terminated():
-        bitmask[index] = -1
-    else:
+    fill_bitmasks([(c, output, index)], bitmask)
+
+
+def fill_bitmasks(asks: Sequence[Ask], bitmask: torch.Tensor) -> None:
+    """:func:`fill_bitmask` for each ``(constraint, output, index)`` of ``asks``, the rows of
+    a round's ask over the whole batch. The masks no cache holds are computed in waves, each
+    one call to xgrammar's ``BatchGrammarMatcher``, which fills its rows on parallel threads:
+    a wave takes at most one sequence per constraint (a request's matcher holds one state at a
+    time), so a chain's ask over a batch is one wave and a tree's verify one per node that
+    its draft did not mask. The rows do not depend on the waves: each is its sequence's mask."""
+    left = list(asks)
+    while left:
+        left = _wave(left, bitmask)
+
+
+def _wave(asks: list[Ask], bitmask: torch.Tensor) -> list[Ask]:
+    """Write the rows of ``asks`` that are cached, dead (all ones) or the first uncached one
+    of their constraint (xgrammar, in one batched call); return the asks left for the next
+    wave."""
+    later: list[Ask] = []
+    walked: list[tuple[Any, Ask]] = []  # (its matcher, an ask the wave computes)
+    busy: set[int] = set()  # the constraints whose matcher this wave holds
+    for ask in asks:
+        c, output, index = ask
+        known = c.cache.masks.get(output)
+        if known is not None:
+            bitmask[index] = known
+        elif id(c) in busy:
+            later.append(ask)
+        elif (matcher := _matcher(c, output)) is None or matcher.is_terminated():
+            bitmask[index] = -1
+            c.cache.masks[output] = bitmask[index].clone()
+        else:
+            busy.add(id(c))
+            walked.append((matcher, ask))
+    if len(walked) == 1:  # one row: the threads would cost more than they save
+        matcher, (_, _, index) = walked[0]
         matcher.fill_next_token_bitmask(bitmask, index)
+    elif walked:
+        matchers = [matcher for matcher, _ in walked]
+        _batch().batch_fill_next_token_bitmask(matchers, bitmask, [a[2] for _, a in walked])
+    for _, (c, output, index) in walked:
         c.cache.computed += 1
-    c.cache.masks[output] = bitmask[index].clone()
+        c.cache.masks[output] = bitmask[index].clone()
+    return later
+
+
+@functools.cache
+def _batch() -> Any:
+    """xgrammar's batched filler, made once: its threads (half the host's hardware threads,
+    xgrammar's default) fill the rows of one wave in parallel."""
+    return _xgrammar().BatchGrammarMatcher()
 
 
 def forget_shorter(c: Constraint, length: int) -> None:

@@ -948,13 +948,17 @@ def _bitmasks(
     late = _pending_tokens(pending)
     rows = math.prod(host.shape[1:-1])
     packed = torch.full((host.shape[0] * rows, structured.words(vocab)), -1, dtype=torch.int32)
+    # Python lists, read once: a tensor's rows iterated one by one cost a view each.
+    tokens = host.reshape(host.shape[0], rows, host.shape[-1]).tolist()
+    asks = []
     for b, request in enumerate(requests):
         if request.constraint is None:
             continue
         before = request.output + late.get(request.rid, ())
         structured.forget_shorter(request.constraint, len(before))
-        for i, path in enumerate(host[b].reshape(rows, host.shape[-1])):
-            structured.fill_bitmask(request.constraint, before + _path(path), packed, b * rows + i)
+        for i, path in enumerate(tokens[b]):
+            asks.append((request.constraint, before + _path(path), b * rows + i))
+    structured.fill_bitmasks(asks, packed)  # over the batch at once: xgrammar's threads
     return to_device(packed.reshape(*host.shape[:-1], -1), device)
 
 
@@ -969,9 +973,9 @@ def _pending_tokens(launches: tuple[Launched, ...]) -> dict[int, tuple[int, ...]
     return tokens
 
 
-def _path(tokens: torch.Tensor) -> tuple[int, ...]:
+def _path(tokens: list[int]) -> tuple[int, ...]:
     """A path's tokens, padding (-1) dropped."""
-    return tuple(t for t in tokens.tolist() if t >= 0)
+    return tuple(t for t in tokens if t >= 0)
 
 
 def _unconstrained(batch: Any) -> Any:

@@ -275,13 +275,13 @@ def test_drafts_are_masked_by_the_grammar_along_their_path(name, temperature, mo
     from speculum.runtime import grammar as structured
 
     asked = []
-    fill = structured.fill_bitmask
+    fill = structured.fill_bitmasks
 
-    def recording(c, output, bitmask, index):
-        asked.append((c.compiled, output))
-        fill(c, output, bitmask, index)
+    def recording(asks, bitmask):
+        asked.extend((c.compiled, output) for c, output, _ in asks)
+        fill(asks, bitmask)
 
-    monkeypatch.setattr(structured, "fill_bitmask", recording)
+    monkeypatch.setattr(structured, "fill_bitmasks", recording)
     mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
     generate(mix, engine=grammar_engine(name), temperature=temperature, max_new_tokens=16)
     drafted = [output for _, output in asked if len(output) > 1]
@@ -337,14 +337,14 @@ def test_each_mask_is_computed_once_and_verify_reuses_the_drafts(name, plain_out
     from speculum.runtime import grammar as structured
 
     asked, constraints = [], {}
-    fill = structured.fill_bitmask
+    fill = structured.fill_bitmasks
 
-    def recording(c, output, bitmask, index):
-        asked.append((id(c), output))
-        constraints[id(c)] = c
-        fill(c, output, bitmask, index)
+    def recording(asks, bitmask):
+        asked.extend((id(c), output) for c, output, _ in asks)
+        constraints.update((id(c), c) for c, _, _ in asks)
+        fill(asks, bitmask)
 
-    monkeypatch.setattr(structured, "fill_bitmask", recording)
+    monkeypatch.setattr(structured, "fill_bitmasks", recording)
     mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
     results = generate(mix, engine=grammar_engine(name), max_new_tokens=16)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
