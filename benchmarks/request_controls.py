@@ -26,20 +26,25 @@ collection of its tokens) whose batch is full and has no prefill: the median ove
 ``torch.cuda.synchronize()`` calls on CUDA. A request whose grammar ends is replaced by a new
 one, and the steps that prefill it are not timed. ``x none`` is the ratio to the same row's
 no-control time. Random weights make acceptance meaningless; the ``tokens/round`` column says
-how many tokens the timed rounds emitted per request.
+how many tokens the timed rounds emitted per request. ``masks ms`` is the host's part of a
+json_schema round: the median over the timed steps of the time its grammar asks spent reading
+path tokens and filling and copying the masks (``scheduler._bitmasks``, timed after a device
+synchronize, so the wait for the round's device work so far is not counted).
 
 Run on the GPU: ``python benchmarks/request_controls.py`` (``--tiny`` for a CPU smoke run of
-the script itself, on shorter prompts and fewer steps, whose numbers mean nothing).
+the script itself, on shorter prompts and fewer steps, whose numbers mean nothing but the
+``masks ms`` column's with ``--vocab 128256``: the host's mask work at the 8B's vocabulary).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,29 +96,55 @@ def synthetic_tokenizer(size: int) -> Tokenizer:
     return Tokenizer(inner)
 
 
+@contextlib.contextmanager
+def timing_masks(device: str) -> Iterator[list[float]]:
+    """Inside, each grammar ask (``scheduler._bitmasks``) appends its host milliseconds to
+    the list yielded: timed after a device synchronize, so that the ask's read of the path
+    tokens does not count the device work queued before it."""
+    asks: list[float] = []
+    bitmasks = scheduler._bitmasks
+
+    def timed(*args: Any) -> Any:
+        sync(device)
+        begin = time.perf_counter()
+        masks = bitmasks(*args)
+        sync(device)
+        asks.append(1e3 * (time.perf_counter() - begin))
+        return masks
+
+    scheduler._bitmasks = timed
+    try:
+        yield asks
+    finally:
+        scheduler._bitmasks = bitmasks
+
+
 def timed_steps(
     engine: Engine, args: argparse.Namespace, batch: int, add: Callable[[Any], Any], device: str
-) -> tuple[list[float], float]:
-    """Milliseconds of each timed step (a full batch decoding, no prefill) and the tokens its
-    rounds emitted per request, over ``args.warmup`` untimed then ``args.measure`` timed
-    steps; ``add(state)`` queues one more request."""
+) -> tuple[list[float], float, list[float]]:
+    """Milliseconds of each timed step (a full batch decoding, no prefill), the tokens its
+    rounds emitted per request, and the host milliseconds of each timed step's grammar asks
+    (:func:`timing_masks`), over ``args.warmup`` untimed then ``args.measure`` timed steps;
+    ``add(state)`` queues one more request."""
     state = scheduler.new_state(engine)
-    times, emitted, seen = [], 0, 0
+    times, emitted, seen, masks = [], 0, 0, []
     while len(times) < args.measure:
         while len(state.running) + len(state.prefilling) + len(state.waiting) < batch:
             state = add(state)
         full = len(state.running) == batch and not (state.waiting or state.prefilling)
         sync(device)
-        begin = time.perf_counter()
-        state, outputs = scheduler.step(engine, state)
-        sync(device)
-        elapsed = time.perf_counter() - begin
+        with timing_masks(device) as asks:
+            begin = time.perf_counter()
+            state, outputs = scheduler.step(engine, state)
+            sync(device)
+            elapsed = time.perf_counter() - begin
         if full:
             seen += 1
             if seen > args.warmup:
                 times.append(1e3 * elapsed)
+                masks.append(sum(asks))
                 emitted += sum(len(o.new_token_ids) for o in outputs)
-    return times, emitted / (batch * args.measure)
+    return times, emitted / (batch * args.measure), masks
 
 
 def budget(args: argparse.Namespace, shape: tuple[int, int, int]) -> int:
@@ -151,9 +182,9 @@ def row(target, head, tokenizer, batch: int, label: str, shape, control, args, d
         )
         return state
 
-    times, tokens = timed_steps(engine, args, batch, add, device)
+    times, tokens, masks = timed_steps(engine, args, batch, add, device)
     return {"round": label, "batch": batch, "ms/round": statistics.median(times),
-            "tokens/round": tokens}  # fmt: skip
+            "masks ms": statistics.median(masks), "tokens/round": tokens}  # fmt: skip
 
 
 def main() -> None:
@@ -164,12 +195,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure", type=int, default=30)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    parser.add_argument(
+        "--vocab", type=int, help="the --tiny model's vocabulary (128256 for the 8B's mask work)"
+    )
     args = parser.parse_args()
     if args.tiny:  # the smoke run checks the script, not the numbers: keep it short
         args.prompt, args.measure = min(args.prompt, 64), min(args.measure, 8)
         torch.set_num_threads(1)  # tiny matrices gain nothing from threads on a shared CPU
     device = "cpu" if args.tiny else "cuda"
-    config = TINY if args.tiny else LLAMA_8B
+    if args.vocab and not args.tiny:
+        parser.error("--vocab sets the --tiny model's vocabulary; the GPU run's is the 8B's")
+    config = attrs.evolve(TINY, vocab_size=args.vocab or TINY.vocab_size) if args.tiny else LLAMA_8B
     config = attrs.evolve(config, eos_token_ids=(config.vocab_size - 1,))
     target, head = build_models(config, device, torch.float32 if args.tiny else torch.bfloat16)
     tokenizer = synthetic_tokenizer(config.vocab_size)

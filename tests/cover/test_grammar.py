@@ -317,6 +317,48 @@ def test_packed_masks_mask_exactly_as_xgrammars_dense_application():
     assert allowed == [i for i in range(vocab) if i % 10 <= 4]
 
 
+def test_a_batchs_masks_take_one_xgrammar_call_per_wave(monkeypatch):
+    """The rows of one ask over a batch are filled together: each xgrammar call (a batched one
+    over several requests' matchers, or one row alone) takes at most one uncached sequence per
+    request, so the calls number the most any request needs, not the rows. Every row equals
+    the mask of its sequence asked alone; repeats are copied, dead paths allow everything."""
+    import xgrammar
+
+    from speculum.runtime import grammar as structured
+
+    vocab, words = 70, structured.words(70)
+    info = xgrammar.TokenizerInfo([str(i % 10).encode() for i in range(vocab)], vocab_size=vocab)
+    compiled = xgrammar.GrammarCompiler(info).compile_regex("[0-4]{2}[5-9]")
+
+    def fresh() -> structured.Constraint:
+        return structured.Constraint(field="regex", compiled=compiled, vocab=vocab)
+
+    a, b = fresh(), fresh()
+    # a: three sequences to compute (one repeated), b: one, and one it refuses (7: not 0-4).
+    asked = [(a, ()), (b, (2,)), (a, (1,)), (b, (7,)), (a, (1,)), (a, (1, 12)), (b, (2,))]
+    calls = []
+    for owner, name in [
+        (xgrammar.GrammarMatcher, "fill_next_token_bitmask"),
+        (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask"),
+    ]:
+        method = getattr(owner, name)
+
+        def counting(self, *args, method=method, name=name, **kwargs):
+            calls.append(name)
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+    packed = torch.zeros(len(asked), words, dtype=torch.int32)
+    structured.fill_bitmasks([(c, output, i) for i, (c, output) in enumerate(asked)], packed)
+    assert calls == ["batch_fill_next_token_bitmask"] + ["fill_next_token_bitmask"] * 2
+    assert (a.cache.computed, b.cache.computed) == (3, 1)
+    alone = torch.zeros(len(asked), words, dtype=torch.int32)
+    for i, (_, output) in enumerate(asked):
+        structured.fill_bitmask(fresh(), output, alone, i)
+    assert torch.equal(packed, alone)
+    assert (packed[3] == -1).all()
+
+
 def test_a_mask_cut_pads_the_rounds_masks_to_the_bucket():
     """Eagerly (warm-up, and at a replay's cuts) the captured round's grammar callback asks
     the round's own for its real rows and allows every token on the padding rows."""
