@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -261,11 +262,18 @@ def _wave(asks: list[Ask], bitmask: torch.Tensor) -> list[Ask]:
     return later
 
 
-@functools.cache
 def _batch() -> Any:
-    """xgrammar's batched filler, made once: its threads (half the host's hardware threads,
-    xgrammar's default) fill the rows of one wave in parallel."""
-    return _xgrammar().BatchGrammarMatcher()
+    """xgrammar's batched filler, whose threads (half the host's hardware threads, xgrammar's
+    default) fill the rows of one wave in parallel: one per calling thread, made once (a
+    server steps each model's engine on its own thread, and xgrammar does not say that one
+    filler may serve concurrent calls)."""
+    batch = getattr(_FILLERS, "batch", None)
+    if batch is None:
+        batch = _FILLERS.batch = _xgrammar().BatchGrammarMatcher()
+    return batch
+
+
+_FILLERS = threading.local()
 
 
 def forget_shorter(c: Constraint, length: int) -> None:

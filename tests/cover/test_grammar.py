@@ -359,6 +359,22 @@ def test_a_batchs_masks_take_one_xgrammar_call_per_wave(monkeypatch):
     assert (packed[3] == -1).all()
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=40),
+    st.lists(st.integers(0, 3), max_size=8),
+    st.lists(st.integers(0, 3), max_size=8),
+)
+def test_a_matcher_walks_back_exactly_to_where_a_path_parts(common, left, right):
+    """The cached matcher rolls back to the longest prefix its tokens share with the sequence
+    asked about, found by comparing slices: the same count as comparing token by token."""
+    from speculum.runtime.grammar import _common_prefix
+
+    a, b = tuple(common + left), tuple(common + right)
+    expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert _common_prefix(a, b) == expected == _common_prefix(b, a)
+
+
 def test_a_mask_cut_pads_the_rounds_masks_to_the_bucket():
     """Eagerly (warm-up, and at a replay's cuts) the captured round's grammar callback asks
     the round's own for its real rows and allows every token on the padding rows."""
