@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -221,10 +222,11 @@ def fill_bitmask(c: Constraint, output: tuple[int, ...], bitmask: torch.Tensor, 
 def fill_bitmasks(asks: Sequence[Ask], bitmask: torch.Tensor) -> None:
     """:func:`fill_bitmask` for each ``(constraint, output, index)`` of ``asks``, the rows of
     a round's ask over the whole batch. The masks no cache holds are computed in waves, each
-    one call to xgrammar's ``BatchGrammarMatcher``, which fills its rows on parallel threads:
-    a wave takes at most one sequence per constraint (a request's matcher holds one state at a
-    time), so a chain's ask over a batch is one wave and a tree's verify one per node that
-    its draft did not mask. The rows do not depend on the waves: each is its sequence's mask."""
+    one call to xgrammar's ``BatchGrammarMatcher``, which fills its rows on parallel threads
+    (:func:`_threads`): a wave takes at most one sequence per constraint (a request's matcher
+    holds one state at a time), so a chain's ask over a batch is one wave and a tree's verify
+    one per node that its draft did not mask. The rows do not depend on the waves: each is
+    its sequence's mask."""
     left = list(asks)
     while left:
         left = _wave(left, bitmask)
@@ -250,27 +252,32 @@ def _wave(asks: list[Ask], bitmask: torch.Tensor) -> list[Ask]:
         else:
             busy.add(id(c))
             walked.append((matcher, ask))
-    if len(walked) == 1:  # one row: the threads would cost more than they save
-        matcher, (_, _, index) = walked[0]
-        matcher.fill_next_token_bitmask(bitmask, index)
-    elif walked:
+    if walked:
         matchers = [matcher for matcher, _ in walked]
-        _batch().batch_fill_next_token_bitmask(matchers, bitmask, [a[2] for _, a in walked])
+        filler = _filler(_threads(len(walked)))
+        filler.batch_fill_next_token_bitmask(matchers, bitmask, [a[2] for _, a in walked])
     for _, (c, output, index) in walked:
         c.cache.computed += 1
         c.cache.masks[output] = bitmask[index].clone()
     return later
 
 
-def _batch() -> Any:
-    """xgrammar's batched filler, whose threads (half the host's hardware threads, xgrammar's
-    default) fill the rows of one wave in parallel: one per calling thread, made once (a
-    server steps each model's engine on its own thread, and xgrammar does not say that one
-    filler may serve concurrent calls)."""
-    batch = getattr(_FILLERS, "batch", None)
-    if batch is None:
-        batch = _FILLERS.batch = _xgrammar().BatchGrammarMatcher()
-    return batch
+def _threads(rows: int) -> int:
+    """How many threads fill a wave of ``rows`` masks: one a row, at most one a CPU this
+    process may run on. (xgrammar's default, half the host's hardware threads, counts CPUs
+    outside the process's share, and it starts its threads anew at every call.)"""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(rows, cpus or 1))
+
+
+def _filler(threads: int) -> Any:
+    """xgrammar's batched filler with ``threads`` threads (one: the rows in turn, no thread
+    started), made once per calling thread (a server steps each model's engine on its own
+    thread, and a filler keeps its thread pool in itself between a call's start and end)."""
+    fillers = _FILLERS.__dict__.setdefault("by_threads", {})
+    if threads not in fillers:
+        fillers[threads] = _xgrammar().BatchGrammarMatcher(threads)
+    return fillers[threads]
 
 
 _FILLERS = threading.local()
