@@ -58,7 +58,7 @@ from decode import LLAMA_8B, ROUNDS, TINY, build_models, sync, table  # noqa: E4
 from grammar_masks import CASES, vocabulary  # noqa: E402
 
 from speculum.models.tokenizer import EOS, Tokenizer, byte_level_tokenizer  # noqa: E402
-from speculum.runtime import scheduler  # noqa: E402
+from speculum.runtime import grammar, scheduler  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 
 #: Whether xgrammar is installed: without it the json_schema row is left out (say so).
@@ -198,11 +198,15 @@ def main() -> None:
     parser.add_argument(
         "--vocab", type=int, help="the --tiny model's vocabulary (128256 for the 8B's mask work)"
     )
+    parser.add_argument(
+        "--fill-threads", type=int, help="grammar.FILL_THREADS (default: one per CPU)"
+    )
     args = parser.parse_args()
     if args.tiny:  # the smoke run checks the script, not the numbers: keep it short
         args.prompt, args.measure = min(args.prompt, 64), min(args.measure, 8)
         torch.set_num_threads(1)  # tiny matrices gain nothing from threads on a shared CPU
     device = "cpu" if args.tiny else "cuda"
+    grammar.FILL_THREADS = args.fill_threads
     if args.vocab and not args.tiny:
         parser.error("--vocab sets the --tiny model's vocabulary; the GPU run's is the 8B's")
     config = attrs.evolve(TINY, vocab_size=args.vocab or TINY.vocab_size) if args.tiny else LLAMA_8B
@@ -211,7 +215,10 @@ def main() -> None:
     tokenizer = synthetic_tokenizer(config.vocab_size)
     shapes = {label: shape for label, *shape in ROUNDS}
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"{name}; torch {torch.__version__}; {head.algorithm} draft; prompt {args.prompt}")
+    print(
+        f"{name}; torch {torch.__version__}; {head.algorithm} draft; prompt {args.prompt}; "
+        f"grammar fill threads {args.fill_threads or 'one per CPU'}"
+    )
     if not GRAMMAR:
         print("xgrammar is not installed: no json_schema rows (pip install xgrammar)")
     rows = []

@@ -262,12 +262,23 @@ def _wave(asks: list[Ask], bitmask: torch.Tensor) -> list[Ask]:
     return later
 
 
+#: The most threads that fill one wave of masks (:func:`fill_bitmasks`); None: one per CPU
+#: this process may run on. A process-wide setting: 1 fills the rows in turn, on the calling
+#: thread, which is faster where the other CPUs are busy (threads are started at every wave).
+FILL_THREADS: int | None = None
+
+
 def _threads(rows: int) -> int:
-    """How many threads fill a wave of ``rows`` masks: one a row, at most one a CPU this
-    process may run on. (xgrammar's default, half the host's hardware threads, counts CPUs
-    outside the process's share, and it starts its threads anew at every call.)"""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(rows, cpus or 1))
+    """How many threads fill a wave of ``rows`` masks: one a row, at most :data:`FILL_THREADS`
+    or one a CPU this process may run on. (xgrammar's own default, half the host's hardware
+    threads, counts CPUs outside the process's share, and it starts them anew at every call.)"""
+    if FILL_THREADS is not None:
+        cpus = FILL_THREADS
+    elif hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
+    else:
+        cpus = os.cpu_count() or 1
+    return max(1, min(rows, cpus))
 
 
 def _filler(threads: int) -> Any:
