@@ -199,7 +199,7 @@ def main() -> None:
         "--vocab", type=int, help="the --tiny model's vocabulary (128256 for the 8B's mask work)"
     )
     parser.add_argument(
-        "--fill-threads", type=int, help="grammar.FILL_THREADS (default: one per CPU)"
+        "--fill-threads", type=int, help="grammar.FILL_THREADS (default: half the CPUs)"
     )
     args = parser.parse_args()
     if args.tiny:  # the smoke run checks the script, not the numbers: keep it short
@@ -217,7 +217,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
         f"{name}; torch {torch.__version__}; {head.algorithm} draft; prompt {args.prompt}; "
-        f"grammar fill threads {args.fill_threads or 'one per CPU'}"
+        f"grammar fill threads {args.fill_threads or 'half the CPUs'}"
     )
     if not GRAMMAR:
         print("xgrammar is not installed: no json_schema rows (pip install xgrammar)")

@@ -262,23 +262,24 @@ def _wave(asks: list[Ask], bitmask: torch.Tensor) -> list[Ask]:
     return later
 
 
-#: The most threads that fill one wave of masks (:func:`fill_bitmasks`); None: one per CPU
-#: this process may run on. A process-wide setting: 1 fills the rows in turn, on the calling
-#: thread, which is faster where the other CPUs are busy (threads are started at every wave).
+#: The most threads that fill one wave of masks (:func:`fill_bitmasks`); None: half the CPUs
+#: this process may run on (the rest stay for the scheduler's own thread, torch's and other
+#: engines'). A process-wide setting: 1 fills the rows in turn on the calling thread, which
+#: is faster where the CPUs are busy (a wave starts its threads anew).
 FILL_THREADS: int | None = None
 
 
 def _threads(rows: int) -> int:
-    """How many threads fill a wave of ``rows`` masks: one a row, at most :data:`FILL_THREADS`
-    or one a CPU this process may run on. (xgrammar's own default, half the host's hardware
-    threads, counts CPUs outside the process's share, and it starts them anew at every call.)"""
+    """How many threads fill a wave of ``rows`` masks: one a row, at most :data:`FILL_THREADS`.
+    (xgrammar's own default, half the host's hardware threads, counts CPUs outside the
+    process's share, and it starts that many at every call whatever the rows.)"""
     if FILL_THREADS is not None:
-        cpus = FILL_THREADS
+        most = FILL_THREADS
     elif hasattr(os, "sched_getaffinity"):
-        cpus = len(os.sched_getaffinity(0))
+        most = len(os.sched_getaffinity(0)) // 2
     else:
-        cpus = os.cpu_count() or 1
-    return max(1, min(rows, cpus))
+        most = (os.cpu_count() or 1) // 2
+    return max(1, min(rows, most))
 
 
 def _filler(threads: int) -> Any:

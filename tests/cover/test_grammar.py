@@ -317,14 +317,17 @@ def test_packed_masks_mask_exactly_as_xgrammars_dense_application():
     assert allowed == [i for i in range(vocab) if i % 10 <= 4]
 
 
-def test_a_batchs_masks_take_one_xgrammar_call_per_wave(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batchs_masks_take_one_xgrammar_call_per_wave(threads, monkeypatch):
     """The rows of one ask over a batch are filled together: each batched xgrammar call takes
     at most one uncached sequence per request, so the calls number the most any request
-    needs, not the rows. Every row equals the mask of its sequence asked alone; repeats are
-    copied, dead paths allow everything."""
+    needs, not the rows. Every row equals the mask of its sequence asked alone, filled in
+    turn or on threads; repeats are copied, dead paths allow everything."""
     import xgrammar
 
     from speculum.runtime import grammar as structured
+
+    monkeypatch.setattr(structured, "FILL_THREADS", threads)
 
     vocab, words = 70, structured.words(70)
     info = xgrammar.TokenizerInfo([str(i % 10).encode() for i in range(vocab)], vocab_size=vocab)
