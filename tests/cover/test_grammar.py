@@ -205,19 +205,22 @@ def test_refused_requests_leave_the_state_unchanged():
 
 def test_a_constrained_round_asks_the_grammar_along_every_tree_path():
     """The round's masks are the grammar's after each node's path: a tree of two branches
-    under the root, ``1`` then ``2`` and ``-``, gets three different rows."""
+    under the root, ``1`` then ``2`` and ``-``, gets three different rows; a request without
+    a grammar in the same batch gets rows that allow every token."""
     built = grammar_engine("plain")
     state = scheduler.new_state(built)
     sampling = scheduler.Sampling(regex="1(2|-3)")
     state, rid = scheduler.add_request(built, state, [1], sampling=sampling)
-    (request,) = state.waiting
-    paths = torch.tensor([[[-1, -1], [1, -1], [1, 2]]])  # root, "1", "12"
-    packed = scheduler._bitmasks((request,), (), VOCAB, torch.device("cpu"), paths)
-    assert packed.dtype == torch.int32 and packed.shape == (1, 3, 1)  # 16 tokens: one word
+    state, _ = scheduler.add_request(built, state, [2])
+    request, free = state.waiting
+    paths = torch.tensor([[[-1, -1], [1, -1], [1, 2]]] * 2)  # root, "1", "12"
+    packed = scheduler._bitmasks((request, free), (), VOCAB, torch.device("cpu"), paths)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 3, 1)  # 16 tokens: one word
     allowed = unpack_bitmask(packed, VOCAB)
     assert allowed[0, 0].nonzero().flatten().tolist() == [1]
     assert allowed[0, 1].nonzero().flatten().tolist() == [2, 13]  # "2" or "-"
     assert allowed[0, 2].nonzero().flatten().tolist() == [EOS]
+    assert (packed[1] == -1).all()
 
 
 def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
