@@ -10,10 +10,12 @@ import json
 import attrs
 import pytest
 import tokenizers
+import torch
 from test_graphs_cuda import PROMPTS, VOCAB, _drafts, _target, _tokens
 from tokenizers import decoders, models
 
 from speculum.models.tokenizer import Tokenizer
+from speculum.runtime import scheduler
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate
 
@@ -97,3 +99,26 @@ def test_captured_ngram_grammar_rounds_are_uncut_and_equal_eager():
     assert captured == eager
     graphs = decode.keywords["device_round"].graphs
     assert graphs and not any(c.cuts for _, _, c in graphs)
+
+
+def test_masks_copied_from_pinned_memory_equal_the_hosts():
+    """On CUDA an ask's masks are written row by row into pinned host memory and copied from
+    there: they equal the same ask's on the CPU, rows of the request with the schema masked
+    after each path, the rows of a request without a grammar allowing every token."""
+    built = engine_from_model(_target(), page_size=4, max_context=96, max_batch=8)
+    built = attrs.evolve(built, tokenizer=_char_tokenizer(), eos_token_ids=(VOCAB - 1,))
+    brace, quote = CHARS.index("{"), CHARS.index('"')
+    paths = torch.tensor([[[-1, -1], [brace, -1], [brace, quote]]] * 2)  # root, "{", '{"'
+
+    def asked(device: str) -> torch.Tensor:
+        # New requests each time: each has its own matcher and cache, so xgrammar writes
+        # every row afresh into the ask's own host tensor.
+        state = scheduler.new_state(built)
+        schema = scheduler.Sampling(json_schema=SCHEMA)
+        state, _ = scheduler.add_request(built, state, [1, 2], sampling=schema)
+        state, _ = scheduler.add_request(built, state, [3])
+        return scheduler._bitmasks(state.waiting, (), VOCAB, torch.device(device), paths).cpu()
+
+    on_cuda, on_cpu = asked("cuda"), asked("cpu")
+    assert torch.equal(on_cuda, on_cpu)
+    assert (on_cuda[1] == -1).all() and not (on_cuda[0] == -1).all()
