@@ -395,17 +395,25 @@ HOST_ONLY = {
     "max_occurrences": 256,
     "flush_tokens": 32,
 }
+#: The host-only settings that a chain has: passing these to the device matcher is harmless.
+_CHAIN = {"min_breadth": 1, "max_breadth": 1}
 
 
 def validate_matcher(matcher: str, *, corpus: object, store: bool, **settings: object) -> None:
     """Raise ``ValueError`` when ``matcher`` is not one of :data:`MATCHERS`, or when the
     device matcher is combined with what only the host matcher reads: a corpus, the shared
-    store, or a :data:`HOST_ONLY` setting away from its default."""
+    store, or a :data:`HOST_ONLY` setting away from its default (breadth 1 is the chain's own,
+    so also accepted)."""
     if matcher not in MATCHERS:
         raise ValueError(f"ngram matcher={matcher!r} must be one of {', '.join(MATCHERS)}")
     if matcher == "host":
         return
-    problems = [f"{k}={v!r}" for k, v in settings.items() if k in HOST_ONLY and v != HOST_ONLY[k]]
+    # Each setting at its default, or at the value the chain has (breadth 1), is harmless.
+    problems = [
+        f"{k}={v!r}"
+        for k, v in settings.items()
+        if k in HOST_ONLY and v not in (HOST_ONLY[k], _CHAIN.get(k, HOST_ONLY[k]))
+    ]
     if corpus is not None:
         problems.append(f"corpus={corpus!r}")
     if store:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ngram import TARGET, VOCAB
+from stats import assert_matches_distribution
+from test_ngram import SMALL, SMALL_VOCAB, TARGET, VOCAB, ShiftModel, exact_joint
 
 from speculum.models.loading import random_model, save_model
 from speculum.pipelines import get_pipeline
@@ -210,28 +212,68 @@ def test_greedy_device_matcher_decoding_equals_plain(
     ]
 
 
-def test_seeded_sampling_matches_the_host_matcher_where_their_chains_agree():
-    """With the same chains, the device round draws exactly the host round's tokens (the
-    same verify, the same counter-based coins): prompts whose every round's chain the host's
-    breadth-1 matcher drafts alike (continuations far from the history's end)."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [9, 10, 11, 12, 13, 14, 9, 10]]
-    options = dict(max_new_tokens=3, temperature=0.9, top_p=0.95, seed=5)
-    common = dict(max_depth=3, min_breadth=1, max_breadth=1)
-    host = engine_from_model(
-        TARGET,
+def test_seeded_sampling_draws_the_host_matchers_tokens_where_their_chains_agree():
+    """Seeded sampled decoding through the device round emits exactly the host round's tokens
+    and rounds when both draft the same chains (the same verify, the same counter-based
+    coins): on the copy target of ``test_ngram`` the text repeats with period 16, so the
+    most recent occurrence always has a full-depth continuation and the host's breadth-1
+    chain is the device's."""
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 5]]
+    options = dict(max_new_tokens=40, temperature=1.0, seed=5)
+    common = dict(max_depth=4, min_breadth=1, max_breadth=1)
+    results = {}
+    for matcher in ("host", "device"):
+        store = {"store_tokens": 0} if matcher == "host" else {}
+        engine = engine_from_model(
+            ShiftModel(),
+            algorithm="ngram",
+            spec=SpecOptions(num_draft_tokens=5),
+            ngram=NgramOptions(matcher=matcher, **common, **store),
+            page_size=4,
+            max_context=64,
+        )
+        results[matcher] = generate(prompts, engine=engine, **options)
+    ours, expected = results["device"], results["host"]
+    assert [r.token_ids for r in ours] == [r.token_ids for r in expected]
+    histograms = [r.stats["accept_length_histogram"] for r in ours]
+    assert histograms == [r.stats["accept_length_histogram"] for r in expected]
+    assert all(sum(h[3:]) >= 3 for h in histograms), "rounds must accept deep chains"
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
+    ],
+)
+def test_first_two_tokens_follow_the_target_law(setting):
+    """3000 seeded requests of two tokens: their joint law is the target's (chi-square), with
+    chains accepted on the way (``test_ngram``'s check, through the device round)."""
+    prompt = [1, 4, 2, 1, 4, 2, 1, 4]
+    seeds = 3000
+    engine = engine_from_model(
+        SMALL,
         algorithm="ngram",
         spec=SpecOptions(num_draft_tokens=4),
-        ngram=NgramOptions(store_tokens=0, **common),
+        ngram=NgramOptions(matcher="device", max_depth=4),
         page_size=4,
-        max_context=48,
+        max_context=16,
+        max_batch=seeds,
+        num_pages=seeds * 5 + 1,
+        prefill_budget=seeds * len(prompt),
     )
-    ours = device_engine(num_draft_tokens=4, max_depth=3)
-    expected = generate(prompts, engine=host, **options)
-    results = generate(prompts, engine=ours, **options)
-    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
-    assert [r.stats["accept_length_histogram"] for r in results] == [
-        r.stats["accept_length_histogram"] for r in expected
+    state = scheduler.new_state(engine)
+    for seed in range(seeds):
+        sampling = scheduler.Sampling(min_p=0.0, seed=seed, **setting)
+        state, _ = scheduler.add_request(engine, state, prompt, sampling=sampling, max_new_tokens=2)
+    _, finished = run_to_completion(engine, state)
+    codes = np.array([q.output[0] * SMALL_VOCAB + q.output[1] for q in finished.values()])
+    assert_matches_distribution(codes, exact_joint(SMALL, prompt, setting))
+    emitted = [
+        k for q in finished.values() for k, n in enumerate(q.round_lengths) for _ in range(n)
     ]
+    assert np.mean(emitted) > 1.3, "the accept path must be exercised, not only the bonus"
 
 
 def test_chunked_prefill_keeps_the_whole_prompt_in_the_device_history():
