@@ -55,21 +55,25 @@ def match_lengths(
     ``b``'s history (its suffix), at most ``longest``; positions past the history are not
     masked here (:func:`match_chain` keeps ``e <= n - 2``).
 
-    All suffix lengths at once: each position's window of the ``longest`` tokens ending there
-    (newest first) is compared with the suffix (newest first), with one extra column that
-    never matches, so the first mismatch (``argmax``, which returns the first maximum) is the
-    match length. Memory: ``batch * context * (longest + 1)`` bytes."""
+    All suffix lengths at once: column ``t`` of position ``e``'s window holds ``h[e - longest
+    + t]`` (a strided view, no copy), compared with suffix token ``longest - t``; column 0
+    compares with a sentinel and never matches, so the match length is ``longest`` minus the
+    last mismatching column, found as a max over the columns' indices. Memory: two bytes per
+    ``batch * context * (longest + 1)`` (the comparison and the indexed mismatches)."""
     batch, width = history.shape
     back = torch.arange(longest, device=history.device)
     at = history_len[:, None] - 1 - back[None, :]
     suffix = torch.where(at >= 0, history.gather(1, at.clamp(min=0)), _NO_SUFFIX)
-    suffix = torch.cat([suffix, suffix.new_full((batch, 1), _NO_SUFFIX)], dim=1)
+    # Oldest first, after the sentinel: column t holds suffix token longest - t.
+    suffix = torch.cat([suffix.new_full((batch, 1), _NO_SUFFIX), suffix.flip(1)], dim=1)
     before = history.new_full((batch, longest), _BEFORE_START)
     padded = torch.cat([before, history], dim=1)  # [batch, longest + context]
-    # windows[b, e, j] = h[e + j - longest]; flipped, column j is h[e - j] (j = longest: before).
-    windows = padded.unfold(1, longest + 1, 1)[:, :width].flip(-1)
-    mismatch = (windows != suffix[:, None, :]).to(torch.uint8)
-    return mismatch.argmax(dim=-1)
+    windows = padded.unfold(1, longest + 1, 1)[:, :width]  # [batch, context, longest + 1]
+    mismatch = windows != suffix[:, None, :]
+    small = torch.uint8 if longest < 256 else torch.int32
+    column = torch.arange(longest + 1, dtype=small, device=history.device)
+    last = torch.where(mismatch, column, 0).amax(dim=-1)
+    return longest - last.long()
 
 
 def _filler_levels(fan_out: int, count: int) -> list[int]:
