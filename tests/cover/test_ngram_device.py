@@ -350,8 +350,26 @@ def test_the_store_defaults_to_off_with_the_device_matcher_and_on_with_the_host_
     assert NgramOptions(matcher="device", store_tokens=0).store_size == 0
 
 
-def test_the_command_line_flag_selects_the_device_matcher(tmp_path, capsys):
-    folder = save_model(random_model(tiny_config(), seed=1, std=0.3), tmp_path / "model")
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny model folder for the command line and ``speculum.generate``."""
+    model = random_model(tiny_config(), seed=1, std=0.3)
+    return save_model(model, tmp_path_factory.mktemp("ngram_device") / "model")
+
+
+def test_vllms_ngram_gpu_method_is_the_device_matcher(folder):
+    prompt = [1, 2, 3, 1, 2, 3, 1]
+    config = {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    (vllm,) = generate([prompt], model=folder, speculative_config=config, max_new_tokens=12)
+    ours = NgramOptions(matcher="device", max_depth=3)
+    (expected,) = generate(
+        [prompt], model=folder, algorithm="ngram", num_draft_tokens=5, ngram=ours, max_new_tokens=12
+    )
+    assert vllm.token_ids == expected.token_ids
+    assert vllm.stats["accept_length_histogram"] == expected.stats["accept_length_histogram"]
+
+
+def test_the_command_line_flag_selects_the_device_matcher(folder, capsys):
     common = ["generate", "--model", str(folder), "--prompt-ids", "1,2,3,1,2,3,1", "--json"]
     common += ["--max-new-tokens", "12"]
     assert cli.main(common) == 0
