@@ -569,7 +569,8 @@ def engine_from_model(
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
-    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
+    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (the host
+    n-gram matcher: then its device part is captured);
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
