@@ -152,51 +152,27 @@ def prefill(
 ) -> tuple[NgramState, StepOutput]:
     """Target prefill (as plain decoding), and each row's history: the prompt tokens before the
     chunk (``chunk.prefix_tokens``, when the caller supplies them), the chunk, and the first
-    sampled token. The history is as wide as the page table can address."""
-    base, first = plain.prefill(resources, chunk)
-    batch = chunk.tokens.shape[0]
-    width = chunk.kv.page_table.shape[1] * chunk.kv.page_size
-    packed = torch.cat(
-        [chunk.kv.seq_lens[:, None], chunk.q_lens[:, None], first.tokens, chunk.tokens], dim=1
-    ).cpu()  # one device-to-host copy
-    prefix = chunk.prefix_tokens
-    if prefix is not None:
-        prefix = prefix.cpu()
-    history = torch.full((batch, width), -1, dtype=torch.int64)
-    lengths = []
-    for row in range(batch):
-        seq_len, q_len, token = packed[row, :3].tolist()
-        start = 0
-        if prefix is not None:
-            if prefix.shape[1] < seq_len or bool((prefix[row, :seq_len] < 0).any()):
-                raise ValueError(
-                    f"ngram prefill: row {row} has {seq_len} prompt tokens in the cache but "
-                    "prefix_tokens does not hold them all; pass every earlier prompt token"
-                )
-            history[row, :seq_len] = prefix[row, :seq_len]
-            start = seq_len
-        history[row, start : start + q_len] = packed[row, 3 : 3 + q_len]
-        history[row, start + q_len] = token
-        lengths.append(start + q_len + 1)
-    state = make(
-        NgramState,
-        kv=base.kv,
-        root_tokens=base.next_tokens,
-        sampling=base.sampling,
-        history=history,
-        history_len=torch.tensor(lengths, dtype=torch.int64),
-        stored_len=torch.zeros(batch, dtype=torch.int64),
+    sampled token. The history is as wide as the page table can address; it is built on the
+    cache's device (:func:`device_prefill`) and brought to the host in one copy."""
+    state, first = device_prefill(resources, chunk, config=config)
+    packed = torch.cat([state.history_len[:, None], state.history], dim=1).cpu()  # one copy
+    host = replace(
+        state,
+        history=packed[:, 1:],
+        history_len=packed[:, 0],
+        stored_len=torch.zeros_like(packed[:, 0]),
     )
-    return state, first
+    return host, first
 
 
 def device_prefill(
     resources: Resources, chunk: PrefillChunk, *, config: NgramPipelineConfig
 ) -> tuple[NgramState, StepOutput]:
-    """:func:`prefill` for the device matcher: the same history, built on the cache's device
+    """:func:`prefill` for the device matcher: the same history, left on the cache's device
     (the host's ``prefix_tokens`` copied there without waiting for queued work). Checking that
     ``prefix_tokens`` holds every prompt token already cached costs one host sync, eagerly
-    (``spec.checks``), as the prefill's own input checks do."""
+    (``spec.checks``), as the prefill's own input checks do. Without ``prefix_tokens`` the
+    history starts at the chunk."""
     base, first = plain.prefill(resources, chunk)
     device = chunk.tokens.device
     batch = chunk.tokens.shape[0]

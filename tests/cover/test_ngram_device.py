@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats import assert_matches_distribution
-from test_ngram import SMALL, SMALL_VOCAB, TARGET, VOCAB, ShiftModel, exact_joint
+from test_ngram import (
+    LAW_SETTINGS,
+    TARGET,
+    VOCAB,
+    ShiftModel,
+    assert_first_two_tokens_follow_the_target_law,
+)
 
 from speculum.models.loading import random_model, save_model
 from speculum.pipelines import get_pipeline
@@ -23,6 +27,7 @@ from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.spec import ngram
 from speculum.spec.ngram_device import append_tokens, match_chain
+from speculum.state.record import replace
 
 # ------------------------------------------------------------------------------ the matcher
 
@@ -240,40 +245,11 @@ def test_seeded_sampling_draws_the_host_matchers_tokens_where_their_chains_agree
     assert all(sum(h[3:]) >= 3 for h in histograms), "rounds must accept deep chains"
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
-    ],
-)
+@pytest.mark.parametrize("setting", LAW_SETTINGS)
 def test_first_two_tokens_follow_the_target_law(setting):
-    """3000 seeded requests of two tokens: their joint law is the target's (chi-square), with
-    chains accepted on the way (``test_ngram``'s check, through the device round)."""
-    prompt = [1, 4, 2, 1, 4, 2, 1, 4]
-    seeds = 3000
-    engine = engine_from_model(
-        SMALL,
-        algorithm="ngram",
-        spec=SpecOptions(num_draft_tokens=4),
-        ngram=NgramOptions(matcher="device", max_depth=4),
-        page_size=4,
-        max_context=16,
-        max_batch=seeds,
-        num_pages=seeds * 5 + 1,
-        prefill_budget=seeds * len(prompt),
-    )
-    state = scheduler.new_state(engine)
-    for seed in range(seeds):
-        sampling = scheduler.Sampling(min_p=0.0, seed=seed, **setting)
-        state, _ = scheduler.add_request(engine, state, prompt, sampling=sampling, max_new_tokens=2)
-    _, finished = run_to_completion(engine, state)
-    codes = np.array([q.output[0] * SMALL_VOCAB + q.output[1] for q in finished.values()])
-    assert_matches_distribution(codes, exact_joint(SMALL, prompt, setting))
-    emitted = [
-        k for q in finished.values() for k, n in enumerate(q.round_lengths) for _ in range(n)
-    ]
-    assert np.mean(emitted) > 1.3, "the accept path must be exercised, not only the bonus"
+    """``test_ngram``'s two-token chi-square, through the device round."""
+    options = NgramOptions(matcher="device", max_depth=4)
+    assert_first_two_tokens_follow_the_target_law(options, 4, setting)
 
 
 def test_chunked_prefill_keeps_the_whole_prompt_in_the_device_history():
@@ -288,6 +264,31 @@ def test_chunked_prefill_keeps_the_whole_prompt_in_the_device_history():
     assert row.history[0, : len(prompt) + 1].tolist() == prompt + list(request.output)
     assert (row.history[0, len(prompt) + 1 :] == -1).all()
     assert row.history.shape[1] == row.kv.page_table.shape[1] * row.kv.page_size
+
+
+@pytest.mark.parametrize("matcher", ["host", "device"])
+def test_a_chunk_without_its_earlier_prompt_tokens_is_refused(matcher):
+    """A later chunk's ``prefix_tokens`` must hold every prompt token already in the cache: a
+    caller that cuts them short gets the rows named, and the fix."""
+    store = {"store_tokens": 0} if matcher == "host" else {}
+    engine = engine_from_model(
+        TARGET,
+        algorithm="ngram",
+        spec=SpecOptions(num_draft_tokens=4),
+        ngram=NgramOptions(matcher=matcher, **store),
+        page_size=4,
+        max_context=48,
+        prefill_budget=3,
+    )
+    state, _ = scheduler.add_request(
+        engine, scheduler.new_state(engine), [1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=4
+    )
+    state, _ = scheduler.step(engine, state)  # the first 3 prompt tokens are cached
+    chunk, _ = scheduler._prefill_chunk(engine, state.prefilling)
+    engine.pipeline.prefill(engine.resources, chunk)  # complete: accepted
+    short = replace(chunk, prefix_tokens=chunk.prefix_tokens[:, :2])
+    with pytest.raises(ValueError, match=r"prefix_tokens does not hold .* in batch rows \[0\]"):
+        engine.pipeline.prefill(engine.resources, short)
 
 
 @settings(max_examples=6)
