@@ -45,26 +45,27 @@ def reference_chain(history: list[int], config: ngram.NgramConfig) -> list[int]:
     return []
 
 
-@st.composite
-def chain_case(draw):
-    """A breadth-1 recency configuration (the only one the device matcher has) and a batch of
-    histories over a small alphabet (so that suffixes repeat), stored with spare capacity."""
-    max_depth = draw(st.integers(1, 6))
-    config = ngram.NgramConfig(
-        num_draft_tokens=draw(st.integers(2, 12)),
-        max_depth=max_depth,
-        min_match=draw(st.integers(1, max_depth)),
-        min_breadth=1,
-        max_breadth=1,
-    )
-    alphabet = draw(st.sampled_from([[1, 2], [1, 2, 3], [0, 4, 9, 15]]))
-    histories = draw(
-        st.lists(
-            st.lists(st.sampled_from(alphabet), min_size=1, max_size=20), min_size=1, max_size=4
+def chain_cases(deepest: int = 6, largest: int = 12, max_len: int = 20):
+    """A breadth-1 recency configuration (the only one the device matcher has; ``max_depth``
+    up to ``deepest``, trees of up to ``largest`` nodes), a batch of histories of up to
+    ``max_len`` tokens over a small alphabet (so that suffixes repeat), and spare capacity."""
+
+    @st.composite
+    def case(draw):
+        max_depth = draw(st.integers(1, deepest))
+        config = ngram.NgramConfig(
+            num_draft_tokens=draw(st.integers(2, largest)),
+            max_depth=max_depth,
+            min_match=draw(st.integers(1, max_depth)),
+            min_breadth=1,
+            max_breadth=1,
         )
-    )
-    spare = draw(st.integers(0, 3))
-    return config, histories, spare
+        alphabet = draw(st.sampled_from([[1, 2], [1, 2, 3], [0, 4, 9, 15]]))
+        token_lists = st.lists(st.sampled_from(alphabet), min_size=1, max_size=max_len)
+        histories = draw(st.lists(token_lists, min_size=1, max_size=4))
+        return config, histories, draw(st.integers(0, 3))
+
+    return case()
 
 
 def stored(histories: list[list[int]], spare: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,19 +74,15 @@ def stored(histories: list[list[int]], spare: int) -> tuple[torch.Tensor, torch.
     return torch.tensor(rows), torch.tensor([len(h) for h in histories])
 
 
-@settings(max_examples=200)
-@given(case=chain_case())
-def test_device_chains_follow_the_rule_pad_as_the_host_and_prefix_its_chains(case):
+def assert_chains_follow_the_rule_and_the_host(config, histories, spare) -> None:
     """For every row: the chain is the reference rule's; the tree is exactly the host's layout
     of that chain (``spec.ngram``'s padding: guess, dead duplicate, fillers); and the host
     matcher's breadth-1 chain starts with it, and equals it whenever the most recent
     occurrence's continuation reaches the depth (or no older occurrence extends it)."""
-    config, histories, spare = case
     history, lengths = stored(histories, spare)
     device = match_chain(history, lengths, config)
     host = ngram.match(history, lengths, config)
     bounds = ngram.tree_bounds(config)
-    depth = bounds[0]
     for row, tokens in enumerate(histories):
         chain = reference_chain(tokens, config)
         count = len(chain)
@@ -99,9 +96,15 @@ def test_device_chains_follow_the_rule_pad_as_the_host_and_prefix_its_chains(cas
         host_nodes = int(host.num_nodes[row])
         assert host.tree.tokens[row, : count + 1].tolist() == [tokens[-1], *chain]
         assert host_nodes >= count + 1
-        if count == depth or host_nodes == count + 1:
+        if count == bounds[0] or host_nodes == count + 1:
             for field in ("tokens", "parents", "depths"):
                 assert getattr(host.tree, field)[row].tolist() == getattr(got, field)[row].tolist()
+
+
+@settings(max_examples=200)
+@given(case=chain_cases())
+def test_device_chains_follow_the_rule_pad_as_the_host_and_prefix_its_chains(case):
+    assert_chains_follow_the_rule_and_the_host(*case)
 
 
 def test_a_hand_computed_chain_and_where_the_host_goes_further():
