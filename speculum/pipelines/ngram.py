@@ -381,7 +381,10 @@ def validate_matcher(matcher: str, *, corpus: object, store: bool, **settings: o
     store, or a :data:`HOST_ONLY` setting away from its default (breadth 1 is the chain's own,
     so also accepted)."""
     if matcher not in MATCHERS:
-        raise ValueError(f"ngram matcher={matcher!r} must be one of {', '.join(MATCHERS)}")
+        raise ValueError(
+            f"matcher={matcher!r} must be one of {', '.join(MATCHERS)} (where the n-gram "
+            "matcher runs)"
+        )
     if matcher == "host":
         return
     # Each setting at its default, or at the value the chain has (breadth 1), is harmless.
@@ -396,7 +399,7 @@ def validate_matcher(matcher: str, *, corpus: object, store: bool, **settings: o
         problems.append("a shared store (store_tokens > 0)")
     if problems:
         raise ValueError(
-            f"the device n-gram matcher drafts one chain from each request's own history and "
+            f"matcher='device' drafts one n-gram chain from each request's own history and "
             f"does not read {', '.join(problems)}: drop them (store_tokens=0, no corpus, "
             "breadth and order at their defaults) or use matcher='host'"
         )
