@@ -2,7 +2,8 @@
 round, a 3-step plain round and a device-matcher n-gram round (matcher included), compiled with
 every stage and with the round alone, and an n-gram round's device part and a DSPARK round
 verifying a fixed budget packed (ragged verify's ``q_starts`` traced through the target),
-compiled with every stage, emit the eager rounds' greedy tokens, and seeded sampled tokens too; so does the command line's ``--compile-stages``.
+compiled with every stage, emit the eager rounds' greedy tokens, and seeded sampled tokens
+too; so does the command line's ``--compile-stages``.
 Slow on the CPU (each engine compiles a round with inductor's C++ backend), hence here rather
 than in ``tests/cover``."""
 
