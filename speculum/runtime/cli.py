@@ -367,7 +367,14 @@ def parser() -> argparse.ArgumentParser:
         "--ngram-store-tokens",
         type=_number("--ngram-store-tokens", int, 0),
         metavar="N",
-        help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
+        help="budget of the store shared across requests, in tokens (0 = off; default 1048576 "
+        "with the host matcher, off with the device one)",
+    )
+    ngram.add_argument(
+        "--ngram-matcher",
+        choices=["host", "device"],
+        help="where drafts are matched: host (trees from the history, the store and the corpus; "
+        "default) or device (one chain from the request's history, inside the captured round)",
     )
     gen.add_argument("--max-new-tokens", type=_SETTINGS["max_new_tokens"], default=64)
     gen.add_argument("--temperature", type=_SETTINGS["temperature"], default=0.0, help="0 = greedy")
@@ -1185,7 +1192,15 @@ def _subparsers(top: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 
 #: The ``--ngram-*`` options that are fields of ``NgramOptions`` by the same name.
-_NGRAM_FIELDS = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+_NGRAM_FIELDS = (
+    "max_depth",
+    "min_match",
+    "min_breadth",
+    "max_breadth",
+    "corpus",
+    "order",
+    "matcher",
+)
 #: Options of ``generate`` that only some algorithms read: destination -> (the flag, the
 #: algorithms that read it). Given with any other algorithm, they are an error, not ignored.
 _CHAIN = SPECULATIVE - BLOCK

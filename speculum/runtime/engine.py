@@ -21,7 +21,7 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import StandaloneHead, load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
+from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline, ngram
 from speculum.pipelines.adaptive import AdaptivePolicy
 from speculum.pipelines.base import Cell, Pipeline, Resources, counting
 from speculum.runtime import checks
@@ -315,15 +315,21 @@ class NgramOptions:
 
     Suffixes of ``min_match .. max_depth`` tokens are matched, longest first, against the
     request's own tokens, a store of earlier token streams shared by all requests (a ring of
-    ``store_tokens`` entries; 0 switches it off) and the optional ``corpus`` file (``.npy`` ids
-    with -1 between documents, or one document of ids per line). The first tree level takes
-    between ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
+    ``store_tokens`` entries; 0 switches it off, None is 1048576 for the host matcher and 0
+    for the device one) and the optional ``corpus`` file (``.npy`` ids with -1 between
+    documents, or one document of ids per line). The first tree level takes between
+    ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
     ``order`` ``"recency"`` or ``"frequency"``. The tree size is ``SpecOptions.num_draft_tokens``
     (default 8, root included); ``num_steps`` and ``topk`` do not apply.
 
+    ``matcher`` is where drafts are matched: ``"host"`` (those trees, built in Python before
+    each round) or ``"device"`` (one chain per request from its own history, inside the
+    captured round, overlappable; no store, no corpus, no breadth or order settings:
+    ``docs/ngram.md``).
+
     Checked when built, for types and signs (the pipeline checks how they fit together):
     counts are integers ``>= 1`` (``store_tokens >= 0``), ``order`` a string, ``corpus`` a
-    path or None.
+    path or None, and the device matcher without what only the host matcher reads.
     """
 
     max_depth: int = attrs.field(default=18, converter=_count(1))
@@ -333,13 +339,31 @@ class NgramOptions:
     order: str = attrs.field(
         default="recency", converter=checks.converter(checks.instance, kind=str)
     )
-    store_tokens: int = attrs.field(default=1 << 20, converter=_count(0))
+    store_tokens: int | None = attrs.field(default=None, converter=_optional_count(0))
     corpus: str | Path | None = attrs.field(
         default=None,
         converter=checks.converter(checks.instance, optional=True, kind=(str, os.PathLike)),
     )
     max_occurrences: int = attrs.field(default=256, converter=_count(1))
     flush_tokens: int = attrs.field(default=32, converter=_count(1))
+    matcher: str = attrs.field(
+        default="host", converter=checks.converter(checks.instance, kind=str)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        ngram.validate_matcher(
+            self.matcher,
+            corpus=self.corpus,
+            store=bool(self.store_tokens),
+            **{k: getattr(self, k) for k in ngram.HOST_ONLY},
+        )
+
+    @property
+    def store_size(self) -> int:
+        """The shared store's budget in tokens: ``store_tokens``, or its matcher's default."""
+        if self.store_tokens is not None:
+            return self.store_tokens
+        return 0 if self.matcher == "device" else 1 << 20
 
 
 def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
@@ -354,15 +378,16 @@ def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
         max_occurrences=options.max_occurrences,
         flush_tokens=options.flush_tokens,
         corpus=None if options.corpus is None else load_corpus(options.corpus),
+        matcher=options.matcher,
     )
 
 
 def _ngram_store(algorithm: str, options: NgramOptions | None) -> Cell | None:
     """The shared n-gram store of an ngram engine (None when switched off or not ngram)."""
     options = options or NgramOptions()
-    if algorithm != "ngram" or options.store_tokens == 0:
+    if algorithm != "ngram" or options.store_size == 0:
         return None
-    return Cell(new_store(options.store_tokens))
+    return Cell(new_store(options.store_size))
 
 
 def _check_limits(target: DecoderModel, config: EngineConfig) -> None:
@@ -544,7 +569,8 @@ def engine_from_model(
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
-    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
+    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (the host
+    n-gram matcher: then its device part is captured);
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets

@@ -488,6 +488,8 @@ SPECULATIVE_CONFIG_KEYS = {
 }
 #: vLLM ``method`` names spelled otherwise here (any ``*_mtp`` method is ``mtp``).
 _VLLM_METHODS = {"draft_model": "standalone"}
+#: vLLM's n-gram proposer on the GPU: here ``ngram`` with ``NgramOptions.matcher="device"``.
+_VLLM_NGRAM_GPU = "ngram_gpu"
 
 
 def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -501,8 +503,11 @@ def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
             f"{', '.join(SPECULATIVE_CONFIG_KEYS)}"
         )
     method = config.get("method")
+    fields: dict[str, Any] = {}
     if method is not None:
         method = str(method).lower()
+        if method == _VLLM_NGRAM_GPU:  # n-gram matched on the device
+            method, fields = "ngram", {"matcher": "device"}
         method = "mtp" if method.endswith("_mtp") else _VLLM_METHODS.get(method, method)
     options: dict[str, Any] = {"algorithm": method, "draft": config.get("model")}
     options["draft_tp"] = config.get("draft_tensor_parallel_size")
@@ -515,7 +520,7 @@ def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
         }.get(method, ("num_steps", tokens))
         options[name] = value
     lookup = {"max_depth": "prompt_lookup_max", "min_match": "prompt_lookup_min"}
-    fields = {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
+    fields |= {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
     if fields:
         options["ngram"] = attrs.evolve(arguments["ngram"] or NgramOptions(), **fields)
     options = {k: v for k, v in options.items() if v is not None}

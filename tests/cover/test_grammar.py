@@ -104,7 +104,8 @@ def test_every_pipeline_emits_plain_constrained_decodings_tokens(name, plain_out
 
 
 @pytest.mark.parametrize(
-    "name", ["plain", "eagle chain", "eagle tree", "multi_layer_eagle", "dflash", "ngram"]
+    "name",
+    ["plain", "eagle chain", "eagle tree", "multi_layer_eagle", "dflash", "ngram", "ngram device"],
 )
 def test_overlapped_engines_emit_plain_constrained_decodings_tokens(name, plain_outputs):
     """Overlapped, a round is launched before the host has read the previous one's tokens:
@@ -115,7 +116,7 @@ def test_overlapped_engines_emit_plain_constrained_decodings_tokens(name, plain_
     assert [r.finish_reason for r in results] == [r.finish_reason for r in plain_outputs]
 
 
-@pytest.mark.parametrize("name", ["eagle tree", "dflash", "ngram"])
+@pytest.mark.parametrize("name", ["eagle tree", "dflash", "ngram", "ngram device"])
 @settings(max_examples=3, deadline=None)
 @given(data=st.data(), prefill_budget=st.integers(2, 8))
 def test_any_mix_of_constrained_and_free_requests_decodes_as_plain_decoding(

@@ -667,21 +667,24 @@ def exact_joint(target, prompt, setting):
     return (probs[0][:, None] * probs[1:]).reshape(-1)
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
-    ],
-)
-def test_first_two_tokens_follow_the_target_law(setting):
+#: Sampling settings of the two-token law checks: plain, and every filter at once.
+LAW_SETTINGS = [
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
+]
+
+
+def assert_first_two_tokens_follow_the_target_law(options, num_draft_tokens, setting):
+    """3000 seeded two-token requests through an n-gram engine over :data:`SMALL` with
+    ``options`` (``NgramOptions``): their joint law is the target's (chi-square), and rounds
+    accepted drafts on the way."""
     prompt = [1, 4, 2, 1, 4, 2, 1, 4]
     seeds = 3000
     engine = engine_from_model(
         SMALL,
         algorithm="ngram",
-        spec=SpecOptions(num_draft_tokens=6),
-        ngram=NgramOptions(max_depth=4, max_breadth=3, store_tokens=0),
+        spec=SpecOptions(num_draft_tokens=num_draft_tokens),
+        ngram=options,
         page_size=4,
         max_context=16,
         max_batch=seeds,
@@ -699,6 +702,12 @@ def test_first_two_tokens_follow_the_target_law(setting):
         k for q in finished.values() for k, n in enumerate(q.round_lengths) for _ in range(n)
     ]
     assert np.mean(emitted) > 1.3, "the accept path must be exercised, not only the bonus"
+
+
+@pytest.mark.parametrize("setting", LAW_SETTINGS)
+def test_first_two_tokens_follow_the_target_law(setting):
+    options = NgramOptions(max_depth=4, max_breadth=3, store_tokens=0)
+    assert_first_two_tokens_follow_the_target_law(options, 6, setting)
 
 
 # ------------------------------------------------------------------------ command line

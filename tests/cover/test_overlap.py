@@ -71,6 +71,14 @@ PIPELINES = {
     # the extra round of a finished request inserts tokens the synchronous run never has, so
     # drafts (not greedy tokens) may differ.
     "ngram": ("ngram", None, {"num_draft_tokens": 6}, NgramOptions(store_tokens=0), False),
+    # The device matcher: the whole round on the device, so overlap hides the host's work.
+    "ngram device": (
+        "ngram",
+        None,
+        {"num_draft_tokens": 6},
+        NgramOptions(matcher="device", max_depth=5),
+        False,
+    ),
     "ngram shared store": (
         "ngram",
         None,
