@@ -20,7 +20,7 @@ from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.compiled import STAGES, check_stages
 from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
-from speculum.runtime.engine import GPU_DECODE_STEPS, NgramOptions
+from speculum.runtime.engine import GPU_DECODE_STEPS, GRAMMAR_DRAFTS, NgramOptions
 from speculum.runtime.generate import (
     REQUEST_SETTINGS,
     Comparison,
@@ -452,6 +452,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="constrain the output to the EBNF grammar in FILE (xgrammar's GBNF dialect, "
         "rule root)",
+    )
+    gen.add_argument(
+        "--grammar-drafts",
+        choices=list(GRAMMAR_DRAFTS),
+        help="what a grammar masks under speculation: masked, the drafts too (one host round "
+        "trip per draft level, higher acceptance; the default), or free, the target alone (one "
+        "round trip a round); exact either way",
     )
     gen.add_argument(
         "--n",
@@ -1210,6 +1217,7 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     "topk": ("--topk", _CHAIN),
     "num_draft_tokens": ("--num-draft-tokens", _CHAIN | {"ngram"}),
     "sample_drafts": ("--sample-drafts", SPECULATIVE),
+    "grammar_drafts": ("--grammar-drafts", SPECULATIVE),
     "adaptive_steps": ("--adaptive-steps", ADAPTIVE),
     "adaptive_margin": ("--adaptive-margin", ADAPTIVE),
     "chain_hidden": ("--no-chain-hidden", frozenset({"multi_layer_eagle"})),

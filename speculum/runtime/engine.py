@@ -23,7 +23,7 @@ from speculum.models.standalone import StandaloneHead, load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
 from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline, ngram
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.pipelines.base import Cell, Pipeline, Resources, counting
+from speculum.pipelines.base import Cell, Pipeline, Resources, counting, free_drafts
 from speculum.runtime import checks
 from speculum.runtime.compiled import CompiledDecode, check_stages, compile_round
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
@@ -44,6 +44,7 @@ __all__ = [
     "kv_window",
     "decode_steps",
     "GPU_DECODE_STEPS",
+    "GRAMMAR_DRAFTS",
 ]
 
 
@@ -253,6 +254,11 @@ def _verify_budget(value: object) -> str | int:
     )
 
 
+#: What a request's grammar masks under speculation (``SpecOptions.grammar_drafts``): the
+#: draft's distributions too, or the target's alone.
+GRAMMAR_DRAFTS = ("masked", "free")
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class SpecOptions:
     """Shape of a speculative round: draft depth, branching and tree size (root included).
@@ -274,6 +280,12 @@ class SpecOptions:
     (see ``docs/dspark.md``); ``packed_verify`` (default) runs a fixed budget's target
     forward over the verified tokens alone, packed, instead of every row's whole block.
 
+    ``grammar_drafts`` says what a request's grammar (structured output) masks:
+    ``"masked"`` (default), the draft's distributions as well as the target's, so drafts are
+    legal and acceptance high, at one host round trip per draft level; ``"free"``, the
+    target's alone (SGLang's EAGLE does so), one round trip a round. Both are exact
+    (``docs/request_controls.md``, "Masked or free drafts").
+
     ``decode_steps`` (``algorithm="plain"`` only) is how many plain decoding steps a round
     runs in one launch (one CUDA graph): the scheduler checks stop conditions after the
     launch and drops the tokens past a stop (``docs/gpu.md``, "Multi-step decoding"). ``None``
@@ -282,8 +294,8 @@ class SpecOptions:
     Checked when built, for types and signs (the pipelines check how the settings fit
     together): counts are integers (not floats or bools), ``num_steps``, ``topk``,
     ``num_draft_tokens``, ``block_size`` and ``decode_steps`` ``>= 1``, ``adaptive_steps``
-    and ``min_verify`` ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``; flags are
-    bools.
+    and ``min_verify`` ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``,
+    ``grammar_drafts`` one of :data:`GRAMMAR_DRAFTS`; flags are bools.
     """
 
     num_steps: int = attrs.field(default=3, converter=_count(1))
@@ -303,6 +315,9 @@ class SpecOptions:
     min_verify: int = attrs.field(default=0, converter=_count(0))
     packed_verify: bool = attrs.field(default=True, converter=_FLAG)
     decode_steps: int | None = attrs.field(default=None, converter=_optional_count(1))
+    grammar_drafts: str = attrs.field(
+        default="masked", converter=checks.converter(checks.choice, among=GRAMMAR_DRAFTS)
+    )
 
 
 #: Plain decoding steps per round on CUDA when ``SpecOptions.decode_steps`` is not given.
@@ -486,10 +501,14 @@ def _adaptive_variants(algorithm: str, draft: Any, spec: SpecOptions) -> tuple[P
     )
 
 
-def _counted(pipeline: Pipeline, config: EngineConfig) -> Pipeline:
+def _with_controls(pipeline: Pipeline, config: EngineConfig, spec: SpecOptions) -> Pipeline:
     """``pipeline`` counting what its rounds emit for the requests' penalties
-    (``pipelines.base.counting``) when the engine applies penalties; each adaptive variant
-    counts its own rounds, inside its captured graph."""
+    (``pipelines.base.counting``) when the engine applies penalties, and with its drafts
+    unmasked by the requests' grammars (``pipelines.base.free_drafts``) when
+    ``spec.grammar_drafts`` is ``"free"``; each adaptive variant is wrapped on its own, inside
+    its captured graph."""
+    if spec.grammar_drafts == "free":
+        pipeline = free_drafts(pipeline)
     return counting(pipeline) if config.penalties else pipeline
 
 
@@ -611,7 +630,7 @@ def engine_from_model(
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
     steps = decode_steps(algorithm, spec, _device_of(target))
-    variants = tuple(_counted(v, config) for v in _adaptive_variants(algorithm, draft, spec))
+    variants = tuple(_with_controls(v, config, spec) for v in _adaptive_variants(algorithm, draft, spec))
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
             "adaptive speculation picks each round's depth from this process's own timings, so "
@@ -624,7 +643,7 @@ def engine_from_model(
     pipeline = (
         adaptive.pipeline(variants, policy=policy, depths=depths)
         if variants
-        else _counted(_pipeline(algorithm, target, draft, spec, ngram, steps), config)
+        else _with_controls(_pipeline(algorithm, target, draft, spec, ngram, steps), config, spec)
     )
     if config.fuse_projections:
         for model in (target, draft):

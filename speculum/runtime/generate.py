@@ -135,6 +135,7 @@ def generate(
     cost_table: tuple[tuple[int, float], ...] | None = None,
     min_verify: int = 0,
     packed_verify: bool = True,
+    grammar_drafts: str = "masked",
     decode_steps: int | None = None,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
@@ -191,6 +192,8 @@ def generate(
     best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
     ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
     ``verify_budget``, ``cost_table``, ``min_verify`` and ``packed_verify`` (``SpecOptions``).
+    ``grammar_drafts`` (``"masked"`` or ``"free"``, ``SpecOptions``) says whether a request's
+    grammar masks the drafts as well as the target.
     ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. Plain decoding runs
     ``decode_steps`` steps per launch (default 1 on the CPU, ``engine.GPU_DECODE_STEPS`` on
     CUDA; the same tokens whatever it is). vLLM's
@@ -358,6 +361,7 @@ def _engine(
             cost_table=a["cost_table"],
             min_verify=a["min_verify"],
             packed_verify=a["packed_verify"],
+            grammar_drafts=a["grammar_drafts"],
             decode_steps=a["decode_steps"],
         ),
         device=a["device"],
@@ -414,6 +418,7 @@ _DRAFTING = (
     "cost_table",
     "min_verify",
     "packed_verify",
+    "grammar_drafts",
     "ngram",
     "draft_tp",
 )

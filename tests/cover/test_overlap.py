@@ -124,15 +124,15 @@ PIPELINES = {
 }
 
 
-def engine(name, overlap, target=TARGET, **limits):
+def engine(name, overlap, target=TARGET, spec_options=None, **limits):
     """An engine of pipeline ``name`` over ``target`` (the Markov target of ``test_eagle`` by
-    default), overlapped or not."""
+    default), overlapped or not; ``spec_options`` add to (or replace) its ``SpecOptions``."""
     algorithm, draft, spec, ngram, _ = PIPELINES[name]
     return engine_from_model(
         target,
         algorithm=algorithm,
         draft=draft,
-        spec=SpecOptions(**spec),
+        spec=SpecOptions(**(spec | (spec_options or {}))),
         ngram=ngram,
         overlap=overlap,
         **({"page_size": 4, "max_context": 48} | limits),
