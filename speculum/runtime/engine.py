@@ -630,7 +630,9 @@ def engine_from_model(
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
     steps = decode_steps(algorithm, spec, _device_of(target))
-    variants = tuple(_with_controls(v, config, spec) for v in _adaptive_variants(algorithm, draft, spec))
+    variants = tuple(
+        _with_controls(v, config, spec) for v in _adaptive_variants(algorithm, draft, spec)
+    )
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
             "adaptive speculation picks each round's depth from this process's own timings, so "
