@@ -241,10 +241,16 @@ def counting(pipeline: Pipeline) -> Pipeline:
     added, after the round: a rejected draft token never is, a state kept from before a round
     keeps its counts by value. Engines that apply penalties wrap their pipeline so
     (``runtime.engine``); a scheduler of its own wraps it likewise."""
+    return _around(pipeline, _counted)
+
+
+def _around(pipeline: Pipeline, wrapper: Callable[..., tuple[Any, StepOutput]]) -> Pipeline:
+    """``pipeline`` whose prefill and decode each run inside ``wrapper(resources, inputs,
+    run=the stage, **options)``."""
     return replace(
         pipeline,
-        prefill=functools.partial(_counted, run=pipeline.prefill),
-        decode=functools.partial(_counted, run=pipeline.decode),
+        prefill=functools.partial(wrapper, run=pipeline.prefill),
+        decode=functools.partial(wrapper, run=pipeline.decode),
     )
 
 
@@ -274,11 +280,7 @@ def free_drafts(pipeline: Pipeline) -> Pipeline:
     out, so the states the scheduler keeps, joins and snapshots are those of any engine.
     Engines built with ``SpecOptions.grammar_drafts="free"`` wrap their pipeline so
     (``runtime.engine``)."""
-    return replace(
-        pipeline,
-        prefill=functools.partial(_free, run=pipeline.prefill),
-        decode=functools.partial(_free, run=pipeline.decode),
-    )
+    return _around(pipeline, _free)
 
 
 def _free(
