@@ -1,7 +1,9 @@
 """Structured output under speculation (issue 25, item 5): a request's JSON schema, regex or
 EBNF grammar masks every distribution that decides one of its tokens, at every tree node
 after the node's path, so every pipeline, chains, trees and adaptive, emits plain constrained
-decoding's tokens (greedy) and only outputs the grammar accepts (sampled too); JSON-schema
+decoding's tokens (greedy) and only outputs the grammar accepts (sampled too), whether the
+drafts are masked too or free (``SpecOptions.grammar_drafts``: then a round asks the host for
+masks once); JSON-schema
 outputs parse and validate; a bad schema or regex is refused naming the field, the state
 unchanged; the command line takes ``--json-schema``, ``--regex`` and ``--grammar``."""
 
