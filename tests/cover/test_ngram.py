@@ -570,8 +570,11 @@ def test_greedy_ngram_decoding_equals_plain(
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
-def test_chunked_prefill_keeps_the_whole_prompt_in_the_history():
-    engine = ngram_engine(prefill_budget=3)
+@pytest.mark.parametrize("matcher", ["host", "device"])
+def test_chunked_prefill_keeps_the_whole_prompt_in_the_history(matcher):
+    """Chunk by chunk, the history gathers the whole prompt, then the first output token; the
+    rest of its fixed width (the page table's) is padding."""
+    engine = ngram_engine(prefill_budget=3, matcher=matcher)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     state, _ = scheduler.add_request(engine, scheduler.new_state(engine), prompt, max_new_tokens=4)
     while not state.running:
@@ -580,6 +583,8 @@ def test_chunked_prefill_keeps_the_whole_prompt_in_the_history():
     row = state.batch
     assert int(row.history_len[0]) == len(prompt) + 1
     assert row.history[0, : len(prompt) + 1].tolist() == prompt + list(request.output)
+    assert (row.history[0, len(prompt) + 1 :] == -1).all()
+    assert row.history.shape[1] == row.kv.page_table.shape[1] * row.kv.page_size
 
 
 def test_the_store_holds_each_history_position_once_as_an_occurrence():

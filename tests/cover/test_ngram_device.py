@@ -255,20 +255,6 @@ def test_first_two_tokens_follow_the_target_law(setting):
     assert_first_two_tokens_follow_the_target_law(options, 4, setting)
 
 
-def test_chunked_prefill_keeps_the_whole_prompt_in_the_device_history():
-    engine = device_engine(prefill_budget=3)
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    state, _ = scheduler.add_request(engine, scheduler.new_state(engine), prompt, max_new_tokens=4)
-    while not state.running:
-        state, _ = scheduler.step(engine, state)
-    (request,) = state.running
-    row = state.batch
-    assert int(row.history_len[0]) == len(prompt) + 1
-    assert row.history[0, : len(prompt) + 1].tolist() == prompt + list(request.output)
-    assert (row.history[0, len(prompt) + 1 :] == -1).all()
-    assert row.history.shape[1] == row.kv.page_table.shape[1] * row.kv.page_size
-
-
 @pytest.mark.parametrize("matcher", ["host", "device"])
 def test_a_chunk_without_its_earlier_prompt_tokens_is_refused(matcher):
     """A later chunk's ``prefix_tokens`` must hold every prompt token already in the cache: a
