@@ -9,6 +9,11 @@ found and trees fill, the expensive case) and the rest is fresh. It also times
 
 Run: ``python benchmarks/ngram_matcher.py`` (``--quick`` for a smaller sweep). Record
 construction type checks are off (``SPECULUM_TYPECHECK`` unset), as in production.
+
+``--device cuda`` times the device matcher instead (``speculum.spec.ngram_device.match_chain``,
+the chain found inside a round): replayed from a CUDA graph, timed with CUDA events, against
+the history's capacity (its cost follows the capacity, the page table's width, not the
+history's length) and the batch (``--device cpu`` runs it eagerly, as a smoke test).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 os.environ.pop("SPECULUM_TYPECHECK", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from speculum.runtime.graphs import capture  # noqa: E402
 from speculum.spec.ngram import (  # noqa: E402
     NgramConfig,
     build_corpus_index,
@@ -33,6 +39,7 @@ from speculum.spec.ngram import (  # noqa: E402
     match,
     new_store,
 )
+from speculum.spec.ngram_device import match_chain  # noqa: E402
 
 VOCAB = 32000
 
@@ -67,12 +74,52 @@ def time_call(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat * 1e6
 
 
+def device_table(args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """Microseconds per ``match_chain`` call on ``args.device`` (a CUDA graph replay, timed
+    with events, on CUDA), histories filled to half their capacity with text-like tokens."""
+    device = torch.device(args.device)
+    config = NgramConfig(num_draft_tokens=args.num_draft_tokens, min_breadth=1, max_breadth=1)
+    sources = [text_like(rng, 4096, []) for _ in range(8)]
+    print(
+        f"device n-gram matcher on {device}, us per call, num_draft_tokens="
+        f"{config.num_draft_tokens}, max_depth={config.max_depth}"
+    )
+    print()
+    print("| capacity | batch | match (us) | chain tokens |")
+    print("| ---: | ---: | ---: | ---: |")
+    capacities = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 131072]
+    for capacity in capacities:
+        for batch in [1, 16, 64]:
+            rows = [text_like(rng, capacity // 2, sources) for _ in range(batch)]
+            history = torch.full((batch, capacity), -1, dtype=torch.int64)
+            history[:, : capacity // 2] = torch.from_numpy(np.stack(rows))
+            lengths = torch.full((batch,), capacity // 2, dtype=torch.int64)
+            args_ = (history.to(device), lengths.to(device))
+            chains = match_chain(*args_, config).num_nodes.float().mean() - 1
+            if device.type == "cuda":
+                graph = capture(lambda h, n: match_chain(h, n, config), args_)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                for _ in range(50):
+                    graph.graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) / 50 * 1e3
+            else:
+                us = time_call(partial(match_chain, *args_, config), 5)
+            print(f"| {capacity} | {batch} | {us:,.1f} | {float(chains):.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller sweep")
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--order", default="recency", choices=["recency", "frequency"])
+    parser.add_argument("--device", help="time the device matcher on this device instead")
     args = parser.parse_args()
+    if args.device is not None:
+        device_table(args, np.random.default_rng(0))
+        return
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     histories = [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384]

@@ -1,5 +1,7 @@
 """What an n-gram round costs: its device part captured as CUDA graphs against eager rounds, and
-both against a plain decoding step and an EAGLE-3 chain round verifying as many tokens.
+both against a plain decoding step and an EAGLE-3 chain round verifying as many tokens; and the
+device matcher's rounds (match, verify, accept, commit in one graph), synchronous and
+overlapped.
 
 The target is ``benchmarks/decode.py``'s (Llama-3.1-8B-shaped, random bf16 weights) and so is
 the EAGLE-3 head. Every request's prompt is one random 32-token block repeated (``--prompt``
@@ -9,7 +11,9 @@ round of the scheduler's loop (``scheduler.step`` after every prompt is prefille
 device-to-host copy included), with ``--rounds`` rounds timed after ``--warmup`` rounds (graph
 capture). An n-gram round of ``k`` draft tokens verifies ``k`` nodes, as an EAGLE chain of
 ``k - 1`` steps does (root included); ``break-even`` is the acceptance length at which the
-round matches plain decoding's tokens/s (round time over plain step time).
+round matches plain decoding's tokens/s (round time over plain step time). The host matcher
+drafts trees (breadth 1-10), the device matcher chains: they verify as many nodes, so their
+round times compare, not their acceptance.
 
 Run on the GPU: ``python benchmarks/ngram_rounds.py`` (``--tiny`` for a CPU smoke run of the
 script itself, whose numbers mean nothing; there every round is eager).
@@ -28,7 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import LLAMA_8B, TINY, build_models, sync  # noqa: E402
 
 from speculum.runtime import scheduler  # noqa: E402
-from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
+from speculum.runtime.engine import (  # noqa: E402
+    Engine,
+    NgramOptions,
+    SpecOptions,
+    engine_from_model,
+)
 
 
 def repeated_prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
@@ -68,6 +77,7 @@ def engines(target, head, batch: int, tokens: int, args) -> dict[str, Engine]:
         graph_buckets=(batch,),
     )
     ngram = dict(algorithm="ngram", spec=SpecOptions(num_draft_tokens=tokens))
+    device = dict(ngram, ngram=NgramOptions(matcher="device"))
     chain = SpecOptions(num_steps=tokens - 1, topk=1)
     return {
         "plain": engine_from_model(target, **limits),
@@ -76,6 +86,8 @@ def engines(target, head, batch: int, tokens: int, args) -> dict[str, Engine]:
         ),
         "ngram graphed": engine_from_model(target, **ngram, **limits),
         "ngram eager": engine_from_model(target, **ngram, cuda_graphs=False, **limits),
+        "ngram device": engine_from_model(target, **device, **limits),
+        "ngram device overlap": engine_from_model(target, **device, overlap=True, **limits),
     }
 
 
@@ -94,18 +106,22 @@ def main() -> None:
     print(f"{device}; prompts of {args.prompt} tokens; ms per round of the scheduler's loop")
     print(
         "| batch | draft tokens | plain ms | eagle3 chain ms | ngram graphed ms | ngram eager ms "
-        "| graphed / chain | graphed / eager | break-even (graphed) |"
+        "| device matcher ms | device matcher overlap ms | graphed / chain | graphed / eager "
+        "| device / graphed | device overlap / graphed | break-even (graphed) "
+        "| break-even (device overlap) |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: " * 14 + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         for tokens in (int(t) for t in args.tokens.split(",")):
             ms = [
                 round_ms(e, batch, args, device)
                 for e in engines(target, head, batch, tokens, args).values()
             ]
-            plain, chain, graphed, eager = ms
+            plain, chain, graphed, eager, on_device, overlapped = ms
             cells = [batch, tokens, *(f"{v:.2f}" for v in ms)]
-            cells += [f"{graphed / chain:.2f}", f"{graphed / eager:.2f}", f"{graphed / plain:.2f}"]
+            ratios = [graphed / chain, graphed / eager, on_device / graphed, overlapped / graphed]
+            ratios += [graphed / plain, overlapped / plain]
+            cells += [f"{r:.2f}" for r in ratios]
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 

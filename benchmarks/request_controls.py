@@ -17,7 +17,10 @@ them), decodes ``batch`` requests of ``--prompt`` random tokens:
 - logit_bias: 32 random ids biased (``logit_bias=True``);
 - json_schema: ``grammar_masks``' schema (xgrammar masks, on the host, for every draft step
   and every tree node: on CUDA the round runs as graphs cut where it asks for them, each cut
-  one read of the path tokens and one packed copy of the masks);
+  one read of the path tokens and one packed copy of the masks; ``num_steps + 1`` cuts);
+- json_schema free: the same schema with free drafts (``SpecOptions.grammar_drafts="free"``:
+  the grammar masks the target alone, so a round asks once, for the verified tree's nodes,
+  and is cut once);
 - min_tokens: ``min_tokens = max_new_tokens``, EOS not ignored (``penalties=True``).
 
 A timed step is one scheduler step (the round, its one device-to-host copy, the host's
@@ -33,7 +36,9 @@ synchronize, so the wait for the round's device work so far is not counted).
 
 Run on the GPU: ``python benchmarks/request_controls.py`` (``--tiny`` for a CPU smoke run of
 the script itself, on shorter prompts and fewer steps, whose numbers mean nothing but the
-``masks ms`` column's with ``--vocab 128256``: the host's mask work at the 8B's vocabulary).
+``masks ms`` column's with ``--vocab 128256``: the host's mask work at the 8B's vocabulary);
+``--controls none,json_schema,"json_schema free"`` measures those rows alone, none always
+first: the ratio's base).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # no
 
 #: Whether xgrammar is installed: without it the json_schema row is left out (say so).
 GRAMMAR = importlib.util.find_spec("xgrammar") is not None
+#: The engine options of a row that are ``SpecOptions`` fields, not ``engine_from_model``'s.
+SPEC_OPTIONS = ("grammar_drafts",)
 #: The penalties row's settings.
 PENALTIES = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5}
 
@@ -78,9 +85,16 @@ def controls(vocab: int, max_new_tokens: int) -> dict[str, tuple[dict, dict, boo
         "logprobs=5": ({"max_logprobs": 5}, {"logprobs": 5}, True),
         "logit_bias": ({"logit_bias": True}, {"logit_bias": bias}, True),
         "json_schema": ({}, {"json_schema": CASES["json_schema"][0]}, True),
+        "json_schema free": (
+            {"grammar_drafts": "free"},
+            {"json_schema": CASES["json_schema"][0]},
+            True,
+        ),
         "min_tokens": ({"penalties": True}, {"min_tokens": max_new_tokens}, False),
     }
-    return measured if GRAMMAR else {k: v for k, v in measured.items() if k != "json_schema"}
+    if GRAMMAR:
+        return measured
+    return {k: v for k, v in measured.items() if not k.startswith("json_schema")}
 
 
 def synthetic_tokenizer(size: int) -> Tokenizer:
@@ -157,11 +171,12 @@ def row(target, head, tokenizer, batch: int, label: str, shape, control, args, d
     """One control's median step time at ``batch`` for the round shape ``shape``."""
     options, settings, ignore_eos = control
     max_new = budget(args, shape)
+    spec = {k: v for k, v in options.items() if k in SPEC_OPTIONS}
     engine = engine_from_model(
         target,
         algorithm=head.algorithm,
         draft=head,
-        spec=SpecOptions(num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2]),
+        spec=SpecOptions(num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2], **spec),
         tokenizer=tokenizer,
         max_batch=batch,
         max_context=args.prompt + max_new + 64,
@@ -169,7 +184,7 @@ def row(target, head, tokenizer, batch: int, label: str, shape, control, args, d
         graph_buckets=(batch,),
         cuda_graphs=device == "cuda",
         prefix_cache=False,  # every prompt is new anyway
-        **options,
+        **{k: v for k, v in options.items() if k not in SPEC_OPTIONS},
     )
     sampling = scheduler.Sampling(**settings)
     generator = torch.Generator().manual_seed(batch)
@@ -187,10 +202,24 @@ def row(target, head, tokenizer, batch: int, label: str, shape, control, args, d
             "masks ms": statistics.median(masks), "tokens/round": tokens}  # fmt: skip
 
 
+def chosen(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The rows of ``measured`` that ``--controls`` names (all without it), ``none`` first."""
+    if args.controls is None:
+        return measured
+    names = ["none", *(n.strip() for n in args.controls.split(",") if n.strip() != "none")]
+    unknown = [n for n in names if n not in measured]
+    if unknown:
+        raise SystemExit(f"--controls: unknown {unknown}; choose among {list(measured)}")
+    return {n: measured[n] for n in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--rounds", default="chain 3,tree 8", help="labels of decode.ROUNDS")
+    parser.add_argument(
+        "--controls", default=None, help="the rows to measure, comma-separated (default: all)"
+    )
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure", type=int, default=30)
@@ -225,7 +254,7 @@ def main() -> None:
     for label in args.rounds.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             base = None
-            measured = controls(config.vocab_size, budget(args, shapes[label]))
+            measured = chosen(controls(config.vocab_size, budget(args, shapes[label])), args)
             for control, spec in measured.items():
                 r = {"control": control, **row(target, head, tokenizer, batch, label,
                                                shapes[label], spec, args, device)}  # fmt: skip

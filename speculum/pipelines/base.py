@@ -36,6 +36,7 @@ __all__ = [
     "steps_output",
     "verified_output",
     "counting",
+    "free_drafts",
     "prefill",
     "step",
 ]
@@ -240,10 +241,16 @@ def counting(pipeline: Pipeline) -> Pipeline:
     added, after the round: a rejected draft token never is, a state kept from before a round
     keeps its counts by value. Engines that apply penalties wrap their pipeline so
     (``runtime.engine``); a scheduler of its own wraps it likewise."""
+    return _around(pipeline, _counted)
+
+
+def _around(pipeline: Pipeline, wrapper: Callable[..., tuple[Any, StepOutput]]) -> Pipeline:
+    """``pipeline`` whose prefill and decode each run inside ``wrapper(resources, inputs,
+    run=the stage, **options)``."""
     return replace(
         pipeline,
-        prefill=functools.partial(_counted, run=pipeline.prefill),
-        decode=functools.partial(_counted, run=pipeline.decode),
+        prefill=functools.partial(wrapper, run=pipeline.prefill),
+        decode=functools.partial(wrapper, run=pipeline.decode),
     )
 
 
@@ -262,6 +269,34 @@ def _counted(
         return state, output
     penalties = count_emitted(sampling.penalties, output.tokens, output.num_tokens)
     return replace(state, sampling=replace(sampling, penalties=penalties)), output
+
+
+def free_drafts(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` whose drafts ignore the requests' grammars: inside its prefill and decoding
+    rounds ``SamplingParams.masked_drafts`` is False, so only the target's distributions are
+    masked (``spec.sampling.drafting``) and a round asks the grammar once, for the verified
+    tree's nodes, instead of once per draft level too (``docs/request_controls.md``, "Masked
+    or free drafts"). Exact either way. The flag is set on the way in and restored on the way
+    out, so the states the scheduler keeps, joins and snapshots are those of any engine.
+    Engines built with ``SpecOptions.grammar_drafts="free"`` wrap their pipeline so
+    (``runtime.engine``)."""
+    return _around(pipeline, _free)
+
+
+def _free(
+    resources: Resources,
+    inputs: Any,
+    *,
+    run: Callable[..., tuple[Any, StepOutput]],
+    **options: Any,
+) -> tuple[Any, StepOutput]:
+    """``run(resources, inputs, **options)`` with ``inputs.sampling.masked_drafts`` False
+    while it runs (``options``: a host-work round's ``device_round``)."""
+    sampling = inputs.sampling
+    free = replace(inputs, sampling=replace(sampling, masked_drafts=False))
+    state, output = run(resources, free, **options)
+    kept = replace(state.sampling, masked_drafts=sampling.masked_drafts)
+    return replace(state, sampling=kept), output
 
 
 def prefill(

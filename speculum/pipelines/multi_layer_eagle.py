@@ -56,7 +56,13 @@ from speculum.pipelines.base import (
 from speculum.spec.draft import gather_nodes, last_valid
 from speculum.spec.paged import extend_batch
 from speculum.spec.prefill import prefill_target
-from speculum.spec.sampling import biased_logits, grammar_logits, penalized_logits, reads_path
+from speculum.spec.sampling import (
+    biased_logits,
+    drafting,
+    grammar_logits,
+    penalized_logits,
+    reads_path,
+)
 from speculum.spec.tree import chain_tree
 from speculum.state.draft import EagleConfig
 from speculum.state.kv import PagedKV
@@ -133,18 +139,19 @@ def _argmax(
     """Layer ``k``'s draft token: the argmax of its logits under the requests' bias,
     penalties and grammar, these counting (the grammar: masking after) ``path`` (tokens
     emitted or drafted since the counts were last updated and the round started; None without
-    penalties or grammar) too."""
+    penalties or grammar) too; with free drafts (``spec.sampling.drafting``) no grammar."""
     logits = biased_logits(resources.draft.layer_logits(k - 1, hidden), sampling.logit_bias)
     logits = penalized_logits(logits, sampling.penalties, path)
-    return grammar_logits(logits, sampling.grammar, path).argmax(-1)
+    return grammar_logits(logits, drafting(sampling).grammar, path).argmax(-1)
 
 
 def _chain_path(
     sampling: SamplingParams, uncounted: Int[Tensor, "batch n"], chain: list[Tensor]
 ) -> Int[Tensor, "batch length"] | None:
     """The tokens a chain's next draft follows beyond the counted output: ``uncounted``
-    (padding -1) then the chain drafted so far; None without penalties or grammar."""
-    if not reads_path(sampling):
+    (padding -1) then the chain drafted so far; None without penalties or a grammar on the
+    drafts (``spec.sampling.drafting``)."""
+    if not reads_path(drafting(sampling)):
         return None
     return torch.cat([uncounted, *(d[:, None] for d in chain)], dim=1)
 

@@ -37,6 +37,16 @@ tokens of a finished request never become occurrences. A request's own inserted 
 seen twice by its later rounds (history and store); recency order is unaffected, frequency
 counts them twice.
 
+Device matcher (``matcher="device"``, :func:`device_decode`). The history lives on the device
+instead (same fields, every leaf on the cache's device), the matcher is
+``speculum.spec.ngram_device.match_chain`` (one chain per request, from the history alone: no
+store, no corpus) and the accepted tokens are appended on the device, so the whole round
+(match, verify, accept, commit, append) is one pure device function: the engine captures it
+as it captures every other pipeline's round (``host_work=False``), and the overlap scheduler
+launches round ``t + 1`` before reading round ``t``'s tokens. Under a grammar the round asks
+``sampling.grammar`` for the masks at the chain's nodes, like an EAGLE round (graphs cut at
+the ask): the chain is not pruned at refused tokens, which the masked target rejects.
+
 Batch invariance. Greedy output equals plain decoding whatever the drafts. Sampled output is
 exactly target-distributed, but which tokens a seed yields depends on the tree, hence on the
 shared store, hence on what other requests inserted; set ``store_tokens=0`` (no store) for
@@ -60,6 +70,7 @@ from speculum.pipelines.base import (
     StepOutput,
     verified_output,
 )
+from speculum.spec.checks import checking, raise_for_rows
 from speculum.spec.ngram import (
     CorpusIndex,
     NgramConfig,
@@ -70,8 +81,10 @@ from speculum.spec.ngram import (
     tree_bounds,
     validate_ngram_config,
 )
+from speculum.spec.ngram_device import append_tokens, match_chain
 from speculum.spec.tree import tree_mask, tree_path_tokens
 from speculum.spec.verify import commit_path, verify_tree
+from speculum.state.host import to_device
 from speculum.state.kv import PagedKV
 from speculum.state.record import make, record, replace, static, tree_map_tensors
 from speculum.state.sampling import SamplingParams
@@ -81,24 +94,36 @@ __all__ = [
     "NgramState",
     "NgramPipelineConfig",
     "NgramRound",
+    "MATCHERS",
     "prefill",
+    "device_prefill",
     "draft",
     "verify",
     "verified_round",
     "store_accepted",
     "decode",
+    "device_decode",
+    "HOST_ONLY",
+    "validate_matcher",
     "pipeline",
 ]
+
+#: Where a round's matcher runs: ``"host"`` (trees from the history, the store and the corpus,
+#: built in Python before the round) or ``"device"`` (one chain from the history, inside the
+#: round: ``speculum.spec.ngram_device``).
+MATCHERS = ("host", "device")
 
 
 @record
 class NgramPipelineConfig:
-    """The matcher's configuration, the tree bounds it implies, and the store cadence."""
+    """The matcher's configuration, the tree bounds it implies, the store cadence, and
+    whether the matcher runs on the device (:data:`MATCHERS`)."""
 
     matcher: NgramConfig = static()
     tree_depth: int = static()
     max_children: int = static()
     flush_tokens: int = static()
+    on_device: bool = static(default=False)
 
 
 @record
@@ -107,8 +132,11 @@ class NgramState:
 
     ``kv.seq_lens`` counts the tokens whose K/V are in the target cache; ``root_tokens`` is the
     last verified token (emitted, not yet in the cache). ``history[b, :history_len[b]]`` are the
-    request's known tokens, prompt first, ending with the root (host tensors, -1 beyond);
-    ``history[b, :stored_len[b]]`` are already occurrences in the shared store.
+    request's known tokens, prompt first, ending with the root (-1 beyond): host tensors for
+    the host matcher, on the cache's device for the device matcher, whose capacity (the
+    width the page table addresses) keeps every shape static.
+    ``history[b, :stored_len[b]]`` are already occurrences in the shared store (the device
+    matcher has none: 0).
     """
 
     kv: PagedKV
@@ -124,40 +152,55 @@ def prefill(
 ) -> tuple[NgramState, StepOutput]:
     """Target prefill (as plain decoding), and each row's history: the prompt tokens before the
     chunk (``chunk.prefix_tokens``, when the caller supplies them), the chunk, and the first
-    sampled token. The history is as wide as the page table can address."""
+    sampled token. The history is as wide as the page table can address; it is built on the
+    cache's device (:func:`device_prefill`) and brought to the host in one copy."""
+    state, first = device_prefill(resources, chunk, config=config)
+    packed = torch.cat([state.history_len[:, None], state.history], dim=1).cpu()  # one copy
+    host = replace(
+        state,
+        history=packed[:, 1:],
+        history_len=packed[:, 0],
+        stored_len=torch.zeros_like(packed[:, 0]),
+    )
+    return host, first
+
+
+def device_prefill(
+    resources: Resources, chunk: PrefillChunk, *, config: NgramPipelineConfig
+) -> tuple[NgramState, StepOutput]:
+    """:func:`prefill` for the device matcher: the same history, left on the cache's device
+    (the host's ``prefix_tokens`` copied there without waiting for queued work). Checking that
+    ``prefix_tokens`` holds every prompt token already cached costs one host sync, eagerly
+    (``spec.checks``), as the prefill's own input checks do. Without ``prefix_tokens`` the
+    history starts at the chunk."""
     base, first = plain.prefill(resources, chunk)
+    device = chunk.tokens.device
     batch = chunk.tokens.shape[0]
     width = chunk.kv.page_table.shape[1] * chunk.kv.page_size
-    packed = torch.cat(
-        [chunk.kv.seq_lens[:, None], chunk.q_lens[:, None], first.tokens, chunk.tokens], dim=1
-    ).cpu()  # one device-to-host copy
-    prefix = chunk.prefix_tokens
-    if prefix is not None:
-        prefix = prefix.cpu()
-    history = torch.full((batch, width), -1, dtype=torch.int64)
-    lengths = []
-    for row in range(batch):
-        seq_len, q_len, token = packed[row, :3].tolist()
-        start = 0
-        if prefix is not None:
-            if prefix.shape[1] < seq_len or bool((prefix[row, :seq_len] < 0).any()):
-                raise ValueError(
-                    f"ngram prefill: row {row} has {seq_len} prompt tokens in the cache but "
-                    "prefix_tokens does not hold them all; pass every earlier prompt token"
-                )
-            history[row, :seq_len] = prefix[row, :seq_len]
-            start = seq_len
-        history[row, start : start + q_len] = packed[row, 3 : 3 + q_len]
-        history[row, start + q_len] = token
-        lengths.append(start + q_len + 1)
+    seq_lens, q_lens = chunk.kv.seq_lens, chunk.q_lens
+    history = torch.full((batch, width), -1, dtype=torch.int64, device=device)
+    start = torch.zeros_like(seq_lens)
+    if chunk.prefix_tokens is not None:
+        prefix = to_device(chunk.prefix_tokens, device)[:, :width]
+        if checking():
+            cached = torch.arange(prefix.shape[1], device=device)[None, :] < seq_lens[:, None]
+            missing = (seq_lens > prefix.shape[1]) | (cached & (prefix < 0)).any(dim=1)
+            problem = "prefix_tokens does not hold every prompt token in the cache (pass them all)"
+            raise_for_rows("ngram prefill", [problem], [missing])
+        history, start = append_tokens(history, start, prefix, seq_lens)
+    # The chunk, then the first sampled token at column q_lens[b].
+    column = torch.arange(chunk.tokens.shape[1] + 1, device=device)[None, :]
+    tokens = torch.cat([chunk.tokens, first.tokens], dim=1)
+    tokens = torch.where(column < q_lens[:, None], tokens, first.tokens)
+    history, history_len = append_tokens(history, start, tokens, q_lens + 1)
     state = make(
         NgramState,
         kv=base.kv,
         root_tokens=base.next_tokens,
         sampling=base.sampling,
         history=history,
-        history_len=torch.tensor(lengths, dtype=torch.int64),
-        stored_len=torch.zeros(batch, dtype=torch.int64),
+        history_len=history_len,
+        stored_len=torch.zeros_like(history_len),
     )
     return state, first
 
@@ -208,8 +251,9 @@ class NgramRound:
     """The device part of a round's input: the target cache, the sampling state and the
     drafted trees (every leaf on the device, batch first, so a round can be padded to a
     CUDA-graph bucket and captured). ``masks`` are the grammar's packed masks at the tree's
-    nodes (:func:`tree_masks`; no words without a grammar), and ``sampling`` carries no
-    grammar callback: the round asks the host nothing."""
+    nodes (:func:`tree_masks`; no words without a grammar), and ``sampling`` then carries no
+    grammar callback: the round asks the host nothing. The device matcher's rounds have no
+    words and keep the callback, which the verify asks at the tree's nodes."""
 
     kv: PagedKV
     sampling: SamplingParams
@@ -241,23 +285,6 @@ def verified_round(
     kv = commit_path(resources.target_pool, round_.kv, acc)
     bonus = acc.emitted.gather(1, acc.num_accepted[:, None])[:, 0]
     return kv, bonus, verified_output(verified)
-
-
-def _append(
-    history: Tensor, history_len: Tensor, emitted: Tensor, counts: Tensor
-) -> tuple[Tensor, Tensor]:
-    """``history`` with ``emitted[b, :counts[b]]`` written after ``history_len[b]`` (host).
-
-    Written into a copy widened by ``emitted``'s width, so no two writes share an index, then
-    cut back (the page table always leaves room: the scheduler stops a request at its context
-    limit, and a round emits fewer tokens than the cache lookahead).
-    """
-    width = history.shape[1]
-    column = torch.arange(emitted.shape[1])
-    index = history_len[:, None] + column[None, :]
-    wide = torch.cat([history, torch.full_like(emitted, -1)], dim=1)
-    wide = wide.scatter(1, index, torch.where(column[None, :] < counts[:, None], emitted, -1))
-    return wide[:, :width], (history_len + counts).clamp(max=width)
 
 
 def store_accepted(
@@ -297,7 +324,9 @@ def decode(
     # A faulty row emits fewer tokens than it accepted; it is finished with an error, so its
     # history no longer matters.
     packed = torch.cat([output.num_tokens[:, None], output.tokens], dim=1).cpu()  # one copy
-    history, history_len = _append(state.history, state.history_len, packed[:, 1:], packed[:, 0])
+    history, history_len = append_tokens(
+        state.history, state.history_len, packed[:, 1:], packed[:, 0]
+    )
     stored_len = state.stored_len
     cell = resources.ngram_store
     if cell is not None:
@@ -315,6 +344,67 @@ def decode(
     return new_state, output
 
 
+def device_decode(
+    resources: Resources, state: NgramState, *, config: NgramPipelineConfig
+) -> tuple[NgramState, StepOutput]:
+    """One round of the device matcher, a pure device function (no host sync, static shapes):
+    match each history's chain (``spec.ngram_device.match_chain``), verify, accept and commit
+    (:func:`verified_round`), append the emitted tokens to the history. Under a grammar the
+    verify asks ``sampling.grammar`` for the masks at the chain's nodes."""
+    tree = match_chain(state.history, state.history_len, config.matcher).tree
+    masks = torch.zeros((*tree.tokens.shape, 0), dtype=torch.int32, device=tree.tokens.device)
+    round_ = make(NgramRound, kv=state.kv, sampling=state.sampling, tree=tree, masks=masks)
+    kv, bonus, output = verified_round(resources, round_, config=config)
+    history, history_len = append_tokens(
+        state.history, state.history_len, output.tokens, output.num_tokens
+    )
+    new_state = replace(state, kv=kv, root_tokens=bonus, history=history, history_len=history_len)
+    return new_state, output
+
+
+#: Settings of the host matcher alone, at their defaults: the device matcher drafts one chain
+#: (breadth 1, the most recent occurrence), so none of them applies to it.
+HOST_ONLY = {
+    "min_breadth": 1,
+    "max_breadth": 10,
+    "order": "recency",
+    "max_occurrences": 256,
+    "flush_tokens": 32,
+}
+#: The host-only settings that a chain has: passing these to the device matcher is harmless.
+_CHAIN = {"min_breadth": 1, "max_breadth": 1}
+
+
+def validate_matcher(matcher: str, *, corpus: object, store: bool, **settings: object) -> None:
+    """Raise ``ValueError`` when ``matcher`` is not one of :data:`MATCHERS`, or when the
+    device matcher is combined with what only the host matcher reads: a corpus, the shared
+    store, or a :data:`HOST_ONLY` setting away from its default (breadth 1 is the chain's own,
+    so also accepted)."""
+    if matcher not in MATCHERS:
+        raise ValueError(
+            f"matcher={matcher!r} must be one of {', '.join(MATCHERS)} (where the n-gram "
+            "matcher runs)"
+        )
+    if matcher == "host":
+        return
+    # Each setting at its default, or at the value the chain has (breadth 1), is harmless.
+    problems = [
+        f"{k}={v!r}"
+        for k, v in settings.items()
+        if k in HOST_ONLY and v not in (HOST_ONLY[k], _CHAIN.get(k, HOST_ONLY[k]))
+    ]
+    if corpus is not None:
+        problems.append(f"corpus={corpus!r}")
+    if store:
+        problems.append("a shared store (store_tokens > 0)")
+    if problems:
+        raise ValueError(
+            f"matcher='device' drafts one n-gram chain from each request's own history and "
+            f"does not read {', '.join(problems)}: drop them (store_tokens=0, no corpus, "
+            "breadth and order at their defaults) or use matcher='host'"
+        )
+
+
 def pipeline(
     *,
     num_draft_tokens: int = 8,
@@ -326,10 +416,27 @@ def pipeline(
     max_occurrences: int = 256,
     flush_tokens: int = 32,
     corpus: CorpusIndex | None = None,
+    matcher: str = "host",
 ) -> Pipeline:
     """The NGRAM pipeline value (options in ``speculum.spec.ngram``; the store is a resource,
-    ``Resources.ngram_store``, and the corpus a read-only index held by the value)."""
-    matcher = NgramConfig(
+    ``Resources.ngram_store``, and the corpus a read-only index held by the value).
+    ``matcher="device"`` drafts one chain per request on the device inside the round
+    (:func:`device_decode`; no store, no corpus, no breadth or order settings:
+    :func:`validate_matcher`)."""
+    validate_matcher(
+        matcher,
+        corpus=corpus,
+        store=False,
+        min_breadth=min_breadth,
+        max_breadth=max_breadth,
+        order=order,
+        max_occurrences=max_occurrences,
+        flush_tokens=flush_tokens,
+    )
+    on_device = matcher == "device"
+    if on_device:  # one chain: breadth 1 (tree_bounds then gives the fillers' fan-out)
+        min_breadth = max_breadth = 1
+    matcher_config = NgramConfig(
         num_draft_tokens=num_draft_tokens,
         max_depth=max_depth,
         min_match=min_match,
@@ -338,20 +445,29 @@ def pipeline(
         order=order,
         max_occurrences=max_occurrences,
     )
-    validate_ngram_config(matcher)
+    validate_ngram_config(matcher_config)
     if not isinstance(flush_tokens, int) or flush_tokens < 1:
         raise ValueError(f"flush_tokens={flush_tokens!r} must be an int >= 1")
-    depth, max_children = tree_bounds(matcher)
+    depth, max_children = tree_bounds(matcher_config)
     config = NgramPipelineConfig(
-        matcher=matcher, tree_depth=depth, max_children=max_children, flush_tokens=flush_tokens
+        matcher=matcher_config,
+        tree_depth=depth,
+        max_children=max_children,
+        flush_tokens=flush_tokens,
+        on_device=on_device,
     )
+    common = dict(name="ngram", max_tokens_per_step=depth + 1, kv_lookahead=num_draft_tokens)
+    if on_device:
+        return Pipeline(
+            prefill=functools.partial(device_prefill, config=config),
+            decode=functools.partial(device_decode, config=config),
+            **common,
+        )
     device_round = functools.partial(verified_round, config=config)
     return Pipeline(
-        name="ngram",
         prefill=functools.partial(prefill, config=config),
         decode=functools.partial(decode, config=config, corpus=corpus, device_round=device_round),
-        max_tokens_per_step=depth + 1,
-        kv_lookahead=num_draft_tokens,
         host_work=True,
         device_round=device_round,
+        **common,
     )

@@ -31,6 +31,7 @@ __all__ = [
     "real",
     "flag",
     "instance",
+    "choice",
     "converter",
 ]
 
@@ -153,6 +154,15 @@ def instance(field: str, value: T, *, kind: type | tuple[type, ...]) -> T:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         names = " or ".join(k.__name__ for k in kinds)
         raise TypeError(f"{field}={value!r}: must be of type {names}, not {_type_name(value)}")
+    return value
+
+
+def choice(field: str, value: object, *, among: tuple[str, ...]) -> str:
+    """``value`` itself, if it is one of the words ``among``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{field}={value!r}: must be a str, one of {', '.join(among)}")
+    if value not in among:
+        raise ValueError(f"{field}={value!r}: choose one of {', '.join(among)}")
     return value
 
 

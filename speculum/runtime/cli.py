@@ -20,7 +20,7 @@ from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.compiled import STAGES, check_stages
 from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
-from speculum.runtime.engine import GPU_DECODE_STEPS, NgramOptions
+from speculum.runtime.engine import GPU_DECODE_STEPS, GRAMMAR_DRAFTS, NgramOptions
 from speculum.runtime.generate import (
     REQUEST_SETTINGS,
     Comparison,
@@ -367,7 +367,14 @@ def parser() -> argparse.ArgumentParser:
         "--ngram-store-tokens",
         type=_number("--ngram-store-tokens", int, 0),
         metavar="N",
-        help="budget of the store shared across requests, in tokens (0 = off; default 1048576)",
+        help="budget of the store shared across requests, in tokens (0 = off; default 1048576 "
+        "with the host matcher, off with the device one)",
+    )
+    ngram.add_argument(
+        "--ngram-matcher",
+        choices=["host", "device"],
+        help="where drafts are matched: host (trees from the history, the store and the corpus; "
+        "default) or device (one chain from the request's history, inside the captured round)",
     )
     gen.add_argument("--max-new-tokens", type=_SETTINGS["max_new_tokens"], default=64)
     gen.add_argument("--temperature", type=_SETTINGS["temperature"], default=0.0, help="0 = greedy")
@@ -445,6 +452,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="constrain the output to the EBNF grammar in FILE (xgrammar's GBNF dialect, "
         "rule root)",
+    )
+    gen.add_argument(
+        "--grammar-drafts",
+        choices=list(GRAMMAR_DRAFTS),
+        help="what a grammar masks under speculation: masked, the drafts too (one host round "
+        "trip per draft level, higher acceptance; the default), or free, the target alone (one "
+        "round trip a round); exact either way",
     )
     gen.add_argument(
         "--n",
@@ -1185,7 +1199,15 @@ def _subparsers(top: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 
 #: The ``--ngram-*`` options that are fields of ``NgramOptions`` by the same name.
-_NGRAM_FIELDS = ("max_depth", "min_match", "min_breadth", "max_breadth", "corpus", "order")
+_NGRAM_FIELDS = (
+    "max_depth",
+    "min_match",
+    "min_breadth",
+    "max_breadth",
+    "corpus",
+    "order",
+    "matcher",
+)
 #: Options of ``generate`` that only some algorithms read: destination -> (the flag, the
 #: algorithms that read it). Given with any other algorithm, they are an error, not ignored.
 _CHAIN = SPECULATIVE - BLOCK
@@ -1195,6 +1217,7 @@ _ALGORITHM_OPTIONS: dict[str, tuple[str, frozenset[str]]] = {
     "topk": ("--topk", _CHAIN),
     "num_draft_tokens": ("--num-draft-tokens", _CHAIN | {"ngram"}),
     "sample_drafts": ("--sample-drafts", SPECULATIVE),
+    "grammar_drafts": ("--grammar-drafts", SPECULATIVE),
     "adaptive_steps": ("--adaptive-steps", ADAPTIVE),
     "adaptive_margin": ("--adaptive-margin", ADAPTIVE),
     "chain_hidden": ("--no-chain-hidden", frozenset({"multi_layer_eagle"})),

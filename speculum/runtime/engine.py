@@ -21,9 +21,9 @@ from speculum.models.loading import DTYPES, load_model
 from speculum.models.multi_layer_eagle import load_multi_layer
 from speculum.models.standalone import StandaloneHead, load_standalone
 from speculum.models.tokenizer import Tokenizer, load_tokenizer
-from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline
+from speculum.pipelines import ADAPTIVE, BLOCK, SPECULATIVE, adaptive, get_pipeline, ngram
 from speculum.pipelines.adaptive import AdaptivePolicy
-from speculum.pipelines.base import Cell, Pipeline, Resources, counting
+from speculum.pipelines.base import Cell, Pipeline, Resources, counting, free_drafts
 from speculum.runtime import checks
 from speculum.runtime.compiled import CompiledDecode, check_stages, compile_round
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
@@ -44,6 +44,7 @@ __all__ = [
     "kv_window",
     "decode_steps",
     "GPU_DECODE_STEPS",
+    "GRAMMAR_DRAFTS",
 ]
 
 
@@ -253,6 +254,11 @@ def _verify_budget(value: object) -> str | int:
     )
 
 
+#: What a request's grammar masks under speculation (``SpecOptions.grammar_drafts``): the
+#: draft's distributions too, or the target's alone.
+GRAMMAR_DRAFTS = ("masked", "free")
+
+
 @attrs.define(frozen=True, slots=True, kw_only=True)
 class SpecOptions:
     """Shape of a speculative round: draft depth, branching and tree size (root included).
@@ -274,6 +280,12 @@ class SpecOptions:
     (see ``docs/dspark.md``); ``packed_verify`` (default) runs a fixed budget's target
     forward over the verified tokens alone, packed, instead of every row's whole block.
 
+    ``grammar_drafts`` says what a request's grammar (structured output) masks:
+    ``"masked"`` (default), the draft's distributions as well as the target's, so drafts are
+    legal and acceptance high, at one host round trip per draft level; ``"free"``, the
+    target's alone (SGLang's EAGLE does so), one round trip a round. Both are exact
+    (``docs/request_controls.md``, "Masked or free drafts").
+
     ``decode_steps`` (``algorithm="plain"`` only) is how many plain decoding steps a round
     runs in one launch (one CUDA graph): the scheduler checks stop conditions after the
     launch and drops the tokens past a stop (``docs/gpu.md``, "Multi-step decoding"). ``None``
@@ -282,8 +294,8 @@ class SpecOptions:
     Checked when built, for types and signs (the pipelines check how the settings fit
     together): counts are integers (not floats or bools), ``num_steps``, ``topk``,
     ``num_draft_tokens``, ``block_size`` and ``decode_steps`` ``>= 1``, ``adaptive_steps``
-    and ``min_verify`` ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``; flags are
-    bools.
+    and ``min_verify`` ``>= 0``, ``verify_budget`` a word or an integer ``>= 0``,
+    ``grammar_drafts`` one of :data:`GRAMMAR_DRAFTS`; flags are bools.
     """
 
     num_steps: int = attrs.field(default=3, converter=_count(1))
@@ -303,6 +315,9 @@ class SpecOptions:
     min_verify: int = attrs.field(default=0, converter=_count(0))
     packed_verify: bool = attrs.field(default=True, converter=_FLAG)
     decode_steps: int | None = attrs.field(default=None, converter=_optional_count(1))
+    grammar_drafts: str = attrs.field(
+        default="masked", converter=checks.converter(checks.choice, among=GRAMMAR_DRAFTS)
+    )
 
 
 #: Plain decoding steps per round on CUDA when ``SpecOptions.decode_steps`` is not given.
@@ -315,15 +330,21 @@ class NgramOptions:
 
     Suffixes of ``min_match .. max_depth`` tokens are matched, longest first, against the
     request's own tokens, a store of earlier token streams shared by all requests (a ring of
-    ``store_tokens`` entries; 0 switches it off) and the optional ``corpus`` file (``.npy`` ids
-    with -1 between documents, or one document of ids per line). The first tree level takes
-    between ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
+    ``store_tokens`` entries; 0 switches it off, None is 1048576 for the host matcher and 0
+    for the device one) and the optional ``corpus`` file (``.npy`` ids with -1 between
+    documents, or one document of ids per line). The first tree level takes between
+    ``min_breadth`` (longest match) and ``max_breadth`` (one-token match) children, in
     ``order`` ``"recency"`` or ``"frequency"``. The tree size is ``SpecOptions.num_draft_tokens``
     (default 8, root included); ``num_steps`` and ``topk`` do not apply.
 
+    ``matcher`` is where drafts are matched: ``"host"`` (those trees, built in Python before
+    each round) or ``"device"`` (one chain per request from its own history, inside the
+    captured round, overlappable; no store, no corpus, no breadth or order settings:
+    ``docs/ngram.md``).
+
     Checked when built, for types and signs (the pipeline checks how they fit together):
     counts are integers ``>= 1`` (``store_tokens >= 0``), ``order`` a string, ``corpus`` a
-    path or None.
+    path or None, and the device matcher without what only the host matcher reads.
     """
 
     max_depth: int = attrs.field(default=18, converter=_count(1))
@@ -333,13 +354,31 @@ class NgramOptions:
     order: str = attrs.field(
         default="recency", converter=checks.converter(checks.instance, kind=str)
     )
-    store_tokens: int = attrs.field(default=1 << 20, converter=_count(0))
+    store_tokens: int | None = attrs.field(default=None, converter=_optional_count(0))
     corpus: str | Path | None = attrs.field(
         default=None,
         converter=checks.converter(checks.instance, optional=True, kind=(str, os.PathLike)),
     )
     max_occurrences: int = attrs.field(default=256, converter=_count(1))
     flush_tokens: int = attrs.field(default=32, converter=_count(1))
+    matcher: str = attrs.field(
+        default="host", converter=checks.converter(checks.instance, kind=str)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        ngram.validate_matcher(
+            self.matcher,
+            corpus=self.corpus,
+            store=bool(self.store_tokens),
+            **{k: getattr(self, k) for k in ngram.HOST_ONLY},
+        )
+
+    @property
+    def store_size(self) -> int:
+        """The shared store's budget in tokens: ``store_tokens``, or its matcher's default."""
+        if self.store_tokens is not None:
+            return self.store_tokens
+        return 0 if self.matcher == "device" else 1 << 20
 
 
 def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
@@ -354,15 +393,16 @@ def _ngram_pipeline(spec: SpecOptions, options: NgramOptions) -> Pipeline:
         max_occurrences=options.max_occurrences,
         flush_tokens=options.flush_tokens,
         corpus=None if options.corpus is None else load_corpus(options.corpus),
+        matcher=options.matcher,
     )
 
 
 def _ngram_store(algorithm: str, options: NgramOptions | None) -> Cell | None:
     """The shared n-gram store of an ngram engine (None when switched off or not ngram)."""
     options = options or NgramOptions()
-    if algorithm != "ngram" or options.store_tokens == 0:
+    if algorithm != "ngram" or options.store_size == 0:
         return None
-    return Cell(new_store(options.store_tokens))
+    return Cell(new_store(options.store_size))
 
 
 def _check_limits(target: DecoderModel, config: EngineConfig) -> None:
@@ -461,10 +501,14 @@ def _adaptive_variants(algorithm: str, draft: Any, spec: SpecOptions) -> tuple[P
     )
 
 
-def _counted(pipeline: Pipeline, config: EngineConfig) -> Pipeline:
+def _with_controls(pipeline: Pipeline, config: EngineConfig, spec: SpecOptions) -> Pipeline:
     """``pipeline`` counting what its rounds emit for the requests' penalties
-    (``pipelines.base.counting``) when the engine applies penalties; each adaptive variant
-    counts its own rounds, inside its captured graph."""
+    (``pipelines.base.counting``) when the engine applies penalties, and with its drafts
+    unmasked by the requests' grammars (``pipelines.base.free_drafts``) when
+    ``spec.grammar_drafts`` is ``"free"``; each adaptive variant is wrapped on its own, inside
+    its captured graph."""
+    if spec.grammar_drafts == "free":
+        pipeline = free_drafts(pipeline)
     return counting(pipeline) if config.penalties else pipeline
 
 
@@ -544,7 +588,8 @@ def engine_from_model(
     CPU pools small); ``num_pages`` defaults to enough pages for ``max_batch`` full contexts.
     ``ngram`` configures ``algorithm="ngram"`` (ignored otherwise). On CUDA, each decoding round
     runs as a CUDA graph captured per batch bucket (``graph_buckets``; ``max_batch`` may not
-    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (n-gram);
+    exceed the largest) unless ``cuda_graphs`` is False or the pipeline has host work (the host
+    n-gram matcher: then its device part is captured);
     with ``spec.adaptive_steps``, each variant's rounds are captured separately. ``overlap``
     makes the scheduler prepare each step while the device runs the previous one.
     ``max_logprobs`` bounds the top alternatives a request may ask for, ``logit_bias`` lets
@@ -585,7 +630,9 @@ def engine_from_model(
     if ngram is not None:
         checks.instance("ngram", ngram, kind=NgramOptions)
     steps = decode_steps(algorithm, spec, _device_of(target))
-    variants = tuple(_counted(v, config) for v in _adaptive_variants(algorithm, draft, spec))
+    variants = tuple(
+        _with_controls(v, config, spec) for v in _adaptive_variants(algorithm, draft, spec)
+    )
     if variants and getattr(target, "tp", SINGLE).size > 1:
         raise ValueError(
             "adaptive speculation picks each round's depth from this process's own timings, so "
@@ -598,7 +645,7 @@ def engine_from_model(
     pipeline = (
         adaptive.pipeline(variants, policy=policy, depths=depths)
         if variants
-        else _counted(_pipeline(algorithm, target, draft, spec, ngram, steps), config)
+        else _with_controls(_pipeline(algorithm, target, draft, spec, ngram, steps), config, spec)
     )
     if config.fuse_projections:
         for model in (target, draft):

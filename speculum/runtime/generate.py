@@ -135,6 +135,7 @@ def generate(
     cost_table: tuple[tuple[int, float], ...] | None = None,
     min_verify: int = 0,
     packed_verify: bool = True,
+    grammar_drafts: str = "masked",
     decode_steps: int | None = None,
     ngram: NgramOptions | None = None,
     max_new_tokens: int = 64,
@@ -191,6 +192,8 @@ def generate(
     best, variants keep being sampled; see ``docs/adaptive.md``). Block drafters (``dflash``,
     ``dspark``) take ``block_size`` (default: the draft's) and the verify budget
     ``verify_budget``, ``cost_table``, ``min_verify`` and ``packed_verify`` (``SpecOptions``).
+    ``grammar_drafts`` (``"masked"`` or ``"free"``, ``SpecOptions``) says whether a request's
+    grammar masks the drafts as well as the target.
     ``algorithm="ngram"`` needs no draft; ``ngram`` holds its options. Plain decoding runs
     ``decode_steps`` steps per launch (default 1 on the CPU, ``engine.GPU_DECODE_STEPS`` on
     CUDA; the same tokens whatever it is). vLLM's
@@ -358,6 +361,7 @@ def _engine(
             cost_table=a["cost_table"],
             min_verify=a["min_verify"],
             packed_verify=a["packed_verify"],
+            grammar_drafts=a["grammar_drafts"],
             decode_steps=a["decode_steps"],
         ),
         device=a["device"],
@@ -414,6 +418,7 @@ _DRAFTING = (
     "cost_table",
     "min_verify",
     "packed_verify",
+    "grammar_drafts",
     "ngram",
     "draft_tp",
 )
@@ -488,6 +493,8 @@ SPECULATIVE_CONFIG_KEYS = {
 }
 #: vLLM ``method`` names spelled otherwise here (any ``*_mtp`` method is ``mtp``).
 _VLLM_METHODS = {"draft_model": "standalone"}
+#: vLLM's n-gram proposer on the GPU: here ``ngram`` with ``NgramOptions.matcher="device"``.
+_VLLM_NGRAM_GPU = "ngram_gpu"
 
 
 def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -501,8 +508,11 @@ def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
             f"{', '.join(SPECULATIVE_CONFIG_KEYS)}"
         )
     method = config.get("method")
+    fields: dict[str, Any] = {}
     if method is not None:
         method = str(method).lower()
+        if method == _VLLM_NGRAM_GPU:  # n-gram matched on the device
+            method, fields = "ngram", {"matcher": "device"}
         method = "mtp" if method.endswith("_mtp") else _VLLM_METHODS.get(method, method)
     options: dict[str, Any] = {"algorithm": method, "draft": config.get("model")}
     options["draft_tp"] = config.get("draft_tensor_parallel_size")
@@ -515,7 +525,7 @@ def _with_speculative_config(arguments: dict[str, Any]) -> dict[str, Any]:
         }.get(method, ("num_steps", tokens))
         options[name] = value
     lookup = {"max_depth": "prompt_lookup_max", "min_match": "prompt_lookup_min"}
-    fields = {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
+    fields |= {f: config[k] for f, k in lookup.items() if config.get(k) is not None}
     if fields:
         options["ngram"] = attrs.evolve(arguments["ngram"] or NgramOptions(), **fields)
     options = {k: v for k, v in options.items() if v is not None}

@@ -44,6 +44,7 @@ from speculum.spec.paged import extend_batch, tail_batch
 from speculum.spec.sampling import (
     Stream,
     draft_logits_guarded,
+    drafting,
     filtered_probs,
     reads_path,
     sample_from_probs,
@@ -118,18 +119,20 @@ def propose_block(
     the next slot's previous token. Under penalties (``sampling.penalties``) or a grammar
     (``sampling.grammar``) every head walks the slots in order, slot ``k``'s penalties
     counting, and its grammar mask following, the tokens drawn at the slots before it, as the
-    target's do at that depth: every drafted token is one the grammar allows there.
+    target's do at that depth: every drafted token is one the grammar allows there. With free
+    drafts (``spec.sampling.drafting``) the grammar is the target's alone, and without
+    penalties a DFLASH head draws its slots in parallel again.
     """
     head, kv = resources.draft, state.kv
     batch = block_batch(kv, state.root_tokens, config.block_size, head.config.mask_token_id)
     hidden = head(batch, resources.draft_pool)
     hidden = hidden[:, config.first_slot : config.first_slot + config.num_drafts]
     positions = kv.seq_lens[:, None] + torch.arange(1, config.num_drafts + 1, device=hidden.device)
-    sampling = state.sampling
+    sampling = drafting(state.sampling)
     base = draft_logits_guarded(head.logits(hidden), sampling.temperature, sampling.logit_bias)
     markov, penalties = hasattr(head, "step_logits"), sampling.penalties
     if not markov and not reads_path(sampling):
-        tokens, q = _draw(base, state.sampling, positions, config.sample_drafts)
+        tokens, q = _draw(base, sampling, positions, config.sample_drafts)
         proposal = make(BlockProposal, tokens=tokens, confidence=_top_probability(base))
         return proposal, q
     previous = state.root_tokens
@@ -147,7 +150,7 @@ def propose_block(
             confidences.append(head.confidence(hidden[:, k], previous))
         else:
             confidences.append(_top_probability(logits))
-        previous, q = _draw(logits, state.sampling, positions[:, k], config.sample_drafts)
+        previous, q = _draw(logits, sampling, positions[:, k], config.sample_drafts)
         tokens.append(previous)
         qs.append(q)
     proposal = make(

@@ -26,6 +26,7 @@ from speculum.spec.sampling import (
     Stream,
     biased_logits,
     draft_logits_guarded,
+    drafting,
     filtered_probs,
     grammar_logits,
     penalized_logits,
@@ -80,7 +81,8 @@ def top_children(
     and penalties (these counting each row's ``path_tokens`` too, the draft tokens on its tree
     path) shape the ranking as they shape the target's distributions, and the grammar masks
     it after the same path, so the draft proposes what the target will accept (acceptance is
-    exact either way).
+    exact either way); with free drafts (``spec.sampling.drafting``) the grammar is left to
+    the target.
     """
     reduced = getattr(draft, "draft_logits", None)
     columns = None if reduced is None else draft.target_ids
@@ -92,7 +94,7 @@ def top_children(
         logits = biased_logits(logits, bias)
         logits = penalized_logits(logits, sampling.penalties, path_tokens, columns)
         # Masked before the top-k, so that every proposal is a token the grammar allows.
-        logits = grammar_logits(logits, sampling.grammar, path_tokens, columns)
+        logits = grammar_logits(logits, drafting(sampling).grammar, path_tokens, columns)
     top = torch.softmax(draft_logits_guarded(logits), dim=-1).topk(topk, dim=-1)
     return top.values, top.indices if columns is None else columns[top.indices]
 
@@ -194,7 +196,7 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     penalties counting, the grammar masking after, the draft tokens on each frontier node's
     path.
     """
-    k = config.topk
+    k, sampling = config.topk, drafting(state.sampling)
     kv = draft_kv(resources, state)
     level = prepare_draft(state)
     tokens, parents, scores = [level.tokens], [level.parents], [level.scores]
@@ -204,14 +206,14 @@ def draft(resources: DraftResources, state: EagleState, config: EagleConfig) -> 
     ancestors = no_ancestors(kv, k)
     # The draft tokens on each frontier node's path, itself included (penalties count them,
     # a grammar masks its children after them).
-    paths = level.tokens[:, :, None] if reads_path(state.sampling) else None
+    paths = level.tokens[:, :, None] if reads_path(sampling) else None
     offset = k  # candidate index of the next level's first entry
     for step in range(1, config.num_steps):
         hidden, mask = draft_forward(
             resources, kv, step, frontier_tokens, frontier_hidden, ancestors
         )
         # [batch, k (frontier), k (children)]
-        top_probs, top_tokens = top_children(resources.draft, hidden, k, state.sampling, paths)
+        top_probs, top_tokens = top_children(resources.draft, hidden, k, sampling, paths)
         child_scores = (frontier_scores[:, :, None] * top_probs).flatten(1)
         child_tokens = top_tokens.flatten(1)
         child_parents = frontier_ids.repeat_interleave(k, dim=1)
@@ -269,24 +271,26 @@ def draft_sampled(
     returned beside it: the condition under which recursive rejection is lossless with those
     distributions. Candidate ``(s - 1) * topk + j`` is chain ``j``'s token at depth ``s``.
     Penalties count each chain's own earlier tokens, as the target's at its nodes do, and a
-    grammar masks each draw after them, so every drawn token is one the grammar allows.
+    grammar masks each draw after them, so every drawn token is one the grammar allows (with
+    free drafts, ``spec.sampling.drafting``, the draws and their distributions are unmasked).
     """
     k, seq_lens, pred = config.topk, state.kv.seq_lens, state.prediction
+    sampling = drafting(state.sampling)
     kv = draft_kv(resources, state)
     hidden = pred.hidden[:, None, :].expand(-1, k, -1)
-    q = _sampled_probs(resources, hidden, state.sampling)
+    q = _sampled_probs(resources, hidden, sampling)
     ancestors = no_ancestors(kv, k)
     tokens, qs = [], []
     for step in range(1, config.num_steps + 1):
-        u = uniforms(state.sampling.seed, Stream.DRAFT, seq_lens + step, k)
+        u = uniforms(sampling.seed, Stream.DRAFT, seq_lens + step, k)
         drawn = sample_from_probs(q, u)
         tokens.append(drawn)
         qs.append(q)
         if step == config.num_steps:
             break
         hidden, ancestors = draft_forward(resources, kv, step, drawn, hidden, ancestors)
-        path = torch.stack(tokens, dim=2) if reads_path(state.sampling) else None
-        q = _sampled_probs(resources, hidden, state.sampling, path)
+        path = torch.stack(tokens, dim=2) if reads_path(sampling) else None
+        q = _sampled_probs(resources, hidden, sampling, path)
     chain = torch.arange(k, device=seq_lens.device)
     parents = [torch.full_like(tokens[0], -1)] + [
         ((step - 1) * k + chain).expand_as(tokens[0]) for step in range(1, config.num_steps)
@@ -341,6 +345,7 @@ def draft_extend(
     # is the round's start: its prediction (for the token after the bonus) reads them itself.
     emitted = torch.arange(acc.emitted.shape[1], device=acc.emitted.device)
     emitted = torch.where(emitted <= acc.num_accepted[:, None], acc.emitted, -1)
+    sampling = drafting(state.sampling)  # free drafts: no mask, so no path to read
     return extend_draft(
         resources,
         replace(state.kv, seq_lens=state.kv.seq_lens + resources.draft.ahead),
@@ -349,6 +354,6 @@ def draft_extend(
         hidden,
         captured,
         config.topk,
-        state.sampling,
-        emitted if reads_path(state.sampling) else None,
+        sampling,
+        emitted if reads_path(sampling) else None,
     )

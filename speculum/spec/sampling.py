@@ -40,6 +40,7 @@ __all__ = [
     "count_emitted",
     "grammar_logits",
     "reads_path",
+    "drafting",
     "unpack_bitmask",
     "guard_logits",
     "token_logprobs",
@@ -237,6 +238,17 @@ def reads_path(sampling: SamplingParams) -> bool:
     """Whether ``sampling``'s distributions depend on the tokens before them in the round (a
     penalty or a grammar does), so that every row must be handed its path tokens."""
     return penalizing(sampling.penalties) or sampling.grammar is not None
+
+
+def drafting(sampling: SamplingParams) -> SamplingParams:
+    """The controls a draft's distributions apply: ``sampling`` itself, or without its grammar
+    when drafts are free (``SamplingParams.masked_drafts`` False): the draft then proposes
+    from its unconstrained distribution, and only the target's are masked (acceptance stays
+    exact, as for any draft; a sampled draft hands the verifier the unmasked distribution it
+    drew from)."""
+    if sampling.masked_drafts or sampling.grammar is None:
+        return sampling
+    return replace(sampling, grammar=None)
 
 
 def unpack_bitmask(packed: Int[Tensor, "*rows words"], vocab: int) -> Bool[Tensor, "*rows vocab"]:

@@ -78,6 +78,11 @@ class SamplingParams:
     own kind: on CUDA, graphs cut at each call (``runtime.graphs.capture_cut``). A host
     drafter (n-gram) also calls its ``legal(row, path)`` (:class:`HostGrammar`) to prune its
     proposals, and computes its tree's masks before the round.
+
+    ``masked_drafts`` (a static field) says whether the draft's distributions apply the
+    grammar too (``runtime.engine.SpecOptions.grammar_drafts``: ``"masked"``, the default) or
+    only the target's do (``"free"``: the draft proposes unconstrained, and a round asks the
+    grammar once, at its verify); ``spec.sampling.drafting`` reads it. Both are exact.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -89,6 +94,7 @@ class SamplingParams:
     logit_bias: Float[Tensor, "batch bias_vocab"] | None = None
     penalties: Penalties | None = None
     grammar: Callable[[Tensor], Tensor] | None = static(default=None)
+    masked_drafts: bool = static(default=True)
 
 
 class HostGrammar(Protocol):

@@ -1,7 +1,9 @@
 """Structured output under speculation (issue 25, item 5): a request's JSON schema, regex or
 EBNF grammar masks every distribution that decides one of its tokens, at every tree node
 after the node's path, so every pipeline, chains, trees and adaptive, emits plain constrained
-decoding's tokens (greedy) and only outputs the grammar accepts (sampled too); JSON-schema
+decoding's tokens (greedy) and only outputs the grammar accepts (sampled too), whether the
+drafts are masked too or free (``SpecOptions.grammar_drafts``: then a round asks the host for
+masks once); JSON-schema
 outputs parse and validate; a bad schema or regex is refused naming the field, the state
 unchanged; the command line takes ``--json-schema``, ``--regex`` and ``--grammar``."""
 
@@ -48,12 +50,12 @@ def char_tokenizer(chars: str = CHARS[:EOS]) -> Tokenizer:
     return Tokenizer(inner)
 
 
-def grammar_engine(name: str, overlap: bool = False, **limits):
+def grammar_engine(name: str, overlap: bool = False, drafts: str = "masked", **limits):
     """Pipeline ``name`` of ``test_overlap`` over the Markov target, with the character
-    tokenizer and EOS (the target itself declares none), overlapped or not."""
-    return attrs.evolve(
-        engine(name, overlap, **limits), tokenizer=char_tokenizer(), eos_token_ids=(EOS,)
-    )
+    tokenizer and EOS (the target itself declares none), overlapped or not, its drafts
+    masked by the grammar or free (``SpecOptions.grammar_drafts``)."""
+    built = engine(name, overlap, spec_options={"grammar_drafts": drafts}, **limits)
+    return attrs.evolve(built, tokenizer=char_tokenizer(), eos_token_ids=(EOS,))
 
 
 def text(token_ids) -> str:
@@ -96,30 +98,56 @@ def test_plain_constrained_outputs_follow_their_grammar(plain_outputs):
             assert re.fullmatch(r"\[(a?[0-9]b?)(,a?[0-9]b?){0,2}\]", text(result.token_ids))
 
 
+#: What the grammar masks: the drafts too, or the target alone (``SpecOptions.grammar_drafts``).
+DRAFTS = ["masked", "free"]
+
+
+@pytest.mark.parametrize("drafts", DRAFTS)
 @pytest.mark.parametrize("name", sorted(PIPELINES))
-def test_every_pipeline_emits_plain_constrained_decodings_tokens(name, plain_outputs):
+def test_every_pipeline_emits_plain_constrained_decodings_tokens(name, drafts, plain_outputs):
     mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
-    results = generate(mix, engine=grammar_engine(name), max_new_tokens=16)
+    results = generate(mix, engine=grammar_engine(name, drafts=drafts), max_new_tokens=16)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
 
 
+@pytest.mark.parametrize("drafts", DRAFTS)
 @pytest.mark.parametrize(
-    "name", ["plain", "eagle chain", "eagle tree", "multi_layer_eagle", "dflash", "ngram"]
+    "name",
+    ["plain", "eagle chain", "eagle tree", "multi_layer_eagle", "dflash", "ngram", "ngram device"],
 )
-def test_overlapped_engines_emit_plain_constrained_decodings_tokens(name, plain_outputs):
+def test_overlapped_engines_emit_plain_constrained_decodings_tokens(name, drafts, plain_outputs):
     """Overlapped, a round is launched before the host has read the previous one's tokens:
     its masks follow them anyway (read from the launch in flight), chains and trees alike."""
     mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
-    results = generate(mix, engine=grammar_engine(name, overlap=True), max_new_tokens=16)
+    built = grammar_engine(name, overlap=True, drafts=drafts)
+    results = generate(mix, engine=built, max_new_tokens=16)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_outputs]
     assert [r.finish_reason for r in results] == [r.finish_reason for r in plain_outputs]
 
 
-@pytest.mark.parametrize("name", ["eagle tree", "dflash", "ngram"])
+@pytest.mark.parametrize("drafts", DRAFTS)
+@pytest.mark.parametrize("name", ["eagle tree", "multi_layer_eagle", "dflash", "dspark ragged"])
+def test_penalties_and_a_grammar_together_decode_as_plain_decoding(name, drafts, plain_outputs):
+    """Free drafts drop the grammar alone from the drafts: their penalties still count the
+    path, and with the grammar on the target the output is plain decoding's."""
+    mix = constrained(PROMPTS * len(GRAMMARS), [g for g in GRAMMARS for _ in PROMPTS])
+    mix = [m | {"repetition_penalty": 1.5, "presence_penalty": 0.5} for m in mix]
+    plain = generate(mix, engine=grammar_engine("plain", penalties=True), max_new_tokens=16)
+    assert [r.token_ids for r in plain] != [r.token_ids for r in plain_outputs]  # they bite
+    built = grammar_engine(name, drafts=drafts, penalties=True)
+    results = generate(mix, engine=built, max_new_tokens=16)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize(
+    "name, drafts",
+    [(n, "masked") for n in ["eagle tree", "dflash", "ngram", "ngram device"]]
+    + [("eagle tree", "free"), ("dflash", "free")],
+)
 @settings(max_examples=3, deadline=None)
 @given(data=st.data(), prefill_budget=st.integers(2, 8))
 def test_any_mix_of_constrained_and_free_requests_decodes_as_plain_decoding(
-    name, data, prefill_budget
+    name, drafts, data, prefill_budget
 ):
     """Greedy, requests with and without a grammar in one batch, prompts prefilled in chunks:
     every request gets plain decoding's tokens and finish reason."""
@@ -129,18 +157,23 @@ def test_any_mix_of_constrained_and_free_requests_decodes_as_plain_decoding(
     kinds = [data.draw(st.sampled_from([{}, *GRAMMARS])) for _ in prompts]
     mix = constrained(prompts, kinds)
     plain = generate(mix, engine=grammar_engine("plain"), max_new_tokens=12)
-    built = grammar_engine(name, prefill_budget=prefill_budget)
+    built = grammar_engine(name, drafts=drafts, prefill_budget=prefill_budget)
     results = generate(mix, engine=built, max_new_tokens=12)
     outcome = [(r.token_ids, r.finish_reason) for r in results]
     assert outcome == [(r.token_ids, r.finish_reason) for r in plain]
 
 
-@pytest.mark.parametrize("name", ["plain", "eagle tree", "eagle3 sampled drafts"])
-def test_sampled_constrained_outputs_always_validate(name):
+@pytest.mark.parametrize(
+    "name, drafts",
+    [("plain", "masked"), ("eagle tree", "masked"), ("eagle3 sampled drafts", "masked")]
+    + [("eagle tree", "free"), ("eagle3 sampled drafts", "free"), ("dflash", "free")],
+)
+def test_sampled_constrained_outputs_always_validate(name, drafts):
     """Seeded sampling at temperature 1 (the target then often prefers a forbidden token):
     every output is a JSON array of the schema's items, ended by EOS."""
     prompts = [{"prompt_ids": [s % EOS], "seed": s, "json_schema": SCHEMA} for s in range(12)]
-    results = generate(prompts, engine=grammar_engine(name), temperature=1.0, max_new_tokens=16)
+    built = grammar_engine(name, drafts=drafts)
+    results = generate(prompts, engine=built, temperature=1.0, max_new_tokens=16)
     for result in results:
         value = json.loads(text(result.token_ids))
         assert 1 <= len(value) <= 3 and set(value) <= {1, 23, -4}, result.token_ids
@@ -232,7 +265,8 @@ def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
     value = json.loads(parse_one_object(out)["text"])
     assert isinstance(value, dict) and set(value) <= {"ok"}
     status, out, _ = run_cli(capsys, *common, "--regex", "(yes|no)")
-    assert status == 0 and parse_one_object(out)["text"] in ("yes", "no")
+    plain = parse_one_object(out)["text"]
+    assert status == 0 and plain in ("yes", "no")
     for flag, bad, words in [
         ("--json-schema", str(tmp_path / "missing.json"), "No such file"),
         ("--regex", "a(b", "not a valid regular expression"),
@@ -240,6 +274,17 @@ def test_the_command_line_takes_grammar_flags(capsys, tmp_path):
     ]:
         status, out, err = run_cli(capsys, *common, flag, bad)
         assert status == 2 and out == "" and flag in err and words in err, err
+    # The bundled EAGLE-3 pipeline, drafts masked or free: the same text as plain decoding.
+    drafted = [*common[:2], "--algorithm", "eagle3", *common[4:], "--regex", "(yes|no)"]
+    for drafts in DRAFTS:
+        status, out, _ = run_cli(capsys, *drafted, "--grammar-drafts", drafts)
+        assert status == 0 and parse_one_object(out)["text"] == plain
+    for flags, words in [
+        (["--grammar-drafts", "loose"], "invalid choice: 'loose'"),
+        (["--regex", "(yes|no)", "--grammar-drafts", "free"], "--grammar-drafts"),  # plain
+    ]:
+        status, out, err = run_cli(capsys, *common, *flags)
+        assert status == 2 and out == "" and words in err, err
 
 
 def _legal(compiled, tokens) -> bool:
@@ -419,10 +464,9 @@ def test_each_mask_is_computed_once_and_verify_reuses_the_drafts(name, plain_out
         assert len(asked) - len(unique) >= len(unique) // 3
 
 
-def test_an_ngram_round_asks_the_host_for_masks_once_before_it_runs(monkeypatch):
-    """An n-gram tree is built on the host, so its masks are computed with it and handed to
-    the round: one ask per decoding round (its tree) and one per prefill, none from inside
-    the round's verify."""
+def _counted_asks(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the path tokens of every ask a round makes of the host for masks (one
+    CUDA-graph cut each in a captured round, ``runtime.graphs.capture_cut``), as they come."""
     calls = []
     bitmasks = scheduler._bitmasks
 
@@ -431,6 +475,14 @@ def test_an_ngram_round_asks_the_host_for_masks_once_before_it_runs(monkeypatch)
         return bitmasks(requests, pending, vocab, device, paths)
 
     monkeypatch.setattr(scheduler, "_bitmasks", counting)
+    return calls
+
+
+def test_an_ngram_round_asks_the_host_for_masks_once_before_it_runs(monkeypatch):
+    """An n-gram tree is built on the host, so its masks are computed with it and handed to
+    the round: one ask per decoding round (its tree) and one per prefill, none from inside
+    the round's verify."""
+    calls = _counted_asks(monkeypatch)
     built = grammar_engine("ngram")
     for prompt, kind in zip(PROMPTS, GRAMMARS):
         calls.clear()
@@ -438,6 +490,47 @@ def test_an_ngram_round_asks_the_host_for_masks_once_before_it_runs(monkeypatch)
         assert len(calls) == 1 + result.stats["num_rounds"], calls
         # The rounds' asks are whole trees: [batch, num_draft_tokens, num_draft_tokens].
         assert all(shape[1:] == (6, 6) for shape in calls[1:]), calls
+
+
+#: The pipelines of ``test_overlap`` with a draft model (n-gram trees are built on the host;
+#: adaptive speculation's depth 0 runs plain steps, one ask each).
+DRAFTED = [n for n in sorted(PIPELINES) if n not in ("adaptive", "ngram shared store")]
+DRAFTED = [n for n in DRAFTED if not n.startswith(("plain", "ngram"))]
+
+
+@pytest.mark.parametrize("name", DRAFTED)
+def test_free_drafts_ask_the_host_once_a_round_for_the_verified_tree(name, monkeypatch):
+    """With free drafts no draft distribution asks for masks: a round asks once, for every
+    node of its verified tree, and a prefill once, for its token. Greedy output is plain
+    constrained decoding's (``test_every_pipeline_emits_plain_constrained_decodings_tokens``)."""
+    calls = _counted_asks(monkeypatch)
+    built = grammar_engine(name, drafts="free")
+    for prompt, kind in zip(PROMPTS, GRAMMARS):
+        calls.clear()
+        (result,) = generate(constrained([prompt], [kind]), engine=built, max_new_tokens=16)
+        assert len(calls) == 1 + result.stats["num_rounds"], calls
+        # [batch, nodes, path length]: the whole tree at once, root included.
+        assert all(shape[1] == shape[2] > 1 for shape in calls[1:]), calls
+
+
+def test_masked_drafts_ask_the_host_at_every_level_of_an_eagle_chain(monkeypatch):
+    """With masked drafts an EAGLE chain of ``num_steps`` levels asks ``num_steps + 1`` times a
+    round (the levels after the first, the verify, the carried prediction: as many graph cuts),
+    and a prefill twice (its token, the draft's first prediction)."""
+    calls = _counted_asks(monkeypatch)
+    num_steps = PIPELINES["eagle chain"][2]["num_steps"]
+    built = grammar_engine("eagle chain", drafts="masked")
+    for prompt, kind in zip(PROMPTS, GRAMMARS):
+        calls.clear()
+        (result,) = generate(constrained([prompt], [kind]), engine=built, max_new_tokens=16)
+        assert len(calls) == 2 + (num_steps + 1) * result.stats["num_rounds"], calls
+
+
+def test_the_grammar_drafts_option_is_checked():
+    for bad, error in [("loose", ValueError), ("Free", ValueError), (True, TypeError)]:
+        with pytest.raises(error, match=r"grammar_drafts=.*masked, free"):
+            SpecOptions(grammar_drafts=bad)
+    assert SpecOptions().grammar_drafts == "masked"
 
 
 def test_ngram_proposals_under_a_grammar_hold_no_illegal_token():

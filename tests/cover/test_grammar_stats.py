@@ -16,7 +16,10 @@ Why the assertion cannot flake: a request's draws are a fixed function of its se
 on every run; the thresholds are so far in the tail that under the exact law only about one
 seed set in 1e9 fails them, so the fixed set passed when the test was written and fails later
 only if the decoding's behaviour changes. The same counts reject the law of a pipeline that
-masked the first position only, which shows the check sees a missing mask.
+masked the first position only, which shows the check sees a missing mask. With free drafts
+(``SpecOptions.grammar_drafts="free"``) the grammar masks the target alone: the chain drafts
+forbidden tokens too, top-1 or sampled (whose verifier must then get the unmasked
+distributions the drafts were drawn from), and the law is the same.
 ``tests/nocover/test_grammar_stats_large.py`` runs a tree and three tokens over more seeds.
 """
 
@@ -100,7 +103,16 @@ def sampled_stats(algorithm: str, spec: dict, case: tuple, num_seeds: int) -> tu
     return joint_stats(tokens, constrained_joint(allowed)), histogram, tokens
 
 
-@pytest.mark.parametrize(("algorithm", "spec"), [("plain", {}), ("eagle", CHAIN3)])
+#: Free drafts (``SpecOptions.grammar_drafts``): the grammar masks the target alone; sampled
+#: free drafts hand the verifier the unmasked distributions they were drawn from.
+FREE = {"grammar_drafts": "free"}
+SAMPLED_FREE = CHAIN3 | FREE | {"sample_drafts": True}
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "spec"),
+    [("plain", {}), ("eagle", CHAIN3), ("eagle", CHAIN3 | FREE), ("eagle", SAMPLED_FREE)],
+)
 def test_the_first_constrained_tokens_follow_the_masked_renormalized_law(algorithm, spec):
     stats, histogram, tokens = sampled_stats(algorithm, spec, TWO, CHUNK)
     assert lossless(stats), stats

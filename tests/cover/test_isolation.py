@@ -267,7 +267,7 @@ def test_a_faulty_node_off_the_accepted_path_spoils_nothing():
 # --- a state machine mixing good and poisoned requests ------------------------------------------
 
 PROMPTS = [(3,), (12, 4), (9,), (1, POISON, 2), (0,), (5, 1)]
-MACHINE_PIPELINES = ["plain", "eagle tree", "mtp", "ngram"]
+MACHINE_PIPELINES = ["plain", "eagle tree", "mtp", "ngram", "ngram device"]
 #: Both kinds of fault: the poisoned embedding row, and logits that a temperature of 1e-4
 #: overflows.
 FRAGILE = huge_logits_target(POISONED)

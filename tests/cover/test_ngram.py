@@ -570,8 +570,11 @@ def test_greedy_ngram_decoding_equals_plain(
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
-def test_chunked_prefill_keeps_the_whole_prompt_in_the_history():
-    engine = ngram_engine(prefill_budget=3)
+@pytest.mark.parametrize("matcher", ["host", "device"])
+def test_chunked_prefill_keeps_the_whole_prompt_in_the_history(matcher):
+    """Chunk by chunk, the history gathers the whole prompt, then the first output token; the
+    rest of its fixed width (the page table's) is padding."""
+    engine = ngram_engine(prefill_budget=3, matcher=matcher)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     state, _ = scheduler.add_request(engine, scheduler.new_state(engine), prompt, max_new_tokens=4)
     while not state.running:
@@ -580,6 +583,8 @@ def test_chunked_prefill_keeps_the_whole_prompt_in_the_history():
     row = state.batch
     assert int(row.history_len[0]) == len(prompt) + 1
     assert row.history[0, : len(prompt) + 1].tolist() == prompt + list(request.output)
+    assert (row.history[0, len(prompt) + 1 :] == -1).all()
+    assert row.history.shape[1] == row.kv.page_table.shape[1] * row.kv.page_size
 
 
 def test_the_store_holds_each_history_position_once_as_an_occurrence():
@@ -667,21 +672,24 @@ def exact_joint(target, prompt, setting):
     return (probs[0][:, None] * probs[1:]).reshape(-1)
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
-    ],
-)
-def test_first_two_tokens_follow_the_target_law(setting):
+#: Sampling settings of the two-token law checks: plain, and every filter at once.
+LAW_SETTINGS = [
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    {"temperature": 1.3, "top_k": 4, "top_p": 0.8},
+]
+
+
+def assert_first_two_tokens_follow_the_target_law(options, num_draft_tokens, setting):
+    """3000 seeded two-token requests through an n-gram engine over :data:`SMALL` with
+    ``options`` (``NgramOptions``): their joint law is the target's (chi-square), and rounds
+    accepted drafts on the way."""
     prompt = [1, 4, 2, 1, 4, 2, 1, 4]
     seeds = 3000
     engine = engine_from_model(
         SMALL,
         algorithm="ngram",
-        spec=SpecOptions(num_draft_tokens=6),
-        ngram=NgramOptions(max_depth=4, max_breadth=3, store_tokens=0),
+        spec=SpecOptions(num_draft_tokens=num_draft_tokens),
+        ngram=options,
         page_size=4,
         max_context=16,
         max_batch=seeds,
@@ -699,6 +707,12 @@ def test_first_two_tokens_follow_the_target_law(setting):
         k for q in finished.values() for k, n in enumerate(q.round_lengths) for _ in range(n)
     ]
     assert np.mean(emitted) > 1.3, "the accept path must be exercised, not only the bonus"
+
+
+@pytest.mark.parametrize("setting", LAW_SETTINGS)
+def test_first_two_tokens_follow_the_target_law(setting):
+    options = NgramOptions(max_depth=4, max_breadth=3, store_tokens=0)
+    assert_first_two_tokens_follow_the_target_law(options, 6, setting)
 
 
 # ------------------------------------------------------------------------ command line

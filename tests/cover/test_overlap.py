@@ -71,6 +71,14 @@ PIPELINES = {
     # the extra round of a finished request inserts tokens the synchronous run never has, so
     # drafts (not greedy tokens) may differ.
     "ngram": ("ngram", None, {"num_draft_tokens": 6}, NgramOptions(store_tokens=0), False),
+    # The device matcher: the whole round on the device, so overlap hides the host's work.
+    "ngram device": (
+        "ngram",
+        None,
+        {"num_draft_tokens": 6},
+        NgramOptions(matcher="device", max_depth=5),
+        False,
+    ),
     "ngram shared store": (
         "ngram",
         None,
@@ -116,15 +124,15 @@ PIPELINES = {
 }
 
 
-def engine(name, overlap, target=TARGET, **limits):
+def engine(name, overlap, target=TARGET, spec_options=None, **limits):
     """An engine of pipeline ``name`` over ``target`` (the Markov target of ``test_eagle`` by
-    default), overlapped or not."""
+    default), overlapped or not; ``spec_options`` add to (or replace) its ``SpecOptions``."""
     algorithm, draft, spec, ngram, _ = PIPELINES[name]
     return engine_from_model(
         target,
         algorithm=algorithm,
         draft=draft,
-        spec=SpecOptions(**spec),
+        spec=SpecOptions(**(spec | (spec_options or {}))),
         ngram=ngram,
         overlap=overlap,
         **({"page_size": 4, "max_context": 48} | limits),

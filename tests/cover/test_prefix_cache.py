@@ -40,8 +40,10 @@ LOOKAHEAD = {
     "multi_layer_eagle": None,
     "ngram": 0,
     "ngram shared store": 0,
+    "ngram device": 0,
     "dflash": 0,
     "dspark ragged": 0,
+    "dspark auto": 0,
     "adaptive": 1,
 }
 

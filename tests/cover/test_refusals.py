@@ -294,6 +294,8 @@ BAD_OPTIONS = [
     (NgramOptions, {"flush_tokens": 1.5}, TypeError, "flush_tokens", "1.5"),
     (NgramOptions, {"order": 3}, TypeError, "order", "3"),
     (NgramOptions, {"corpus": 3}, TypeError, "corpus", "3"),
+    (NgramOptions, {"matcher": 3}, TypeError, "matcher", "3"),
+    (NgramOptions, {"matcher": "gpu"}, ValueError, "matcher", "'gpu'"),
 ]
 
 

@@ -297,12 +297,16 @@ def test_the_command_line_takes_a_logit_bias(capsys, tmp_path):
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 @pytest.mark.parametrize("controls", [{}, {"logit_bias": True, "max_logprobs": 2}])
 def test_every_leaf_of_a_round_is_a_tensor(name, controls):
-    """A CUDA graph captures records whose leaves are all tensors (``runtime.graphs``): a
-    control an engine was built without must still be a tensor (with no columns), never None,
-    in the batch state a round reads and in everything it returns."""
+    """A CUDA graph captures records whose leaves are tensors (``runtime.graphs``; ``None``,
+    an optional field a round leaves empty, is a constant of the graph): a control an engine
+    was built without must still be a tensor (with no columns), never None, in the batch state
+    a round reads and in everything it returns."""
     built = engine(name, False, **controls)
     state, _ = scheduler.add_request(built, scheduler.new_state(built), [3, 4], max_new_tokens=6)
     state, _ = scheduler.step(built, state)
     round_output = built.pipeline.decode(built.resources, state.batch)
     leaves = torch.utils._pytree.tree_leaves((state.batch, round_output))
-    assert leaves and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    assert leaves and all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in leaves)
+    controls_in_and_out = (state.batch.sampling, round_output[0].sampling)
+    control_leaves = torch.utils._pytree.tree_leaves(controls_in_and_out)
+    assert control_leaves and all(isinstance(leaf, torch.Tensor) for leaf in control_leaves)

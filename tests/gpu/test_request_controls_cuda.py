@@ -88,6 +88,25 @@ def test_captured_grammar_rounds_equal_eager_constrained_decoding(label):
     assert any(c.cuts for _, _, c in decode.graphs), "no round was captured with its cuts"
 
 
+@pytest.mark.parametrize("label", ["eagle chain", "eagle3 tree", "multi_layer_eagle"])
+def test_captured_rounds_with_free_drafts_are_cut_once_and_equal_eager(label):
+    """With free drafts (``SpecOptions.grammar_drafts="free"``) no draft step asks for masks:
+    a captured round is cut once, at its verify, against ``num_steps + 1`` cuts for a chain
+    with masked drafts, and emits eager constrained decoding's tokens either way."""
+    target = _target()
+    eager, _ = _constrained(target, cuda_graphs=False)
+    algorithm, draft, spec = _drafts(target)[label]
+    free = attrs.evolve(spec, grammar_drafts="free")
+    captured, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=free)
+    assert captured == eager
+    cuts = [len(c.cuts) for _, _, c in decode.graphs]
+    assert cuts and set(cuts) == {1}, cuts
+    if label == "eagle chain":
+        masked, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=spec)
+        assert masked == eager
+        assert {len(c.cuts) for _, _, c in decode.graphs} == {spec.num_steps + 1}
+
+
 def test_captured_ngram_grammar_rounds_are_uncut_and_equal_eager():
     """An n-gram round's tree is built on the host, its proposals pruned by the grammar and
     its masks computed with it: the round is one graph with no cut, and emits eager constrained

@@ -1,8 +1,9 @@
 """Compiled speculative and multi-step rounds (``EngineConfig.compile_stages``): an EAGLE tree
-round and a 3-step plain round, compiled with every stage and with the round alone, and an
-n-gram round's device part and a DSPARK round verifying a fixed budget packed (ragged verify's
-``q_starts`` traced through the target), compiled with every stage, emit the eager rounds'
-greedy tokens, and seeded sampled tokens too; so does the command line's ``--compile-stages``.
+round, a 3-step plain round and a device-matcher n-gram round (matcher included), compiled with
+every stage and with the round alone, and an n-gram round's device part and a DSPARK round
+verifying a fixed budget packed (ragged verify's ``q_starts`` traced through the target),
+compiled with every stage, emit the eager rounds' greedy tokens, and seeded sampled tokens
+too; so does the command line's ``--compile-stages``.
 Slow on the CPU (each engine compiles a round with inductor's C++ backend), hence here rather
 than in ``tests/cover``."""
 
@@ -19,7 +20,7 @@ from speculum.models.block_draft import random_block_draft
 from speculum.models.loading import random_model, save_model
 from speculum.runtime import cli, scheduler
 from speculum.runtime.compiled import ROUND, STAGES
-from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.engine import NgramOptions, SpecOptions, engine_from_model
 from speculum.runtime.generate import run_to_completion
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,8 @@ ROUNDS = {
     "plain 3 steps": (PLAIN, "plain", None, SpecOptions(decode_steps=3)),
     # Host work between stages: only the device round (verify, accept, commit) is compiled.
     "ngram": (TARGET, "ngram", None, SpecOptions(num_draft_tokens=4)),
+    # The device matcher: the whole round (match, verify, accept, commit, append) is compiled.
+    "ngram device": (TARGET, "ngram", None, SpecOptions(num_draft_tokens=4)),
     # A budget of 3 below the batch's 2 x 4 drafts: the target forward runs packed.
     "dspark packed": (
         TARGET,
@@ -49,6 +52,10 @@ ROUNDS = {
         SpecOptions(verify_budget="auto", cost_table=((1, 1.0), (64, 20.0))),
     ),
 }
+
+
+#: n-gram options by round name (the others take the defaults).
+NGRAM = {"ngram device": NgramOptions(matcher="device", max_depth=3)}
 
 
 def decoded(engine, temperature: float) -> list[tuple[tuple[int, ...], str]]:
@@ -89,6 +96,7 @@ def test_compiled_rounds_emit_the_eager_tokens(name, stages):
             max_batch=2,
             graph_buckets=(2,),
             prefix_cache=False,
+            ngram=NGRAM.get(name),
             **options,
         )
 
