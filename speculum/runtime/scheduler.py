@@ -985,12 +985,19 @@ def _path(tokens: list[int]) -> tuple[int, ...]:
     return tuple(t for t in tokens if t >= 0)
 
 
+def _filtering(requests: tuple[Request, ...], sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` (the rows of ``requests``) marked for a round in which a request has a
+    top-k, top-p or min-p filter (``SamplingParams.filters``: which kernels filter)."""
+    s = [r.sampling for r in requests]
+    return replace(sampling, filters=any(x.top_k > 0 or x.top_p < 1 or x.min_p > 0 for x in s))
+
+
 def _unconstrained(batch: Any) -> Any:
-    """``batch`` with its round's grammar callback dropped: rows of batches with and without
-    one then join, and snapshots keep no callback of a past round."""
-    if batch is None or batch.sampling.grammar is None:
+    """``batch`` with its round's grammar callback and filter mark dropped: rows of batches
+    with and without them then join, and snapshots keep nothing of a past round's."""
+    if batch is None or (batch.sampling.grammar is None and not batch.sampling.filters):
         return batch
-    return replace(batch, sampling=replace(batch.sampling, grammar=None))
+    return replace(batch, sampling=replace(batch.sampling, grammar=None, filters=False))
 
 
 def _penalties(requests: tuple[Request, ...], vocab: int) -> Penalties:
@@ -1212,7 +1219,9 @@ def _launch_decode(
     if not state.running:
         return state, ()
     state = _slide_windows(engine, state, "running")
-    sampling = _constrained(engine, state.running, state.batch.sampling, pending)
+    sampling = _filtering(
+        state.running, _constrained(engine, state.running, state.batch.sampling, pending)
+    )
     batch = replace(state.batch, sampling=sampling)
     batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
@@ -1229,7 +1238,9 @@ def _launch_prefill(
     state = _slide_windows(engine, state, "prefilling")
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
     chosen = state.prefilling[: chunk.tokens.shape[0]]  # the chunk's rows: the first ones
-    chunk = replace(chunk, sampling=_constrained(engine, chosen, chunk.sampling))
+    chunk = replace(
+        chunk, sampling=_filtering(chosen, _constrained(engine, chosen, chunk.sampling))
+    )
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
     rows = _unconstrained(rows)
     # A pipeline of the user's may return a plain StepOutput, which has none.
@@ -1435,7 +1446,8 @@ def warm_up(engine: Engine, prompt_len: int = 8, max_new_tokens: int = 16) -> No
     """Decode throwaway requests so that every CUDA graph is captured and every kernel compiled
     before the first real request (a server's first requests would otherwise wait seconds for
     them): ``prompt_len``-token prompts at every graph batch bucket up to ``max_batch``, greedy
-    and sampled, then one prompt of each length class (:func:`warm_up_lengths`) alone, since
+    and sampled, with and without a top-p filter (``SamplingParams.filters``: a graph of its
+    own), then one prompt of each length class (:func:`warm_up_lengths`) alone, since
     kernels' tiles and Triton's integer specialisations follow the prefill chunk's length.
 
     Every request finishes and frees its pages, and the shared cells (the n-gram store, the
@@ -1444,7 +1456,8 @@ def warm_up(engine: Engine, prompt_len: int = 8, max_new_tokens: int = 16) -> No
     """
     cells = tuple(cell.value for cell in engine.resources.cells)
     sizes = sorted({min(bucket, engine.config.max_batch) for bucket in engine.config.graph_buckets})
-    for batch, sampling in itertools.product(sizes, (Sampling(), Sampling(temperature=1.0))):
+    variants = (Sampling(), Sampling(temperature=1.0), Sampling(temperature=1.0, top_p=0.9))
+    for batch, sampling in itertools.product(sizes, variants):
         _decode_throwaway(
             engine, [_warm_up_prompt(engine, prompt_len, 0)] * batch, sampling, max_new_tokens
         )

@@ -83,6 +83,11 @@ class SamplingParams:
     grammar too (``runtime.engine.SpecOptions.grammar_drafts``: ``"masked"``, the default) or
     only the target's do (``"free"``: the draft proposes unconstrained, and a round asks the
     grammar once, at its verify); ``spec.sampling.drafting`` reads it. Both are exact.
+
+    ``filters`` (static, set by the scheduler for each round) says that a row of the batch has a
+    top-k, top-p or min-p filter. It only picks kernels (``spec.sampling
+    ._filtered_probs_core``): False is always correct, and no row's distribution depends on
+    the other rows' settings either way.
     """
 
     temperature: Float[Tensor, " batch"]
@@ -95,6 +100,7 @@ class SamplingParams:
     penalties: Penalties | None = None
     grammar: Callable[[Tensor], Tensor] | None = static(default=None)
     masked_drafts: bool = static(default=True)
+    filters: bool = static(default=False)
 
 
 class HostGrammar(Protocol):

@@ -25,6 +25,7 @@ from speculum.spec.sampling import (
     sample_from_probs,
     uniforms,
 )
+from speculum.state.record import replace
 from speculum.state.sampling import SamplingParams
 
 M32 = 0xFFFFFFFF
@@ -368,6 +369,17 @@ def test_filtered_probs_matches_reference(case):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
             assert (got[expected == 0] == 0).all()
             assert abs(got.sum() - 1) < 1e-5
+
+
+@settings(max_examples=100, deadline=None)
+@given(sampling_batches(rows=((), (2,))))
+def test_filter_marked_rounds_give_each_row_what_it_gets_unmarked(case):
+    """``SamplingParams.filters`` only picks kernels: every row's distribution is the same
+    with the mark (filtered rows through the sort, the others through the op with no filter)
+    as without it, whatever the other rows' settings."""
+    logits, params, _ = case
+    marked = filtered_probs(logits, replace(params, filters=True))
+    assert torch.equal(marked, filtered_probs(logits, params))
 
 
 @settings(max_examples=100, deadline=None)

@@ -27,6 +27,7 @@ from speculum.spec.sampling import (
     filtered_probs,
     sample_from_probs,
 )
+from speculum.state.record import replace
 from speculum.state.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -165,3 +166,9 @@ def test_register_routes_the_cuda_ops_to_triton():
     # Compiled callers reach the kernel too (the op is opaque to dynamo).
     compiled = torch.compile(filtered_probs, fullgraph=True)
     assert torch.equal(compiled(logits, params), probs)
+    # A round marked as filtering sends its filtered rows (1-3) through the sort and the
+    # greedy row 0, which has none, through the kernel: each row as it would be alone.
+    marked = filtered_probs(logits, replace(params, filters=True))
+    reference = _filtered_probs_reference(logits, *kc.filter_args(params))
+    assert torch.equal(marked[1:], reference[1:])
+    assert torch.equal(marked[0], probs[0])

@@ -112,4 +112,15 @@ def test_captured_sampled_rounds_equal_eager_ones_with_penalties_and_logprobs(ov
     results = generate(prompts, engine=captured, **options)
     reference = generate(prompts, engine=eager, **options)
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
-    assert [r.logprobs for r in results] == [r.logprobs for r in reference]
+    # The same alternatives; values to float32 rounding: an overlapped batch gathers its rows
+    # at other times than the eager one, and the GEMMs of another row count round differently.
+    for ours, theirs in zip(results, reference, strict=True):
+        for step, expected in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert step["token_id"] == expected["token_id"]
+            assert step["logprob"] == pytest.approx(expected["logprob"], abs=1e-4)
+            got = [(t["token_id"], t["logprob"]) for t in step["top_logprobs"]]
+            want = [
+                (t["token_id"], pytest.approx(t["logprob"], abs=1e-4))
+                for t in expected["top_logprobs"]
+            ]
+            assert got == want
