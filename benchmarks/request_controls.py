@@ -228,14 +228,17 @@ def main() -> None:
         "--vocab", type=int, help="the --tiny model's vocabulary (128256 for the 8B's mask work)"
     )
     parser.add_argument(
-        "--fill-threads", type=int, help="grammar.FILL_THREADS (default: half the CPUs)"
+        "--fill-threads",
+        type=int,
+        default=grammar.FILL_THREADS,
+        help="grammar.FILL_THREADS (%(default)s; 0: half the CPUs the process may run on)",
     )
     args = parser.parse_args()
     if args.tiny:  # the smoke run checks the script, not the numbers: keep it short
         args.prompt, args.measure = min(args.prompt, 64), min(args.measure, 8)
         torch.set_num_threads(1)  # tiny matrices gain nothing from threads on a shared CPU
     device = "cpu" if args.tiny else "cuda"
-    grammar.FILL_THREADS = args.fill_threads
+    grammar.FILL_THREADS = args.fill_threads or None
     if args.vocab and not args.tiny:
         parser.error("--vocab sets the --tiny model's vocabulary; the GPU run's is the 8B's")
     config = attrs.evolve(TINY, vocab_size=args.vocab or TINY.vocab_size) if args.tiny else LLAMA_8B
