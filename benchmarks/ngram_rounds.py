@@ -80,7 +80,8 @@ def engines(target, head, batch: int, tokens: int, args) -> dict[str, Engine]:
     device = dict(ngram, ngram=NgramOptions(matcher="device"))
     chain = SpecOptions(num_steps=tokens - 1, topk=1)
     return {
-        "plain": engine_from_model(target, **limits),
+        # one step a round (CUDA's default runs four): the columns compare rounds with a step
+        "plain": engine_from_model(target, spec=SpecOptions(decode_steps=1), **limits),
         f"eagle3 chain {tokens - 1}": engine_from_model(
             target, algorithm="eagle3", draft=head, spec=chain, **limits
         ),
