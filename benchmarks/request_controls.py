@@ -21,7 +21,9 @@ them), decodes ``batch`` requests of ``--prompt`` random tokens:
 - json_schema free: the same schema with free drafts (``SpecOptions.grammar_drafts="free"``:
   the grammar masks the target alone, so a round asks once, for the verified tree's nodes,
   and is cut once);
-- min_tokens: ``min_tokens = max_new_tokens``, EOS not ignored (``penalties=True``).
+- min_tokens: ``min_tokens = max_new_tokens``, EOS not ignored (``penalties=True``);
+- sampled: temperature 1, no filter; sampled top_p=0.9: the same with a top-p filter (a
+  round marked as filtering, ``SamplingParams.filters``: its filtered rows take the sort).
 
 A timed step is one scheduler step (the round, its one device-to-host copy, the host's
 collection of its tokens) whose batch is full and has no prefill: the median over
@@ -91,6 +93,8 @@ def controls(vocab: int, max_new_tokens: int) -> dict[str, tuple[dict, dict, boo
             True,
         ),
         "min_tokens": ({"penalties": True}, {"min_tokens": max_new_tokens}, False),
+        "sampled": ({}, {"temperature": 1.0, "seed": 0}, True),
+        "sampled top_p=0.9": ({}, {"temperature": 1.0, "top_p": 0.9, "seed": 0}, True),
     }
     if GRAMMAR:
         return measured
