@@ -153,22 +153,26 @@ def test_sample_from_probs_matches_spec_on_cuda(case, seed):
 
 def test_register_routes_the_cuda_ops_to_triton():
     g = torch.Generator(device="cuda").manual_seed(0)
-    logits = torch.randn(4, 64, 128256, generator=g, device="cuda") * 3
+    logits = torch.randn(5, 64, 128256, generator=g, device="cuda") * 3
     params = kc.sampling_params(
-        [0.0, 1.0, 0.7, 1.2], [0, 50, 0, 20], [1.0, 0.9, 0.95, 1.0], [0.0, 0.0, 0.05, 0.0], "cuda"
+        [0.0, 1.0, 0.7, 1.2, 0.9],
+        [0, 50, 0, 20, 0],
+        [1.0, 0.9, 0.95, 1.0, 1.0],
+        [0.0, 0.0, 0.05, 0.0, 0.0],
+        "cuda",
     )
     triton_sampling.register()
     probs = filtered_probs(logits, params)
     assert torch.equal(probs, filtered_probs_triton(logits, *kc.filter_args(params)))
     assert_matches(logits, params, probs)
-    u = torch.rand(4, 64, generator=g, device="cuda")
+    u = torch.rand(5, 64, generator=g, device="cuda")
     assert torch.equal(sample_from_probs(probs, u), sample_from_probs_triton(probs, u))
     # Compiled callers reach the kernel too (the op is opaque to dynamo).
     compiled = torch.compile(filtered_probs, fullgraph=True)
     assert torch.equal(compiled(logits, params), probs)
-    # A round marked as filtering sends its filtered rows (1-3) through the sort and the
-    # greedy row 0, which has none, through the kernel: each row as it would be alone.
+    # A round marked as filtering sends its filtered rows (1-3) through the sort and the rows
+    # with no filter (greedy 0, sampled 4) through the kernel: each row as it would be alone.
     marked = filtered_probs(logits, replace(params, filters=True))
     reference = _filtered_probs_reference(logits, *kc.filter_args(params))
-    assert torch.equal(marked[1:], reference[1:])
-    assert torch.equal(marked[0], probs[0])
+    assert torch.equal(marked[1:4], reference[1:4])
+    assert torch.equal(marked[[0, 4]], probs[[0, 4]])
