@@ -56,6 +56,7 @@ outputs that depend on the request alone.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -362,15 +363,9 @@ def device_decode(
     return new_state, output
 
 
-#: Settings of the host matcher alone, at their defaults: the device matcher drafts one chain
-#: (breadth 1, the most recent occurrence), so none of them applies to it.
-HOST_ONLY = {
-    "min_breadth": 1,
-    "max_breadth": 10,
-    "order": "recency",
-    "max_occurrences": 256,
-    "flush_tokens": 32,
-}
+#: Settings of the host matcher alone: the device matcher drafts one chain (breadth 1, the
+#: most recent occurrence), so none of them applies to it away from :func:`pipeline`'s default.
+HOST_ONLY = ("min_breadth", "max_breadth", "order", "max_occurrences", "flush_tokens")
 #: The host-only settings that a chain has: passing these to the device matcher is harmless.
 _CHAIN = {"min_breadth": 1, "max_breadth": 1}
 
@@ -388,10 +383,11 @@ def validate_matcher(matcher: str, *, corpus: object, store: bool, **settings: o
     if matcher == "host":
         return
     # Each setting at its default, or at the value the chain has (breadth 1), is harmless.
+    defaults = {k: inspect.signature(pipeline).parameters[k].default for k in HOST_ONLY}
     problems = [
         f"{k}={v!r}"
         for k, v in settings.items()
-        if k in HOST_ONLY and v not in (HOST_ONLY[k], _CHAIN.get(k, HOST_ONLY[k]))
+        if k in HOST_ONLY and v not in (defaults[k], _CHAIN.get(k, defaults[k]))
     ]
     if corpus is not None:
         problems.append(f"corpus={corpus!r}")
