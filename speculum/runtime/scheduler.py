@@ -985,11 +985,19 @@ def _path(tokens: list[int]) -> tuple[int, ...]:
     return tuple(t for t in tokens if t >= 0)
 
 
-def _filtering(requests: tuple[Request, ...], sampling: SamplingParams) -> SamplingParams:
-    """``sampling`` (the rows of ``requests``) marked for a round in which a request has a
-    top-k, top-p or min-p filter (``SamplingParams.filters``: which kernels filter)."""
+def _for_round(
+    engine: Engine,
+    requests: tuple[Request, ...],
+    sampling: SamplingParams,
+    pending: tuple[Launched, ...] = (),
+) -> SamplingParams:
+    """``sampling`` (the rows of ``requests``) as one round of them reads it: with its grammar
+    callback (:func:`_constrained`) and marked when a request has a top-k, top-p or min-p
+    filter (``SamplingParams.filters``: which kernels filter); :func:`_unconstrained` drops
+    both after the round."""
     s = [r.sampling for r in requests]
-    return replace(sampling, filters=any(x.top_k > 0 or x.top_p < 1 or x.min_p > 0 for x in s))
+    filters = any(x.top_k > 0 or x.top_p < 1 or x.min_p > 0 for x in s)
+    return replace(_constrained(engine, requests, sampling, pending), filters=filters)
 
 
 def _unconstrained(batch: Any) -> Any:
@@ -1219,9 +1227,7 @@ def _launch_decode(
     if not state.running:
         return state, ()
     state = _slide_windows(engine, state, "running")
-    sampling = _filtering(
-        state.running, _constrained(engine, state.running, state.batch.sampling, pending)
-    )
+    sampling = _for_round(engine, state.running, state.batch.sampling, pending)
     batch = replace(state.batch, sampling=sampling)
     batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
@@ -1238,9 +1244,7 @@ def _launch_prefill(
     state = _slide_windows(engine, state, "prefilling")
     chunk, sizes = _prefill_chunk(engine, state.prefilling)
     chosen = state.prefilling[: chunk.tokens.shape[0]]  # the chunk's rows: the first ones
-    chunk = replace(
-        chunk, sampling=_filtering(chosen, _constrained(engine, chosen, chunk.sampling))
-    )
+    chunk = replace(chunk, sampling=_for_round(engine, chosen, chunk.sampling))
     rows, first = engine.pipeline.prefill(engine.resources, chunk)
     rows = _unconstrained(rows)
     # A pipeline of the user's may return a plain StepOutput, which has none.
