@@ -77,7 +77,11 @@ def tensor_parallel(size: int, device: str = "cpu") -> TensorParallel:
         dist.init_process_group("nccl" if cuda else "gloo")
         atexit.register(finish)  # the group lives as long as the process that needed it
     _check_world(dist.get_world_size(), size)
-    return TensorParallel(rank=dist.get_rank(), size=size, group=dist.group.WORLD)
+    # group=None names the default group without holding it: a Python reference to the group
+    # object would outlive finish()'s destroy_process_group, and gloo's C++ group destroyed
+    # later, during interpreter shutdown, aborts the process ("terminate called without an
+    # active exception") about half the time.
+    return TensorParallel(rank=dist.get_rank(), size=size)
 
 
 def _check_world(world: int, size: int) -> None:
