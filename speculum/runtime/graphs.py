@@ -12,9 +12,10 @@ capture, never a silent reuse.
 commit, draft-extend: every stage, with no host work between them) and keeps one graph per
 batch-size bucket. A round with a grammar, which asks the host for masks in the middle, is
 recorded as several graphs cut at those asks (:func:`capture_cut`, :class:`MaskCut`). A batch
-is padded to the next bucket with rows that read and write only the padding page, and the real
-rows are taken back out of the outputs: a gather, so what the caller receives is fresh memory
-that the next replay cannot overwrite, and snapshots of it stay valid.
+runs in the smallest bucket that holds it: its rows are copied into the first rows of the
+bucket's static inputs, the rows after them read and write only the padding page
+(:class:`BucketGraph`), and the real rows are taken back out of the outputs into fresh memory
+that the next replay cannot overwrite, so snapshots of it stay valid.
 
 Graphs and their static buffers are owned resources, like KV pools: a :class:`GraphedDecode`
 belongs to one pipeline value and one set of resources; another pipeline value (another step
@@ -42,6 +43,7 @@ from speculum.state.recurrent import PADDING_SLOT
 
 __all__ = [
     "DEFAULT_BUCKETS",
+    "BucketGraph",
     "Captured",
     "GraphedDecode",
     "MaskCut",
@@ -89,9 +91,14 @@ class Captured:
         return pytree.tree_unflatten(leaves, self._out_spec)
 
 
-def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+def _signature(leaves: Sequence[Any], rows: int | None = None) -> tuple[Any, ...]:
+    """Each leaf's shape, dtype and device (a non-tensor leaf itself); with ``rows``, the
+    shapes as a batch of that many rows would have them (every tensor leaf is batch-major)."""
     return tuple(
-        (tuple(x.shape), x.dtype, x.device) if isinstance(x, Tensor) else x for x in leaves
+        (tuple(x.shape) if rows is None else (rows, *x.shape[1:]), x.dtype, x.device)
+        if isinstance(x, Tensor)
+        else x
+        for x in leaves
     )
 
 
@@ -141,19 +148,25 @@ def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
             "replay: arguments differ from the captured ones in structure, static fields, shapes "
             "or dtypes; capture again for this shape"
         )
-    return _run(captured, leaves)
+    static = [s for s in captured.inputs if isinstance(s, Tensor)]
+    return _run(captured, static, [v for v in leaves if isinstance(v, Tensor)])
 
 
-def _run(captured: Captured, leaves: Sequence[Any], masks: MaskCut | None = None) -> Any:
-    """Copy already-checked argument leaves into the static inputs and replay; a round cut
-    at its grammar masks asks ``masks`` for each cut's (one host round trip, one packed copy
-    into the cut's static buffer) before replaying the graph after it."""
-    pairs = [(s, v) for s, v in zip(captured.inputs, leaves) if isinstance(s, Tensor)]
-    copy_all([s for s, _ in pairs], [v for _, v in pairs])
+def _run(
+    captured: Captured,
+    static: Sequence[Tensor],
+    values: Sequence[Tensor],
+    masks: MaskCut | None = None,
+) -> Any:
+    """Copy already-checked argument tensors ``values`` into ``static`` (the static inputs'
+    tensors, or their leading rows) and replay; a round cut at its grammar masks asks
+    ``masks`` for each cut's (one host round trip, one packed copy into the cut's static
+    buffer) before replaying the graph after it."""
+    copy_all(static, values)
     captured.graph.replay()
-    for paths, static, graph in captured.cuts:
+    for paths, static_masks, graph in captured.cuts:
         assert masks is not None, "a round cut at grammar masks needs its MaskCut"
-        static.copy_(masks(paths), non_blocking=True)
+        static_masks.copy_(masks(paths), non_blocking=True)
         graph.replay()
     return captured.outputs
 
@@ -293,7 +306,7 @@ class GraphedDecode:
 
     decode: Callable[[Any, Any], tuple[Any, Any]]
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    graphs: list[tuple[Any, Any, Captured]] = attrs.field(factory=list)
+    graphs: list[tuple[Any, Any, BucketGraph]] = attrs.field(factory=list)
     # Graph memory shared by this decode's captures; made at the first capture, so that the
     # value can be built (and checked) where no GPU is present.
     pool: Any = None
@@ -309,24 +322,23 @@ class GraphedDecode:
         if grammar is not None:
             self.cut.fill, self.cut.rows = grammar, batch_size(state)
             state = replace(state, sampling=replace(state.sampling, grammar=self.cut))
-        # Flattened once per round (again only when padded): this is host work on every
-        # round, and the lookup key is the check replay() would repeat.
+        # Flattened once per round: this is host work on every round, and the lookup key is
+        # the check replay() would repeat.
         leaves, spec = pytree.tree_flatten((state,))
         batch = leading_size(leaves)
         bucket = bucket_for(batch, self.buckets)
-        if bucket != batch:
-            state = pad_batch(state, bucket)
-            leaves, spec = pytree.tree_flatten((state,))
-        captured = self._graph_for(resources, state, (spec, _signature(leaves)))
-        _run(captured, leaves, self.cut)
-        # Padding rows follow the batch's own (pad_batch), so its rows are the first ones.
-        return fresh_rows(captured, batch)
+        key = (spec, _signature(leaves, rows=bucket))
+        graph = self._graph_for(resources, state, bucket, key)
+        graph.run(leaves, batch, self.cut)
+        # The real rows are the static buffers' first ones (BucketGraph.run).
+        return fresh_rows(graph.captured, batch)
 
-    def _graph_for(self, resources: Any, padded: Any, key: tuple[Any, Any]) -> Captured:
-        for owner, known, captured in self.graphs:
+    def _graph_for(self, resources: Any, state: Any, bucket: int, key: Any) -> BucketGraph:
+        for owner, known, graph in self.graphs:
             if owner is resources and known == key:
-                return captured
+                return graph
         # Warm up and capture on an all-padding copy, so the warm-up calls write only the sink.
+        padded = pad_batch(state, bucket)
         dummy = without_cache(padded, torch.ones_like(padded.kv.seq_lens, dtype=torch.bool))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -335,5 +347,52 @@ class GraphedDecode:
             captured = capture_cut(round_fn, (dummy,), self.cut, pool=self.pool)
         else:
             captured = capture(round_fn, (dummy,), pool=self.pool)
-        self.graphs.append((resources, key, captured))
-        return captured
+        graph = BucketGraph(captured, _cache_leaves(dummy, captured.inputs))
+        self.graphs.append((resources, key, graph))
+        return graph
+
+
+def _cache_leaves(state: Any, inputs: Sequence[Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """The static buffers, among ``inputs`` (``state``'s leaves copied), of ``state.kv``'s
+    page table, sequence lengths and recurrent-state slots: what a padding row must hold."""
+    leaves, _ = pytree.tree_flatten((state,))
+    kv = state.kv
+    position = {id(x): i for i, x in enumerate(leaves)}
+    return tuple(inputs[position[id(x)]] for x in (kv.page_table, kv.seq_lens, kv.state_slots))
+
+
+@attrs.define(slots=True, eq=False)
+class BucketGraph:
+    """One bucket's captured round and what the host knows of its static inputs' rows.
+
+    A batch below its bucket is copied into the first rows of the static inputs, and the rows
+    after it are left as they are: each holds some earlier round's real row, or the capture's
+    padding row, whole (every leaf of a row is copied together), so a round over it reads and
+    computes only valid values; what it must not do is own a cache, so its page table, length
+    and recurrent-state slot are reset to the padding sink's (:func:`without_cache`) where an
+    earlier, larger batch left a real request's. ``padding_from`` is the first row from which
+    all rows are known to be padding: the reset is needed only when a batch shrinks below it,
+    and then covers only the rows in between, so a steady batch pays the unpadded copy alone
+    (:func:`pad_batch`'s gather cost a copy of every leaf and a launch per leaf).
+    """
+
+    captured: Captured
+    cache_leaves: tuple[Tensor, Tensor, Tensor]  # static page table, seq_lens, state_slots
+    padding_from: int = 0  # captured on an all-padding state
+    # The static input tensors' first rows, per batch size seen (views made once, not per round).
+    _rows: dict[int, list[Tensor]] = attrs.field(factory=dict)
+
+    def run(self, leaves: Sequence[Any], batch: int, masks: MaskCut) -> None:
+        """Copy ``batch`` rows of argument ``leaves`` into the static inputs, make the rows
+        after them padding (as needed), and replay."""
+        if batch < self.padding_from:
+            page_table, seq_lens, state_slots = self.cache_leaves
+            page_table[batch : self.padding_from].fill_(PADDING_PAGE)
+            seq_lens[batch : self.padding_from].zero_()
+            state_slots[batch : self.padding_from].fill_(PADDING_SLOT)
+        self.padding_from = batch
+        static = self._rows.get(batch)
+        if static is None:
+            static = [s[:batch] for s in self.captured.inputs if isinstance(s, Tensor)]
+            self._rows[batch] = static
+        _run(self.captured, static, [v for v in leaves if isinstance(v, Tensor)], masks)

@@ -16,9 +16,8 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from conftest import tiny_config
-from graph_checks import changed, graph_buffers
+from graph_checks import changed, fake_capture, graph_buffers
 from heads import agreeing_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,7 +35,6 @@ from speculum.runtime import cli, graphs, scheduler
 from speculum.runtime.engine import EngineConfig, SpecOptions, _graphed, engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.state.host import to_host
-from speculum.state.record import snapshot
 
 HEADS = {
     "eagle": agreeing_head(TARGET, "eagle"),
@@ -625,27 +623,6 @@ def test_snapshot_restores_the_measurements_and_replays_sampling():
     assert engine.resources.goodput.value is not measured
     _, again = run_to_completion(engine, scheduler.restore(engine, snap))
     assert {r: q.output for r, q in again.items()} == {r: q.output for r, q in first.items()}
-
-
-class FakeGraph:
-    """A CUDA graph's contract on the CPU: replay runs the recorded call on the static inputs
-    and writes its results into the static outputs, in place."""
-
-    def __init__(self, fn, inputs, spec, outputs):
-        self.fn, self.inputs, self.spec, self.outputs = fn, inputs, spec, outputs
-
-    def replay(self):
-        fresh = self.fn(*pytree.tree_unflatten(list(self.inputs), self.spec))
-        for static, value in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
-            static.copy_(value)
-
-
-def fake_capture(fn, args, *, pool=None, warmup=2):
-    leaves, spec = pytree.tree_flatten(args)
-    inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
-    outputs = snapshot(fn(*pytree.tree_unflatten(list(inputs), spec)))
-    graph = FakeGraph(fn, inputs, spec, outputs)
-    return graphs.Captured(graph=graph, inputs=inputs, in_spec=spec, outputs=outputs)
 
 
 def test_switching_leaves_every_other_variants_graphs_and_buffers_untouched(monkeypatch):

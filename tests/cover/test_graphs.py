@@ -7,15 +7,17 @@ checked here eagerly on the CPU (the GPU tests check the captured graphs themsel
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
+from graph_checks import fake_capture
 from heads import agreeing_head, markov_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculum.runtime import scheduler
+from speculum.runtime import graphs, scheduler
 from speculum.runtime.engine import SpecOptions, engine_from_model
-from speculum.runtime.graphs import bucket_for, pad_batch, without_cache
+from speculum.runtime.graphs import GraphedDecode, bucket_for, pad_batch, without_cache
 from speculum.state.batch import batch_size, take_rows
 from speculum.state.kv import PADDING_PAGE
 from speculum.state.record import tree_equal
@@ -109,6 +111,75 @@ def test_padding_rows_change_nothing_real_rows_emit_or_own(algorithm, topk, prom
     for (k, v), (k2, v2) in zip(padded_pages, _owned(engine, state)):
         assert torch.equal(k, k2) and torch.equal(v, v2)
     assert tree_equal(take_rows(padded_out, real), unpadded_out)
+
+
+def _tokens(engine, requests, late, sampling):
+    """Every request's tokens, ``late`` of them queued once the first ones have run 3 steps."""
+    state, tokens = scheduler.new_state(engine), {}
+
+    def step(state):
+        state, outputs = scheduler.step(engine, state)
+        for out in outputs:
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        return state
+
+    for number, (prompt, new_tokens) in enumerate(requests):
+        if number == len(requests) - late:
+            for _ in range(3):
+                state = step(state)
+        state, _ = scheduler.add_request(
+            engine, state, prompt, sampling=sampling, max_new_tokens=new_tokens
+        )
+    while not scheduler.is_idle(state):
+        state = step(state)
+    return tokens
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    algorithm=st.sampled_from(["plain", "eagle"]),
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), st.integers(1, 14)),
+        min_size=2,
+        max_size=6,
+    ),
+    late=st.integers(0, 2),
+    sampled=st.booleans(),
+)
+def test_graphed_rounds_emit_eager_tokens_as_the_batch_shrinks_and_grows(
+    algorithm, requests, late, sampled
+):
+    """A graphed decode (its graphs stood in for by eager replays of the recorded call)
+    emits, request for request, the eager pipeline's tokens while requests finish at
+    different rounds and others join: the batch moves within and across buckets, so static
+    rows left over from larger batches (and rows the capture padded) sit after the real
+    ones, and rows a finished request held are reset to padding."""
+    spec = SpecOptions(num_steps=3, topk=2, num_draft_tokens=4)
+    sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=5) if sampled else None
+
+    def engine():
+        return engine_from_model(
+            TARGET,
+            algorithm=algorithm,
+            draft=HEAD if algorithm == "eagle" else None,
+            spec=spec,
+            page_size=4,
+            max_context=64,
+            max_batch=8,
+        )
+
+    eager = _tokens(engine(), requests, late, sampling)
+    graphed = engine()
+    graphed = attrs.evolve(
+        graphed,
+        pipeline=attrs.evolve(
+            graphed.pipeline, decode=GraphedDecode(graphed.pipeline.decode, (1, 2, 4, 8))
+        ),
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphs, "capture", fake_capture)
+        patch.setattr(torch.cuda, "graph_pool_handle", object)
+        assert _tokens(graphed, requests, late, sampling) == eager
 
 
 def test_engines_capture_rounds_only_on_cuda_and_without_host_work():
