@@ -1351,7 +1351,8 @@ def _collect(
             running=tuple(r for i, r in enumerate(running) if i not in finished),
             batch=_drop_rows(engine, state.batch, len(running), finished),
         )
-        state = _release_pages(state, [running[i] for i in finished])
+        if finished:
+            state = _release_pages(state, [running[i] for i in finished])
     return state, outputs
 
 

@@ -15,7 +15,7 @@ from collections.abc import Collection
 
 import attrs
 import torch
-from jaxtyping import Int
+from jaxtyping import Bool, Int
 from torch import Tensor
 
 from speculum.state.record import record, replace, static
@@ -129,13 +129,15 @@ class KVPool:
 
 @record
 class PageAllocator:
-    """Free-page stack: ``free_pages[:num_free]`` are free, the rest are garbage.
+    """Free-page stack: ``free_pages[:num_free]`` are free, the rest are garbage; ``is_free``
+    marks the same pages by id, so that freeing checks its pages without a scan of the stack.
 
     Lives on the host: allocation is decided by the scheduler, between device steps.
     """
 
     free_pages: Int[Tensor, " page"]
     num_free: Int[Tensor, ""]
+    is_free: Bool[Tensor, " page"]
     num_pages: int = static()
 
 
@@ -149,8 +151,13 @@ def new_allocator(num_pages: int, held: Collection[int] = ()) -> PageAllocator:
     free_now = [p for p in range(num_pages - 1, 0, -1) if p not in taken]
     stack = torch.zeros(num_pages, dtype=torch.int64)
     stack[: len(free_now)] = torch.tensor(free_now, dtype=torch.int64)
+    is_free = torch.zeros(num_pages, dtype=torch.bool)
+    is_free[stack[: len(free_now)]] = True
     return PageAllocator(
-        free_pages=stack, num_free=torch.tensor(len(free_now)), num_pages=num_pages
+        free_pages=stack,
+        num_free=torch.tensor(len(free_now)),
+        is_free=is_free,
+        num_pages=num_pages,
     )
 
 
@@ -169,7 +176,9 @@ def allocate(alloc: PageAllocator, count: int) -> tuple[PageAllocator, Int[Tenso
             "more KV pages"
         )
     pages = alloc.free_pages[num_free - count : num_free].flip(0)
-    return replace(alloc, num_free=torch.tensor(num_free - count)), pages
+    is_free = alloc.is_free.clone()
+    is_free[pages] = False
+    return replace(alloc, num_free=torch.tensor(num_free - count), is_free=is_free), pages
 
 
 def free(alloc: PageAllocator, pages: Int[Tensor, " count"]) -> PageAllocator:
@@ -179,20 +188,25 @@ def free(alloc: PageAllocator, pages: Int[Tensor, " count"]) -> PageAllocator:
     requests share a page).
     """
     pages = pages.to(torch.int64).flatten()
+    ids = pages.tolist()
+    valid = [0 < p < alloc.num_pages for p in ids]
+    already = alloc.is_free[pages.where(torch.tensor(valid, dtype=torch.bool), 0)].tolist()
+    bad = [p for p, ok, taken in zip(ids, valid, already) if taken or not ok]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(f"double free or invalid page ids {bad or ids}")
     num_free = int(alloc.num_free)
-    free_now = set(alloc.free_pages[:num_free].tolist())
-    bad = [p for p in pages.tolist() if p in free_now or not 0 < p < alloc.num_pages]
-    if bad or len(set(pages.tolist())) != len(pages):
-        raise ValueError(f"double free or invalid page ids {bad or pages.tolist()}")
     stack = alloc.free_pages.clone()
     stack[num_free : num_free + len(pages)] = pages.flip(0)
-    return replace(alloc, free_pages=stack, num_free=torch.tensor(num_free + len(pages)))
+    is_free = alloc.is_free.clone()
+    is_free[pages] = True
+    return replace(
+        alloc, free_pages=stack, num_free=torch.tensor(num_free + len(pages)), is_free=is_free
+    )
 
 
 def allocated_pages(alloc: PageAllocator) -> set[int]:
     """Ids of the pages currently handed out (for invariants and tests)."""
-    free_now = set(alloc.free_pages[: int(alloc.num_free)].tolist())
-    return set(range(1, alloc.num_pages)) - free_now
+    return set((~alloc.is_free).nonzero().flatten().tolist()) - {PADDING_PAGE}
 
 
 @record

@@ -27,7 +27,7 @@ from speculum.state import (
     take_rows,
     tree_equal,
 )
-from speculum.state.kv import allocate, new_allocator
+from speculum.state.kv import KVPoolExhausted, allocate, allocated_pages, free, new_allocator
 
 
 @record
@@ -171,3 +171,42 @@ def test_plain_decode_stage_compiles_fullgraph_and_matches_eager():
     compiled = compiled_decode(Resources(target=model, target_pool=compiled_pool), state)
     assert tree_equal(eager, compiled)
     assert torch.equal(eager_pool.k, compiled_pool.k) and torch.equal(eager_pool.v, compiled_pool.v)
+
+
+@given(
+    num_pages=st.integers(2, 12),
+    held=st.sets(st.integers(1, 11), max_size=3),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("allocate"), st.integers(0, 5)),
+            st.tuples(st.just("free"), st.lists(st.integers(-1, 13), max_size=4)),
+        ),
+        max_size=12,
+    ),
+)
+def test_the_page_allocator_is_a_set_of_free_pages(num_pages, held, ops):
+    """Allocation and freeing behave as a set of free page ids (page 0, the padding sink, and
+    pages a prefix cache holds never free): pages handed out are distinct and were free;
+    freeing a page that is free, out of range, or named twice is refused, with the allocator
+    handed in unchanged, as is allocating more pages than are free."""
+    held = {p for p in held if p < num_pages}
+    alloc = new_allocator(num_pages, held)
+    free_set = set(range(1, num_pages)) - held
+    for op, arg in ops:
+        if op == "allocate":
+            if arg > len(free_set):
+                with pytest.raises(KVPoolExhausted):
+                    allocate(alloc, arg)
+                continue
+            alloc, pages = allocate(alloc, arg)
+            taken = pages.tolist()
+            assert len(set(taken)) == len(taken) and set(taken) <= free_set
+            free_set -= set(taken)
+        elif set(arg) <= set(range(1, num_pages)) - free_set and len(set(arg)) == len(arg):
+            alloc = free(alloc, torch.tensor(arg, dtype=torch.int64))
+            free_set |= set(arg)
+        else:
+            with pytest.raises(ValueError, match="double free or invalid page ids"):
+                free(alloc, torch.tensor(arg, dtype=torch.int64))
+        assert allocated_pages(alloc) == set(range(1, num_pages)) - free_set
+        assert set(alloc.free_pages[: int(alloc.num_free)].tolist()) == free_set
