@@ -24,6 +24,7 @@ import torch
 from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cli import run_cli
 
 from speculum.kernels.flashinfer_mla import RoundForward, plan_inputs
 from speculum.models.config import MLAConfig
@@ -314,3 +315,10 @@ def test_planned_rounds_emit_the_triton_paths_tokens(label, fake_flashinfer):
     assert fake_flashinfer.runs == 0
     assert _tokens(target, 12, mla_kernel="flashinfer", **options) == expected
     assert fake_flashinfer.runs > 0
+
+
+def test_cli_refuses_flashinfer_for_a_target_without_latent_layers(capsys):
+    """The bundled (Llama) pair has no latent attention to plan."""
+    status, _, err = run_cli(capsys, "--prompt-ids", "5,6", "--mla-kernel", "flashinfer")
+    assert status == 2
+    assert "no latent-attention layers: drop --mla-kernel flashinfer" in err
