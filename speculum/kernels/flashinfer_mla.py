@@ -149,7 +149,6 @@ class LatentPlans:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.page_indices = torch.zeros(max_rows * stride, dtype=torch.int32, device=device)
         self.wrappers: dict[tuple[int, int], Any] = {}
-        self.ids: dict[tuple[int, int], int] = {}
         # The planned round: its rows (0 when none is planned) and the next forward's index.
         self.rows = 0
         self.cursor = 0
@@ -170,9 +169,8 @@ class LatentPlans:
                 kv_len_arr=torch.empty(rows, dtype=torch.int32, device=device),
                 backend="fa2",
             )
-            wrapper.latent_plans = self  # the op finds the latent width and indices through it
+            wrapper.latent_plans = self  # the op reads the latent width through it
             self.wrappers[key] = wrapper
-            self.ids[key] = id(wrapper)
             _WRAPPERS[id(wrapper)] = wrapper
         return self.wrappers[key]
 
@@ -241,7 +239,7 @@ class LatentPlans:
             )
         self.cursor += 1
         self.page_indices[: page_table.numel()].copy_(page_table.flatten())
-        return self.ids[(rows, index)]
+        return id(self.wrappers[(rows, index)])
 
 
 @torch.library.custom_op("speculum::planned_latent_attention", mutates_args=())

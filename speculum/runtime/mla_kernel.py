@@ -112,7 +112,7 @@ def check_mla_kernel(
     for refused, why in refusals:
         if refused:
             raise UnsupportedKernel(f"mla_kernel='flashinfer': {why} (or use --mla-kernel triton)")
-    weight = next(iter(target.parameters()))
+    weight = target.model.embed_tokens.weight  # the compute dtype (projections may be FP8)
     if weight.dtype not in (torch.bfloat16, torch.float16):
         raise UnsupportedKernel(
             f"mla_kernel='flashinfer' runs bfloat16 or float16 caches; the target is "
