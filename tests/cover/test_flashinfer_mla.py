@@ -6,6 +6,8 @@ computes what its documentation says ``plan()`` and ``run()`` mean (``FakeWrappe
   table: each row reads its own page-table row, as many pages as its keys need, and the
   wrapper's causal attention over them is ``spec.attention.latent_attention`` with the
   forward's prefix (Hypothesis).
+- The target's forwards take the round's wrappers in order while a round is planned, and
+  none otherwise.
 - The round's forwards per algorithm, and every refusal of ``mla_kernel="flashinfer"``
   (cause and fix named).
 - Whole engines: plain decoding (one and three steps per round) and an MTP chain round on an
@@ -26,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli import run_cli
 
-from speculum.kernels.flashinfer_mla import RoundForward, plan_inputs
+from speculum.kernels.flashinfer_mla import LatentPlans, RoundForward, plan_inputs
 from speculum.models.config import MLAConfig
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
@@ -35,7 +37,8 @@ from speculum.runtime.engine import SpecOptions, engine_from_model
 from speculum.runtime.generate import generate
 from speculum.runtime.mla_kernel import UnsupportedKernel, check_mla_kernel, round_forwards
 from speculum.spec.attention import latent_attention
-from speculum.spec.paged import causal_mask
+from speculum.spec.paged import causal_mask, pack_batch, tail_batch
+from speculum.state.kv import PagedKV
 
 VOCAB = 96
 LATENT, ROPE = 16, 8
@@ -188,6 +191,51 @@ def test_plan_inputs_refuse_what_the_page_table_cannot_hold():
         plan_inputs([30], 1, RoundForward(width=4, offset=0), stride=2, page_size=16)
     with pytest.raises(ValueError, match="do not fit 1 rows"):
         plan_inputs([3, 4], 1, RoundForward(width=1, offset=0), stride=2, page_size=16)
+
+
+def _forward_batch(rows: int, width: int, stride: int):
+    kv = PagedKV(
+        page_table=torch.zeros(rows, stride, dtype=torch.int64),
+        seq_lens=torch.zeros(rows, dtype=torch.int64),
+        page_size=4,
+    )
+    positions = torch.arange(width).expand(rows, width)
+    return tail_batch(
+        kv, torch.zeros(rows, width, dtype=torch.int64), positions, causal_mask(rows, width)
+    )
+
+
+def test_forwards_bind_the_rounds_wrappers_in_order_only_while_planned(fake_flashinfer):
+    """Outside a planned round a forward gets no wrapper (-1: the latent-attention op runs);
+    inside, the round's forwards take their wrappers in order, cyclically (a captured round's
+    warm-up calls and its capture run over one plan), and a forward of another shape, or a
+    packed one, is refused."""
+    steps = (RoundForward(1, 0), RoundForward(1, 1))
+    plans = LatentPlans(
+        steps,
+        heads=2,
+        latent_dim=LATENT,
+        rope_dim=ROPE,
+        page_size=4,
+        stride=3,
+        max_rows=4,
+        scale=0.3,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    decode = _forward_batch(2, 1, 3)
+    assert plans.bind(decode) == -1
+    with plans.planned([3, 5], rows=2):
+        ids = [plans.bind(decode) for _ in range(4)]
+        with pytest.raises(ValueError, match="planned for 2 rows of 1 queries"):
+            plans.bind(_forward_batch(2, 2, 3))
+        with pytest.raises(ValueError, match="packed"):
+            plans.bind(pack_batch(decode, 2)[0])
+    assert ids == [id(plans.wrappers[(2, 0)]), id(plans.wrappers[(2, 1)])] * 2
+    assert plans.wrappers[(2, 1)].inputs.kv_len_arr.tolist() == [3 + 1 + 1, 5 + 1 + 1]
+    assert plans.bind(decode) == -1
+    with pytest.raises(ValueError, match="exceed the 4 the engine was built for"):
+        plans.plan([1], rows=8)
 
 
 # -- round forwards and refusals -------------------------------------------------------------
