@@ -36,8 +36,8 @@ pytest.importorskip("flashinfer.mla")
 
 VOCAB = 96
 PAGE_SIZE = 4
-#: 24 prompts through max_batch 8: batches of 8 (bucket 8), then fewer as requests end.
-PROMPTS = [[(13 * i + 5 * j) % VOCAB for j in range(2 + i % 9)] for i in range(24)]
+#: 64 prompts through max_batch 8: batches of 8 (bucket 8), then fewer as requests end.
+PROMPTS = [[(13 * i + 5 * j) % VOCAB for j in range(2 + i % 9)] for i in range(64)]
 LIMITS = {"page_size": PAGE_SIZE, "max_context": 128, "max_batch": 8}
 
 
@@ -100,7 +100,7 @@ def test_a_planned_forward_equals_the_triton_kernels(width):
     assert planned.latent_plans.wrappers  # the wrapper ran, not the Triton kernel
 
 
-def _tokens(target, engine_options, prompts=PROMPTS, new_tokens=24):
+def _tokens(target, engine_options, prompts=PROMPTS, new_tokens=32):
     engine = engine_from_model(target, **LIMITS, **engine_options)
     results = generate(prompts, engine=engine, max_new_tokens=new_tokens)
     return [list(r.token_ids) for r in results], engine
