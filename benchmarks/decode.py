@@ -66,8 +66,15 @@ its acceptance length in tokens where plain decoding emits one).
   ``spec.verify.target_logits``) over the padded ``[batch, width + 1]`` rows against the
   packed ``batch + N`` verified tokens, each a CUDA graph replayed (median of device events).
 
-``--adaptive``, ``--overlap``, ``--fp8``, ``--decode-steps`` and ``--ragged-verify`` run only
-their own tables.
+- MLA kernels (``--mla-kernels``, an MLA ``--shape`` such as ``deepseek-v2-lite``): the
+  scheduler's synchronous loop (CUDA graphs) for plain decoding (one step a round) and a NextN
+  chain-3 round (the random MTP head, greedy) at batch sizes 1, 8, 32 (``--mla-batches``),
+  with the target's latent attention run by the Triton kernel and by flashinfer's MLA kernel
+  planned on the host (``EngineConfig.mla_kernel``): decode tokens/s of each and their ratio
+  (interleaved passes, the median; ``spread`` as in ``--adaptive``).
+
+``--adaptive``, ``--overlap``, ``--fp8``, ``--decode-steps``, ``--ragged-verify`` and
+``--mla-kernels`` run only their own tables.
 Every other plain row times single steps (``decode_steps=1``: one token per decode call).
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
@@ -137,6 +144,7 @@ from speculum.runtime.default_model import TINY_CONFIG  # noqa: E402
 from speculum.runtime.engine import Engine, SpecOptions, engine_from_model  # noqa: E402
 from speculum.runtime.generate import acceptance_stats, run_to_completion  # noqa: E402
 from speculum.runtime.graphs import capture, pad_batch  # noqa: E402
+from speculum.runtime.mla_kernel import MLA_KERNELS, UnsupportedKernel  # noqa: E402
 from speculum.spec import recurrent as spec_recurrent  # noqa: E402
 from speculum.spec.draft import draft_extend, draft_forward, no_ancestors, propose  # noqa: E402
 from speculum.spec.paged import extend_batch, tail_batch  # noqa: E402
@@ -807,6 +815,12 @@ def main() -> None:
     parser.add_argument(
         "--ragged-budgets", default="1,2,4", help="verified draft tokens per request, on average"
     )
+    parser.add_argument(
+        "--mla-kernels",
+        action="store_true",
+        help="latent attention Triton vs flashinfer only (an MLA --shape: deepseek-v2-lite)",
+    )
+    parser.add_argument("--mla-batches", default="1,8,32")
     args = parser.parse_args()
     if args.tp > 1 and not distributed.launched():
         distributed.launch(functools.partial(measure, args), args.tp)
@@ -832,6 +846,9 @@ def measure(args: argparse.Namespace) -> None:
         return
     if args.ragged_verify:
         ragged_table(config, device, dtype, args)
+        return
+    if args.mla_kernels:
+        mla_kernel_table(config, device, dtype, args)
         return
     if args.fp8 and (tp.size > 1 or config.moe is not None):
         raise SystemExit("--fp8 runs one device and a dense target (docs/fp8.md)")
@@ -982,7 +999,14 @@ def markov_models(
 
 
 def scheduled_engine(
-    target, head, algorithm: str, spec: SpecOptions | None, batch: int, args, overlap: bool
+    target,
+    head,
+    algorithm: str,
+    spec: SpecOptions | None,
+    batch: int,
+    args,
+    overlap: bool,
+    mla_kernel: str = "triton",
 ) -> Engine:
     """An engine for the scheduler's loop at ``batch`` (one CUDA-graph bucket). Its prefill
     budget takes every prompt in one chunk, so the requests start decoding together and run
@@ -1000,6 +1024,7 @@ def scheduled_engine(
         prefill_budget=batch * args.prompt,
         graph_buckets=(batch,),
         overlap=overlap,
+        mla_kernel=mla_kernel,
     )
 
 
@@ -1369,6 +1394,51 @@ def scheduling_tables(config: DecoderConfig, device: str, dtype: torch.dtype, ar
         print(table(rows))
     if overlaps:
         print("\n## synchronous vs overlapped scheduling, decode tokens/s\n\n" + table(overlaps))
+
+
+def mla_kernel_row(target, head, label, spec, batch, args, device) -> dict[str, Any]:
+    """One workload at ``batch`` with the target's latent attention run by each kernel: the
+    Triton kernel and flashinfer's planned one (its column empty, and the reason printed,
+    where flashinfer cannot run, e.g. on the CPU)."""
+    algorithm = "plain" if spec is None else head.algorithm
+    engines = {}
+    for kernel in MLA_KERNELS:
+        try:
+            engine = scheduled_engine(target, head, algorithm, spec, batch, args, False, kernel)
+        except UnsupportedKernel as refused:
+            print(f"{label}, batch {batch}: {refused}", flush=True)
+            continue
+        engines[kernel] = (engine, None)
+    runs = loop_rows(engines, batch, args, 0.0, device)
+    row = {"round": label, "batch": batch}
+    for kernel in MLA_KERNELS:
+        row[f"{kernel} tok/s"] = runs[kernel]["tok/s"] if kernel in runs else "-"
+    ratio = "-"
+    if "flashinfer" in runs:
+        ratio = runs["flashinfer"]["tok/s"] / runs["triton"]["tok/s"]
+    row["flashinfer/triton"] = ratio
+    row["spread"] = max(run["spread"] for run in runs.values())
+    row["AL"] = runs["triton"]["AL"]
+    return row
+
+
+def mla_kernel_table(config: DecoderConfig, device: str, dtype: torch.dtype, args) -> None:
+    """The ``--mla-kernels`` table: plain decoding and a NextN chain-3 round with each latent
+    attention kernel."""
+    if config.mla is None:
+        raise SystemExit(
+            f"--mla-kernels needs an MLA target: --shape deepseek-v2-lite, not {args.shape}"
+        )
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; {args.shape}; synchronous", flush=True)
+    target, head = build_models(config, device, dtype)
+    begin, rows = time.perf_counter(), []
+    for batch in [int(b) for b in args.mla_batches.split(",")]:
+        for label, spec in (("plain", None), ("nextn chain 3", SpecOptions(num_steps=3))):
+            rows.append(mla_kernel_row(target, head, label, spec, batch, args, device))
+            print(table(rows[-1:]), f"({time.perf_counter() - begin:.0f} s)", flush=True)
+    print(f"\n## latent attention kernels ({args.shape}, synchronous), decode tokens/s\n")
+    print(table(rows))
 
 
 def uneven_lens(batch: int, budget: int, width: int, seed: int) -> torch.Tensor:

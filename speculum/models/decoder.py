@@ -30,11 +30,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from speculum import kernels
+from speculum.kernels.flashinfer_mla import planned_latent_attention
 from speculum.models.config import DecoderConfig
 from speculum.spec.attention import window_limits
 from speculum.state.forward import ForwardBatch
 from speculum.state.kv import KVPool
 from speculum.state.parallel import SINGLE, TensorParallel
+from speculum.state.record import replace
 from speculum.state.recurrent import RecurrentPool
 
 __all__ = [
@@ -579,18 +581,21 @@ class LatentAttention(nn.Module):
             return self.o_proj(out.flatten(2))
         cache = pool.k[self.layer]
         kernels.write_kv(cache, batch.slots, torch.cat([latent, k_pe], -1))
-        absorbed = torch.cat([torch.einsum("bqhn,hnr->bqhr", q_nope, up_k), q_pe], -1)
-        out = kernels.latent_attention(
-            absorbed,
-            cache,
-            batch.page_table,
-            batch.prefix_lens,
-            batch.q_lens,
-            batch.new_mask,
-            self.scale,
-            self.mla.kv_lora_rank,
-            batch.q_starts,
-        )
+        q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope, up_k)
+        if batch.latent_plan >= 0:  # a target forward the host planned (flashinfer's kernel)
+            out = planned_latent_attention(q_latent, q_pe, cache, batch.latent_plan)
+        else:
+            out = kernels.latent_attention(
+                torch.cat([q_latent, q_pe], -1),
+                cache,
+                batch.page_table,
+                batch.prefix_lens,
+                batch.q_lens,
+                batch.new_mask,
+                self.scale,
+                self.mla.kv_lora_rank,
+                batch.q_starts,
+            )
         return self.o_proj(torch.einsum("bqhr,hvr->bqhv", out, up_v).flatten(2))
 
 
@@ -1487,6 +1492,8 @@ class DecoderModel(nn.Module):
         """
         if batch.packed:
             check_packable(self.config, pool)
+        if pool is not None and pool.latent_plans is not None:
+            batch = replace(batch, latent_plan=pool.latent_plans.bind(batch))
         x = self.embed(batch.input_ids)
         layers = self.model.layers
         captured: dict[int, Tensor] = {}

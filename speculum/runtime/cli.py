@@ -29,6 +29,7 @@ from speculum.runtime.generate import (
     generate,
 )
 from speculum.runtime.grammar import GRAMMAR_FIELDS
+from speculum.runtime.mla_kernel import MLA_KERNELS
 
 __all__ = ["main", "parser"]
 
@@ -521,6 +522,14 @@ def parser() -> argparse.ArgumentParser:
         f"{', '.join(STAGES)} (default: none, the hand-written path; see docs/gpu.md)",
     )
     gen.add_argument(
+        "--mla-kernel",
+        choices=MLA_KERNELS,
+        default="triton",
+        help="kernel of a DeepSeek target's latent attention in decoding rounds: triton "
+        "(default) or flashinfer, planned on the host before each round (CUDA, bfloat16, "
+        "synchronous scheduling, plain decoding or chains; see docs/mla.md)",
+    )
+    gen.add_argument(
         "--overlap",
         action="store_true",
         help="overlap scheduling: prepare each step on the host while the device runs the "
@@ -572,6 +581,7 @@ _ENGINE_DESTS = (
     "dtype",
     "cuda_graphs",
     "compile_stages",
+    "mla_kernel",
     "overlap",
     "prefix_cache",
     "tp",
@@ -642,7 +652,8 @@ def _add_serve(commands: argparse._SubParsersAction, gen: argparse.ArgumentParse
     own.add_argument(
         "--no-overlap",
         action="store_true",
-        help="on CUDA, step synchronously (there the server overlaps scheduling by default)",
+        help="on CUDA, step synchronously (there the server overlaps scheduling by default, "
+        "except with --mla-kernel flashinfer, which plans on the host between steps)",
     )
     own.add_argument(
         "--log-level",
@@ -1128,7 +1139,9 @@ def _serve_command(args: argparse.Namespace) -> int:
             raise ValueError("--overlap and --no-overlap contradict each other; give one")
         algorithm = _chosen_algorithm(args)
         options = _engine_options(args, algorithm)
-        options["overlap"] = args.overlap or (args.device == "cuda" and not args.no_overlap)
+        # flashinfer's MLA plans need synchronous steps: no overlap unless asked for.
+        synchronous = args.no_overlap or args.mla_kernel == "flashinfer"
+        options["overlap"] = args.overlap or (args.device == "cuda" and not synchronous)
         engine = engine_for(
             **options,
             max_logprobs=args.max_logprobs,
@@ -1333,6 +1346,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         compile_stages=args.compile_stages,
+        mla_kernel=args.mla_kernel,
         overlap=args.overlap,
         prefix_cache=args.prefix_cache,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),

@@ -27,6 +27,12 @@ from speculum.pipelines.base import Cell, Pipeline, Resources, counting, free_dr
 from speculum.runtime import checks
 from speculum.runtime.compiled import CompiledDecode, check_stages, compile_round
 from speculum.runtime.graphs import DEFAULT_BUCKETS, GraphedDecode
+from speculum.runtime.mla_kernel import (
+    MLA_KERNELS,
+    check_mla_kernel,
+    round_forwards,
+    with_latent_plans,
+)
 from speculum.spec.ngram import load_corpus, new_store
 from speculum.state.parallel import SINGLE, TensorParallel
 from speculum.state.prefix import PrefixIndex
@@ -99,6 +105,11 @@ class EngineConfig:
     and ``"model_ops"``, ``"sampling"``, ``"tree"`` also replace those hand kernels by
     inductor's code for their reference math; empty, the default, compiles nothing (the
     hand-written path; ``docs/gpu.md``, "Compiled stages").
+    ``mla_kernel`` picks the kernel of a DeepSeek target's latent attention in decoding
+    rounds (``runtime.mla_kernel``, ``docs/mla.md``): ``"triton"``, the default, speculum's
+    latent kernel, or ``"flashinfer"``, flashinfer's MLA kernel planned on the host before
+    each round (synchronous scheduling, plain decoding and chain verifies, CUDA, bfloat16 or
+    float16).
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -121,6 +132,9 @@ class EngineConfig:
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
     free_window_pages: bool = attrs.field(default=True, converter=_FLAG)
     compile_stages: tuple[str, ...] = attrs.field(default=(), converter=check_stages)
+    mla_kernel: str = attrs.field(
+        default="triton", converter=checks.converter(checks.choice, among=MLA_KERNELS)
+    )
 
     def __attrs_post_init__(self) -> None:
         # A compiled round runs padded to a bucket on every device; a captured one only on
@@ -581,6 +595,7 @@ def engine_from_model(
     prefix_cache: bool = True,
     compile_stages: tuple[str, ...] = (),
     free_window_pages: bool = True,
+    mla_kernel: str = "triton",
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -596,7 +611,8 @@ def engine_from_model(
     requests carry a logit bias, ``penalties`` penalties and ``min_tokens``, ``prefix_cache``
     lets requests reuse cached prompt prefixes, ``free_window_pages`` returns pages outside
     a sliding window to the pool, ``compile_stages`` compiles parts of each decoding round
-    with ``torch.compile`` (:class:`EngineConfig`).
+    with ``torch.compile``, ``mla_kernel`` picks a DeepSeek target's latent-attention kernel
+    in decoding rounds (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
     unchanged; see ``models.decoder.fuse_projections_``).
 
@@ -623,6 +639,7 @@ def engine_from_model(
         prefix_cache=prefix_cache,
         compile_stages=compile_stages,
         free_window_pages=free_window_pages,
+        mla_kernel=mla_kernel,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)
@@ -639,6 +656,24 @@ def engine_from_model(
             "the ranks of a tensor-parallel group could pick different depths and diverge: drop "
             "adaptive_steps (--adaptive-steps) or run with tp=1"
         )
+    check_mla_kernel(
+        config.mla_kernel,
+        target,
+        overlap=config.overlap,
+        compile_stages=config.compile_stages,
+        adaptive=bool(variants),
+    )
+    forwards = (
+        round_forwards(
+            algorithm,
+            steps=steps,
+            num_steps=spec.num_steps,
+            topk=spec.topk,
+            num_draft_tokens=spec.num_draft_tokens,
+        )
+        if config.mla_kernel == "flashinfer"
+        else ()
+    )
     policy = spec.adaptive_policy
     # eagle_variants orders the chains by depth; their acceptance is pooled across depths.
     depths = tuple(sorted(spec.adaptive_steps)) if variants else None
@@ -679,6 +714,15 @@ def engine_from_model(
         ngram_store=_ngram_store(algorithm, ngram),
         goodput=Cell(adaptive.new_measurements(policy, len(variants))) if variants else None,
     )
+    if forwards:
+        pool = with_latent_plans(
+            resources.target_pool,
+            target,
+            forwards,
+            stride=config.max_pages_per_request(reserved_lookahead(pipeline, config.overlap)),
+            max_rows=max(config.max_batch, *config.graph_buckets),
+        )
+        resources = attrs.evolve(resources, target_pool=pool)
     device = resources.target_pool.k.device
     # Each variant is captured on its own: its graphs and buffers are its own, never shared.
     graphed = [_graphed(v, config, device) for v in variants]

@@ -168,6 +168,7 @@ def generate(
     compile_stages: Sequence[str] = (),
     overlap: bool = False,
     prefix_cache: bool = True,
+    mla_kernel: str = "triton",
     tp: int = 1,
     draft_tp: int | None = None,
     speculative_config: Mapping[str, Any] | None = None,
@@ -237,7 +238,9 @@ def generate(
     ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
     ``cuda_graphs`` is False; ``compile_stages`` compiles parts of each round with
-    ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``). ``overlap`` makes
+    ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``); ``mla_kernel``
+    picks a DeepSeek target's latent-attention kernel in decoding rounds, ``"triton"`` or
+    ``"flashinfer"`` (``EngineConfig.mla_kernel``, ``docs/mla.md``). ``overlap`` makes
     the scheduler prepare each step while the device runs the previous one (same tokens; see
     ``docs/overlap.md``). ``prefix_cache`` (on by default) lets a prompt reuse the KV pages of
     the prompt prefixes earlier prompts computed, in this call and, with an ``engine`` given,
@@ -371,6 +374,7 @@ def _engine(
         compile_stages=tuple(a["compile_stages"]),
         overlap=a["overlap"],
         prefix_cache=a["prefix_cache"],
+        mla_kernel=a["mla_kernel"],
         tp=distributed.tensor_parallel(a["tp"], a["device"]),
         draft_tp=a["draft_tp"],
         max_context=a["max_context"],

@@ -39,6 +39,7 @@ from speculum.pipelines.base import Pipeline, PrefillChunk, StepOutput
 from speculum.runtime import checks
 from speculum.runtime import grammar as structured
 from speculum.runtime.engine import Engine
+from speculum.runtime.mla_kernel import planned_round
 from speculum.spec.sampling import describe_faults
 from speculum.state.batch import concat_rows, take_rows
 from speculum.state.host import HostCopy, to_device, to_host
@@ -1229,7 +1230,8 @@ def _launch_decode(
     state = _slide_windows(engine, state, "running")
     sampling = _for_round(engine, state.running, state.batch.sampling, pending)
     batch = replace(state.batch, sampling=sampling)
-    batch, output = engine.pipeline.decode(engine.resources, batch)
+    with planned_round(engine, state.running):  # flashinfer's MLA plans, where the engine has them
+        batch, output = engine.pipeline.decode(engine.resources, batch)
     launched = _launched(state, state.running, output, decode=True)
     return attrs.evolve(state, batch=_unconstrained(batch)), (launched,)
 

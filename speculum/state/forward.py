@@ -52,6 +52,11 @@ class ForwardBatch:
     #: A prompt chunk: every row's queries are a causal run of new tokens, whose only state a
     #: later forward reads is the last one's, so recurrent layers may run their chunked form.
     prefill: bool = static(default=False)
+    #: The flashinfer MLA wrapper planned on the host for this forward (an id from
+    #: ``kernels.flashinfer_mla.LatentPlans.bind``), which its latent-attention layers run;
+    #: -1, the default, runs the ``speculum::latent_attention`` op. Only the target's forward
+    #: sets it, from its pool's plans, while the scheduler has planned a round.
+    latent_plan: int = static(default=-1)
 
     @property
     def packed(self) -> bool:

@@ -12,6 +12,7 @@ never handed out, so padding can never overwrite a live token.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import attrs
 import torch
@@ -56,12 +57,18 @@ class KVPool:
     A hybrid model's pool also holds its linear-attention layers' recurrent states
     (``recurrent``, see ``state.recurrent``); ``k`` and ``v`` then hold only its attention
     layers. ``None`` for models without recurrent layers.
+
+    ``latent_plans``, on a latent pool whose engine runs flashinfer's MLA kernel
+    (``EngineConfig.mla_kernel``), is that engine's ``kernels.flashinfer_mla.LatentPlans``: the
+    host-planned wrappers the model's forward over this pool binds while a round is planned.
+    ``None`` (the default): every forward runs the latent-attention op.
     """
 
     k: Tensor
     v: Tensor
     page_size: int
     recurrent: RecurrentPool | None = None
+    latent_plans: Any = None
 
     @classmethod
     def allocate(
