@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from speculum.models.decoder import GEMV_KINDS, check_gemv
 from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
@@ -74,6 +75,14 @@ def _stage_list(text: str) -> tuple[str, ...]:
         return check_stages(tuple(n.strip() for n in text.split(",") if n.strip()))
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"--compile-stages: {error}") from None
+
+
+def _gemv_list(text: str) -> tuple[str, ...]:
+    """``--half-gemv``: comma-separated projection kinds (``models.decoder.GEMV_KINDS``)."""
+    try:
+        return check_gemv(tuple(n.strip() for n in text.split(",") if n.strip()))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--half-gemv: {error}") from None
 
 
 def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
@@ -521,6 +530,14 @@ def parser() -> argparse.ArgumentParser:
         f"{', '.join(STAGES)} (default: none, the hand-written path; see docs/gpu.md)",
     )
     gen.add_argument(
+        "--half-gemv",
+        type=_gemv_list,
+        default=(),
+        help="on CUDA, run these projections' decode-sized matmuls with speculum's Triton "
+        f"matrix-vector kernel instead of cuBLAS, comma-separated: {', '.join(GEMV_KINDS)} "
+        "(default: none; see docs/gpu.md)",
+    )
+    gen.add_argument(
         "--overlap",
         action="store_true",
         help="overlap scheduling: prepare each step on the host while the device runs the "
@@ -572,6 +589,7 @@ _ENGINE_DESTS = (
     "dtype",
     "cuda_graphs",
     "compile_stages",
+    "half_gemv",
     "overlap",
     "prefix_cache",
     "tp",
@@ -1333,6 +1351,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         compile_stages=args.compile_stages,
+        half_gemv=args.half_gemv,
         overlap=args.overlap,
         prefix_cache=args.prefix_cache,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),

@@ -14,7 +14,13 @@ import torch
 
 from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel, fuse_projections_, widest_window
+from speculum.models.decoder import (
+    DecoderModel,
+    check_gemv,
+    fuse_projections_,
+    gemv_projections_,
+    widest_window,
+)
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
@@ -99,6 +105,10 @@ class EngineConfig:
     and ``"model_ops"``, ``"sampling"``, ``"tree"`` also replace those hand kernels by
     inductor's code for their reference math; empty, the default, compiles nothing (the
     hand-written path; ``docs/gpu.md``, "Compiled stages").
+    ``half_gemv`` names the float projections (``models.decoder.GEMV_KINDS``: ``"qkv"``,
+    ``"o"``, ``"gate_up"``, ``"down"``, ``"lm_head"``) whose decode-sized matmuls run the
+    Triton matrix-vector kernel on CUDA instead of cuBLAS (``kernels.half``); empty, the
+    default, runs cuBLAS everywhere (``docs/gpu.md``, "Half-precision GEMV").
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -121,6 +131,7 @@ class EngineConfig:
     prefix_cache: bool = attrs.field(default=True, converter=_FLAG)
     free_window_pages: bool = attrs.field(default=True, converter=_FLAG)
     compile_stages: tuple[str, ...] = attrs.field(default=(), converter=check_stages)
+    half_gemv: tuple[str, ...] = attrs.field(default=(), converter=check_gemv)
 
     def __attrs_post_init__(self) -> None:
         # A compiled round runs padded to a bucket on every device; a captured one only on
@@ -581,6 +592,7 @@ def engine_from_model(
     prefix_cache: bool = True,
     compile_stages: tuple[str, ...] = (),
     free_window_pages: bool = True,
+    half_gemv: tuple[str, ...] = (),
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -598,7 +610,9 @@ def engine_from_model(
     a sliding window to the pool, ``compile_stages`` compiles parts of each decoding round
     with ``torch.compile`` (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
-    unchanged; see ``models.decoder.fuse_projections_``).
+    unchanged; see ``models.decoder.fuse_projections_``). ``half_gemv`` sets, in place, which
+    of the target's and the draft's float projections run the Triton matrix-vector kernel at
+    decode rows (``models.decoder.gemv_projections_``; empty: none).
 
     Every limit is checked before anything is built or fused (:class:`EngineConfig`; a
     ``num_pages`` of at least 2, page 0 being the padding page); ``None`` is the default of
@@ -623,6 +637,7 @@ def engine_from_model(
         prefix_cache=prefix_cache,
         compile_stages=compile_stages,
         free_window_pages=free_window_pages,
+        half_gemv=half_gemv,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)
@@ -647,10 +662,11 @@ def engine_from_model(
         if variants
         else _with_controls(_pipeline(algorithm, target, draft, spec, ngram, steps), config, spec)
     )
-    if config.fuse_projections:
-        for model in (target, draft):
-            if isinstance(model, torch.nn.Module):
+    for model in (target, draft):
+        if isinstance(model, torch.nn.Module):
+            if config.fuse_projections:
                 fuse_projections_(model)
+            gemv_projections_(model, config.half_gemv)
     if config.num_pages == 0:  # not given: room for max_batch full contexts
         per_request = config.max_pages_per_request(reserved_lookahead(pipeline, config.overlap))
         config = attrs.evolve(config, num_pages=config.max_batch * per_request + 1)

@@ -166,6 +166,7 @@ def generate(
     dtype: str | None = None,
     cuda_graphs: bool = True,
     compile_stages: Sequence[str] = (),
+    half_gemv: Sequence[str] = (),
     overlap: bool = False,
     prefix_cache: bool = True,
     tp: int = 1,
@@ -237,7 +238,9 @@ def generate(
     ``max_context``, ``max_batch`` and ``page_size`` size the
     engine (``engine_from_model``). On CUDA, decoding rounds run as CUDA graphs unless
     ``cuda_graphs`` is False; ``compile_stages`` compiles parts of each round with
-    ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``). ``overlap`` makes
+    ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``); ``half_gemv`` names
+    the projections whose decode-sized matmuls run the Triton matrix-vector kernel
+    (``EngineConfig.half_gemv``). ``overlap`` makes
     the scheduler prepare each step while the device runs the previous one (same tokens; see
     ``docs/overlap.md``). ``prefix_cache`` (on by default) lets a prompt reuse the KV pages of
     the prompt prefixes earlier prompts computed, in this call and, with an ``engine`` given,
@@ -369,6 +372,7 @@ def _engine(
         ngram=a["ngram"],
         cuda_graphs=a["cuda_graphs"],
         compile_stages=tuple(a["compile_stages"]),
+        half_gemv=tuple(a["half_gemv"]),
         overlap=a["overlap"],
         prefix_cache=a["prefix_cache"],
         tp=distributed.tensor_parallel(a["tp"], a["device"]),

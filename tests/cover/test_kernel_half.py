@@ -1,0 +1,191 @@
+"""Half-precision linear layers (``speculum::half_linear``, issue 24 item 6): the Triton
+matrix-vector kernel for unscaled weights (``kernels.triton_fp8.half_gemv``, run here by
+Triton's interpreter) against the exact product, each row independent of the rows beside it,
+and the decoder's projections routed through the op by ``EngineConfig.half_gemv`` emitting the
+tokens of ``F.linear``.
+
+The interpreter's dot cannot read bfloat16 (its float32-to-bfloat16 cast truncates, and
+bfloat16 inputs come out garbled), so float32 and float16 are checked here;
+``tests/gpu/test_half_gemv_cuda.py`` checks bfloat16 at the 8B shapes on the device.
+"""
+
+from __future__ import annotations
+
+import kernel_cases as kc
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cli import run_cli
+
+from speculum.kernels import half
+from speculum.models.decoder import GEMV_KINDS, check_gemv, gemv_projections_
+from speculum.models.loading import random_model
+from speculum.runtime import scheduler
+from speculum.runtime.engine import EngineConfig, engine_from_model
+from speculum.runtime.generate import run_to_completion
+
+pytest.importorskip("triton")
+from speculum.kernels.triton_fp8 import _BLOCK_M, TILES, half_gemv  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+#: Output features around one and two programs' blocks (32): masked last blocks.
+outs = st.integers(1, 2 * TILES["half"].block_n + 5)
+#: Input features around the loop's step (128 for float32, 256 for float16): masked last steps.
+ins = st.integers(1, TILES["half"].block_k + 45)
+
+
+def operands(gen: torch.Generator, rows: int, n_out: int, n_in: int, dtype, bias: bool):
+    """``x [rows, n_in]``, ``weight [n_out, n_in]`` and a bias or ``None``, normal, in ``dtype``."""
+    x = kc.randn(rows, n_in, dtype=dtype, gen=gen)
+    weight = kc.randn(n_out, n_in, dtype=dtype, gen=gen)
+    return x, weight, kc.randn(n_out, dtype=dtype, gen=gen) if bias else None
+
+
+def error_bound(x, weight, bias, out_dtype) -> torch.Tensor:
+    """How far a float32 sum of the exact products (plus the bias) may be from the exact
+    value, in any order: ``(n + 1) * 2**-24`` times the sum of magnitudes (the classic bound
+    on recursive summation; products of float16 or float32 operands are exact, or rounded
+    once, in float32), plus, for a float16 output, half an ulp of its rounding (``2**-11``
+    relative, and the subnormals' absolute step)."""
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    bound = (x.shape[-1] + 2) * 2.0**-24 * magnitude
+    if out_dtype == torch.float16:
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        bound = bound * (1 + 2.0**-10) + 2.0**-11 * exact.abs() + 2.0**-24
+    return bound
+
+
+@settings(max_examples=25)
+@given(
+    st.integers(1, _BLOCK_M + 3),
+    outs,
+    ins,
+    st.sampled_from(DTYPES),
+    st.booleans(),
+    st.booleans(),
+    kc.seeds,
+)
+def test_the_half_gemv_is_within_float32_summation_of_the_exact_product(
+    rows, n_out, n_in, dtype, bias, float32_out, seed
+) -> None:
+    """Any row count (one tile, or a second partial one), out features not a multiple of the
+    program's block, in features not a multiple of the loop's step, with or without a bias:
+    each output is within the float32 summation bound of the exact product (the bound is
+    ~1e-5 relative at these widths), in ``x``'s dtype or float32 as asked."""
+    x, weight, b = operands(torch.Generator().manual_seed(seed), rows, n_out, n_in, dtype, bias)
+    out_dtype = torch.float32 if float32_out else dtype
+    ours = half_gemv(x, weight, b, out_dtype)
+    assert ours.dtype == out_dtype and ours.shape == (rows, n_out)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert ((ours.double() - exact).abs() <= error_bound(x, weight, b, out_dtype)).all()
+
+
+@settings(max_examples=20)
+@given(st.integers(2, _BLOCK_M + 4), outs, ins, st.sampled_from(DTYPES), st.data())
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(rows, n_out, n_in, dtype, data):
+    """Each row of a call of several rows (a verify; past one tile too) equals, bit for bit,
+    that row computed alone (a decode step): the tile is fixed, whatever the row count."""
+    row = data.draw(st.integers(0, rows - 1), label="row")
+    seed = data.draw(kc.seeds, label="seed")
+    x, weight, b = operands(torch.Generator().manual_seed(seed), rows, n_out, n_in, dtype, True)
+    together = half_gemv(x, weight, b, dtype)
+    assert torch.equal(half_gemv(x[row : row + 1], weight, b, dtype)[0], together[row])
+
+
+def test_the_op_is_the_reference_off_cuda_and_checks_as_a_custom_op() -> None:
+    """On the CPU ``speculum::half_linear`` is ``F.linear`` bit for bit (float32 out: over the
+    widened operands); ``torch.library.opcheck`` checks its schema and fake kernel."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, b = operands(gen, 3, 20, 24, torch.float16, True)
+    assert torch.equal(half.half_linear(x[None], weight, b, False)[0], F.linear(x, weight, b))
+    widened = F.linear(x.float(), weight.float(), b.float())
+    assert torch.equal(half.half_linear(x, weight, b, True), widened)
+    for float32_out in (False, True):
+        torch.library.opcheck(half.half_linear, (x, weight, b, float32_out))
+
+
+def test_the_cuda_kernel_is_chosen_by_row_count_alone() -> None:
+    """Up to ``GEMV_ROWS`` rows the Triton kernel, above cuBLAS, whatever the leading axes."""
+    assert half.cuda_kernel(torch.zeros(2, 8, 64)) == "triton_gemv"
+    assert half.cuda_kernel(torch.zeros(17, 64)) == "cublas"
+
+
+def test_half_gemv_kinds_are_checked(capsys) -> None:
+    assert check_gemv(["o", "qkv", "o"]) == ("o", "qkv")
+    assert EngineConfig().half_gemv == ()
+    with pytest.raises(ValueError, match=r"unknown projections \['mlp'\].*choose from qkv"):
+        EngineConfig(half_gemv=("qkv", "mlp"))
+    with pytest.raises(ValueError, match="tuple of projection kinds"):
+        EngineConfig(half_gemv="qkv")
+    status, _, err = run_cli(capsys, "--prompt-ids", "1", "--half-gemv", "qkv,mlp")
+    assert status == 2
+    assert "--half-gemv: half_gemv names unknown projections ['mlp']" in err
+
+
+MODEL = random_model(tiny_config(), seed=3, std=0.3)
+REQUESTS = (([1, 2, 3], 6), ([7, 8, 9, 10, 11], 4))
+
+
+def decoded(kinds: tuple[str, ...]) -> list[list[int]]:
+    """The two requests' greedy tokens from a plain engine over :data:`MODEL` (fused
+    projections) with ``half_gemv=kinds``."""
+    engine = engine_from_model(
+        MODEL, max_batch=2, max_context=32, page_size=4, prefix_cache=False, half_gemv=kinds
+    )
+    state, rids = scheduler.new_state(engine), []
+    for prompt, budget in REQUESTS:
+        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=budget)
+        rids.append(rid)
+    _, finished = run_to_completion(engine, state)
+    return [finished[rid].output for rid in rids]
+
+
+@pytest.mark.parametrize("kinds", [GEMV_KINDS, ("o", "down")])
+def test_decoding_through_the_triton_gemv_emits_the_tokens_of_f_linear(monkeypatch, kinds):
+    """With ``half_gemv`` naming projection kinds, exactly those projections of the target
+    call ``speculum::half_linear`` (made here to run the Triton kernel, as CUDA does: the
+    prefill's and the decode steps' rows are all within ``GEMV_ROWS``), and greedy decoding
+    emits the tokens of ``F.linear`` (float32). Building an engine without the option puts
+    every projection back on ``F.linear``; parameters and state-dict keys never change."""
+    calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def on_triton(x, weight, bias, float32_out):
+        calls.append((tuple(weight.shape), float32_out))
+        return half.half_linear_cuda(x, weight, bias, float32_out)
+
+    keys = list(MODEL.state_dict())
+    want = decoded(())
+    monkeypatch.setattr(half, "half_linear", on_triton)
+    assert decoded(kinds) == want
+    c = MODEL.config
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "qkv": ((q_out + 2 * kv_out, c.hidden_size), False),
+        "o": ((c.hidden_size, q_out), False),
+        "gate_up": ((2 * c.intermediate_size, c.hidden_size), False),
+        "down": ((c.hidden_size, c.intermediate_size), False),
+        "lm_head": ((c.vocab_size, c.hidden_size), True),
+    }
+    assert set(calls) == {shapes[kind] for kind in kinds}
+    calls.clear()
+    assert decoded(()) == want and calls == []
+    assert list(MODEL.state_dict()) == keys
+
+
+def test_gradients_keep_f_linear(monkeypatch) -> None:
+    """Training (gradients wanted) never calls the op, which has no backward: the separate
+    differentiable projections run, whatever the setting."""
+    model = gemv_projections_(random_model(tiny_config(num_layers=1), seed=0), GEMV_KINDS)
+    model.requires_grad_(True)
+    monkeypatch.setattr(half, "half_linear", lambda *a: pytest.fail("called with gradients"))
+    mlp, attention = model.model.layers[0].mlp, model.model.layers[0].self_attn
+    x = torch.randn(1, 2, model.config.hidden_size)
+    mlp(x).sum().backward()
+    attention.project_out(x).sum().backward()
+    model.lm_head.logits(x).sum().backward()
+    assert mlp.down_proj.weight.grad is not None and model.lm_head.weight.grad is not None
