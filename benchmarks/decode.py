@@ -51,6 +51,12 @@ its acceptance length in tokens where plain decoding emits one).
   and the FP8 kernel its decode steps run (``kernels.fp8.cuda_kernel``: the Triton
   matrix-vector kernel up to 16 rows, ``_scaled_mm`` or the dequantizing reference above).
 
+- half-precision GEMV (``--half-gemv qkv,o [all ...]``): plain decoding with every projection
+  on cuBLAS (``off``), then with each given set of projection kinds
+  (``EngineConfig.half_gemv``: ``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``, or ``all``)
+  on the Triton matrix-vector kernel at decode rows (``kernels.half``), each at every batch
+  size of ``--batches``, with its tokens/s over the ``off`` row's (``on/off``).
+
 - multi-step (``--decode-steps 1,4,8``): the scheduler's loop for plain decoding of K steps
   per round (one CUDA graph; ``SpecOptions.decode_steps``) at batch sizes 1, 8, 64
   (``--decode-batches``), each K against single steps in the same run: tokens/s, speedup,
@@ -66,8 +72,8 @@ its acceptance length in tokens where plain decoding emits one).
   ``spec.verify.target_logits``) over the padded ``[batch, width + 1]`` rows against the
   packed ``batch + N`` verified tokens, each a CUDA graph replayed (median of device events).
 
-``--adaptive``, ``--overlap``, ``--fp8``, ``--decode-steps`` and ``--ragged-verify`` run only
-their own tables.
+``--adaptive``, ``--overlap``, ``--fp8``, ``--half-gemv``, ``--decode-steps`` and
+``--ragged-verify`` run only their own tables.
 Every other plain row times single steps (``decode_steps=1``: one token per decode call).
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
@@ -120,6 +126,7 @@ from speculum.models.config import (  # noqa: E402
     MoEConfig,
 )
 from speculum.models.decoder import (  # noqa: E402
+    GEMV_KINDS,
     DecoderModel,
     Fp8Linear,
     SparseMoE,
@@ -471,10 +478,12 @@ def make_engine(
     context: int,
     rounds: tuple[int, int, int] | None,
     fuse: bool = True,
+    half_gemv: tuple[str, ...] = (),
 ) -> Engine:
     """A plain engine (``rounds`` None) or a speculative engine of ``head``'s algorithm
     (EAGLE-3, or MTP for an MoE target) with that (steps, topk, tokens);
-    ``fuse`` fuses the models' projections (in place, for every later engine too)."""
+    ``fuse`` fuses the models' projections (in place, for every later engine too),
+    ``half_gemv`` names the projections run by the Triton matrix-vector kernel."""
     spec = (
         SINGLE_STEPS
         if rounds is None
@@ -490,6 +499,7 @@ def make_engine(
         prefill_budget=2048,
         graph_buckets=(batch,),
         fuse_projections=fuse,
+        half_gemv=half_gemv,
     )
 
 
@@ -509,11 +519,18 @@ def running(engine: Engine, batch: int, prompt: int, new_tokens: int) -> Any:
 
 
 def plain_row(
-    target, head, batch: int, args, bandwidth: float, device: str, fuse: bool = True
+    target,
+    head,
+    batch: int,
+    args,
+    bandwidth: float,
+    device: str,
+    fuse: bool = True,
+    half_gemv: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Plain decoding's tokens/s over ``args.new_tokens`` steps, and its roofline ratio."""
     context = args.prompt + args.new_tokens + 64
-    engine = make_engine(target, head, batch, context, None, fuse)
+    engine = make_engine(target, head, batch, context, None, fuse, half_gemv)
     state = running(engine, batch, args.prompt, args.new_tokens + 8).batch
     decode = engine.pipeline.decode
     state, _ = decode(engine.resources, state)  # capture outside the timed loop
@@ -782,6 +799,13 @@ def main() -> None:
         help="plain decoding bf16 vs the same weights in FP8 with these scales, only",
     )
     parser.add_argument(
+        "--half-gemv",
+        nargs="+",
+        type=gemv_kinds,
+        help="plain decoding only: every projection on cuBLAS, then each given set of "
+        "projection kinds (comma-separated, or all) on the Triton GEMV, e.g. qkv,o all",
+    )
+    parser.add_argument(
         "--decode-steps",
         help="multi-step plain decoding only: steps per round to compare with 1, e.g. 4,8",
     )
@@ -838,6 +862,9 @@ def measure(args: argparse.Namespace) -> None:
     target, head = build_models(config, device, dtype, tp)
     if args.fp8:
         fp8_table(target, head, args, device)
+        return
+    if args.half_gemv:
+        half_gemv_table(target, head, args, device)
         return
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -929,6 +956,29 @@ def fp8_kernel(target, batch: int, device: str) -> str:
         return "reference"
     x = torch.empty(batch, down.weight.shape[1], device=device, dtype=torch.bfloat16)
     return fp8_ops.cuda_kernel(x, down.weight, list(down.block))
+
+
+def gemv_kinds(text: str) -> tuple[str, ...]:
+    """``--half-gemv``'s sets: comma-separated projection kinds, ``all`` for every one."""
+    return GEMV_KINDS if text == "all" else tuple(t for t in text.split(",") if t)
+
+
+def half_gemv_table(target, head, args, device: str) -> None:
+    """Plain decoding at each of ``args.batches`` with every projection on cuBLAS, then with
+    each of ``args.half_gemv``'s sets on the Triton matrix-vector kernel: tokens/s, roofline,
+    and tokens/s over the cuBLAS row of the batch (``on/off``)."""
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        off = None
+        for kinds in [(), *args.half_gemv]:
+            row = {"half_gemv": ",".join(kinds) or "off"}
+            row |= plain_row(target, head, batch, args, bandwidth, device, half_gemv=kinds)
+            off = off or row["tok/s"]
+            row["on/off"] = row["tok/s"] / off
+            rows.append(row)
+            print(table([row]), flush=True)
+    print("\n## plain decoding, cuBLAS vs the Triton GEMV per projection kind\n\n" + table(rows))
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

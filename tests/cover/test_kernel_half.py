@@ -37,29 +37,6 @@ outs = st.integers(1, 2 * TILES["half"].block_n + 5)
 ins = st.integers(1, TILES["half"].block_k + 45)
 
 
-def operands(gen: torch.Generator, rows: int, n_out: int, n_in: int, dtype, bias: bool):
-    """``x [rows, n_in]``, ``weight [n_out, n_in]`` and a bias or ``None``, normal, in ``dtype``."""
-    x = kc.randn(rows, n_in, dtype=dtype, gen=gen)
-    weight = kc.randn(n_out, n_in, dtype=dtype, gen=gen)
-    return x, weight, kc.randn(n_out, dtype=dtype, gen=gen) if bias else None
-
-
-def error_bound(x, weight, bias, out_dtype) -> torch.Tensor:
-    """How far a float32 sum of the exact products (plus the bias) may be from the exact
-    value, in any order: ``(n + 1) * 2**-24`` times the sum of magnitudes (the classic bound
-    on recursive summation; products of float16 or float32 operands are exact, or rounded
-    once, in float32), plus, for a float16 output, half an ulp of its rounding (``2**-11``
-    relative, and the subnormals' absolute step)."""
-    magnitude = x.double().abs() @ weight.double().abs().T
-    if bias is not None:
-        magnitude = magnitude + bias.double().abs()
-    bound = (x.shape[-1] + 2) * 2.0**-24 * magnitude
-    if out_dtype == torch.float16:
-        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-        bound = bound * (1 + 2.0**-10) + 2.0**-11 * exact.abs() + 2.0**-24
-    return bound
-
-
 @settings(max_examples=25)
 @given(
     st.integers(1, _BLOCK_M + 3),
@@ -76,13 +53,15 @@ def test_the_half_gemv_is_within_float32_summation_of_the_exact_product(
     """Any row count (one tile, or a second partial one), out features not a multiple of the
     program's block, in features not a multiple of the loop's step, with or without a bias:
     each output is within the float32 summation bound of the exact product (the bound is
-    ~1e-5 relative at these widths), in ``x``'s dtype or float32 as asked."""
-    x, weight, b = operands(torch.Generator().manual_seed(seed), rows, n_out, n_in, dtype, bias)
+    ~1e-5 relative at these widths; ``kernel_cases.linear_bound``), in ``x``'s dtype or
+    float32 as asked."""
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, b = kc.linear_operands(gen, rows, n_out, n_in, dtype, bias)
     out_dtype = torch.float32 if float32_out else dtype
     ours = half_gemv(x, weight, b, out_dtype)
     assert ours.dtype == out_dtype and ours.shape == (rows, n_out)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    assert ((ours.double() - exact).abs() <= error_bound(x, weight, b, out_dtype)).all()
+    assert ((ours.double() - exact).abs() <= kc.linear_bound(x, weight, b, out_dtype)).all()
 
 
 @settings(max_examples=20)
@@ -92,7 +71,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(rows, n_out, n_in, 
     that row computed alone (a decode step): the tile is fixed, whatever the row count."""
     row = data.draw(st.integers(0, rows - 1), label="row")
     seed = data.draw(kc.seeds, label="seed")
-    x, weight, b = operands(torch.Generator().manual_seed(seed), rows, n_out, n_in, dtype, True)
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, b = kc.linear_operands(gen, rows, n_out, n_in, dtype, True)
     together = half_gemv(x, weight, b, dtype)
     assert torch.equal(half_gemv(x[row : row + 1], weight, b, dtype)[0], together[row])
 
@@ -101,7 +81,7 @@ def test_the_op_is_the_reference_off_cuda_and_checks_as_a_custom_op() -> None:
     """On the CPU ``speculum::half_linear`` is ``F.linear`` bit for bit (float32 out: over the
     widened operands); ``torch.library.opcheck`` checks its schema and fake kernel."""
     gen = torch.Generator().manual_seed(0)
-    x, weight, b = operands(gen, 3, 20, 24, torch.float16, True)
+    x, weight, b = kc.linear_operands(gen, 3, 20, 24, torch.float16, True)
     assert torch.equal(half.half_linear(x[None], weight, b, False)[0], F.linear(x, weight, b))
     widened = F.linear(x.float(), weight.float(), b.float())
     assert torch.equal(half.half_linear(x, weight, b, True), widened)

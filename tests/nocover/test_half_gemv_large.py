@@ -1,0 +1,77 @@
+"""The half-precision matrix-vector kernel at wider shapes and under speculative decoding, on
+Triton's interpreter (slow: not part of the covered suite; ``tests/cover/test_kernel_half.py``
+has the fast cases, ``tests/gpu/test_half_gemv_cuda.py`` the device's)."""
+
+from __future__ import annotations
+
+import kernel_cases as kc
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speculum.kernels import half
+from speculum.models.decoder import GEMV_KINDS
+from speculum.models.draft import random_draft
+from speculum.models.loading import random_model
+from speculum.runtime import scheduler
+from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.generate import run_to_completion
+
+pytest.importorskip("triton")
+from speculum.kernels.triton_fp8 import half_gemv  # noqa: E402
+
+
+@settings(max_examples=40)
+@given(
+    st.integers(1, 16),
+    st.integers(1, 300),
+    st.integers(200, 1100),
+    st.sampled_from([torch.float32, torch.float16]),
+    st.booleans(),
+    kc.seeds,
+)
+def test_wide_layers_are_within_float32_summation_and_row_independent(
+    rows, n_out, n_in, dtype, bias, seed
+) -> None:
+    """Several programs of outputs and steps of inputs: within the summation bound of the
+    exact product, and the last row alone equal to itself among the others."""
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, b = kc.linear_operands(gen, rows, n_out, n_in, dtype, bias)
+    ours = half_gemv(x, weight, b, dtype)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert ((ours.double() - exact).abs() <= kc.linear_bound(x, weight, b, dtype)).all()
+    assert torch.equal(half_gemv(x[-1:], weight, b, dtype)[0], ours[-1])
+
+
+def decoded(target, draft, kinds) -> list[list[int]]:
+    """Greedy tokens of two prompts: plain decoding, or EAGLE-3 trees with ``draft``."""
+    spec = None if draft is None else SpecOptions(num_steps=3, topk=2, num_draft_tokens=6)
+    engine = engine_from_model(
+        target,
+        algorithm="plain" if draft is None else "eagle3",
+        draft=draft,
+        spec=spec,
+        max_batch=2,
+        max_context=64,
+        page_size=4,
+        half_gemv=kinds,
+    )
+    state, rids = scheduler.new_state(engine), []
+    for prompt in ([1, 2, 3], [7, 8, 9, 10, 11]):
+        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=12)
+        rids.append(rid)
+    _, finished = run_to_completion(engine, state)
+    return [finished[rid].output for rid in rids]
+
+
+def test_eagle3_trees_over_the_triton_gemv_emit_plain_decodings_tokens(monkeypatch) -> None:
+    """Verify runs several rows per request through the kernel, plain decoding one: each row
+    computed as it is alone, so the tree's accepted tokens are plain decoding's (float32)."""
+    target = random_model(tiny_config(), seed=0, std=0.3)
+    draft = random_draft(target, "eagle3", seed=2, std=0.3)
+    want = decoded(target, None, ())
+    monkeypatch.setattr(half, "half_linear", half.half_linear_cuda)  # the Triton kernel on CPU
+    assert decoded(target, draft, GEMV_KINDS) == want
