@@ -13,8 +13,6 @@ names (``EngineConfig.half_gemv``; ``models.decoder.gemv_projections_``): cuBLAS
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -23,9 +21,6 @@ from torch import Tensor
 from speculum.kernels import fp8
 
 __all__ = ["cuda_kernel", "half_linear", "half_linear_cuda", "half_linear_reference", "register"]
-
-#: Whether Triton can be imported: looked up once, not in every layer of every eager step.
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def half_linear_reference(
@@ -58,9 +53,7 @@ def cuda_kernel(x: Tensor) -> str:
     """Which kernel :func:`half_linear_cuda` runs for ``x``: ``"triton_gemv"`` (Triton is
     installed and ``x`` has at most ``kernels.fp8.GEMV_ROWS`` rows) or ``"cublas"``. The row
     count alone decides, so a captured graph keeps the choice."""
-    if _TRITON and x.numel() <= fp8.GEMV_ROWS * x.shape[-1]:
-        return "triton_gemv"
-    return "cublas"
+    return "triton_gemv" if fp8.gemv_fits(x) else "cublas"
 
 
 def half_linear_cuda(
