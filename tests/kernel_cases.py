@@ -482,3 +482,29 @@ def linear_bound(
         x.double(), weight.double(), None if bias is None else bias.double()
     )
     return bound * (1 + info.eps) + info.eps / 2 * exact.abs() + info.smallest_normal * info.eps
+
+
+def decoded_with_gemv(
+    target, kinds: tuple[str, ...], prompts, max_new_tokens: int, draft=None, spec=None, **limits
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, decoded together by an engine over ``target`` (plain
+    decoding, or EAGLE-3 rounds of ``spec`` with ``draft``) whose projections of ``kinds`` run
+    ``speculum::half_linear`` (``EngineConfig.half_gemv``); ``limits`` size the engine."""
+    from speculum.runtime import scheduler
+    from speculum.runtime.engine import engine_from_model
+    from speculum.runtime.generate import run_to_completion
+
+    engine = engine_from_model(
+        target,
+        algorithm="plain" if draft is None else "eagle3",
+        draft=draft,
+        spec=spec,
+        half_gemv=kinds,
+        **limits,
+    )
+    state, rids = scheduler.new_state(engine), []
+    for prompt in prompts:
+        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=max_new_tokens)
+        rids.append(rid)
+    _, finished = run_to_completion(engine, state)
+    return [finished[rid].output for rid in rids]

@@ -23,9 +23,7 @@ from test_cli import run_cli
 from speculum.kernels import half
 from speculum.models.decoder import GEMV_KINDS, check_gemv, gemv_projections_
 from speculum.models.loading import random_model
-from speculum.runtime import scheduler
-from speculum.runtime.engine import EngineConfig, engine_from_model
-from speculum.runtime.generate import run_to_completion
+from speculum.runtime.engine import EngineConfig
 
 pytest.importorskip("triton")
 from speculum.kernels.triton_fp8 import _BLOCK_M, TILES, half_gemv  # noqa: E402
@@ -108,21 +106,14 @@ def test_half_gemv_kinds_are_checked(capsys) -> None:
 
 
 MODEL = random_model(tiny_config(), seed=3, std=0.3)
-REQUESTS = (([1, 2, 3], 6), ([7, 8, 9, 10, 11], 4))
+#: Two prompts decoded together: the prefill's and the decode steps' rows within GEMV_ROWS.
+PROMPTS = ([1, 2, 3], [7, 8, 9, 10, 11])
 
 
 def decoded(kinds: tuple[str, ...]) -> list[list[int]]:
-    """The two requests' greedy tokens from a plain engine over :data:`MODEL` (fused
-    projections) with ``half_gemv=kinds``."""
-    engine = engine_from_model(
-        MODEL, max_batch=2, max_context=32, page_size=4, prefix_cache=False, half_gemv=kinds
-    )
-    state, rids = scheduler.new_state(engine), []
-    for prompt, budget in REQUESTS:
-        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=budget)
-        rids.append(rid)
-    _, finished = run_to_completion(engine, state)
-    return [finished[rid].output for rid in rids]
+    """Greedy tokens of :data:`PROMPTS` over :data:`MODEL` with ``half_gemv=kinds``."""
+    limits = {"max_batch": 2, "max_context": 32, "page_size": 4, "prefix_cache": False}
+    return kc.decoded_with_gemv(MODEL, kinds, PROMPTS, 6, **limits)
 
 
 @pytest.mark.parametrize("kinds", [GEMV_KINDS, ("o", "down")])

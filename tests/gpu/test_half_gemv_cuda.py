@@ -21,9 +21,7 @@ from speculum.kernels.triton_fp8 import half_gemv
 from speculum.models.decoder import GEMV_KINDS
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
-from speculum.runtime import scheduler
-from speculum.runtime.engine import SpecOptions, engine_from_model
-from speculum.runtime.generate import run_to_completion
+from speculum.runtime.engine import SpecOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -77,21 +75,9 @@ def decoded(target, draft, kinds) -> list[list[int]]:
     """Greedy tokens of three prompts (decoded together) over CUDA graphs, with
     ``half_gemv=kinds``: plain decoding, or EAGLE-3 chains of 3 with ``draft``."""
     spec = None if draft is None else SpecOptions(num_steps=3, topk=1, num_draft_tokens=4)
-    engine = engine_from_model(
-        target,
-        algorithm="plain" if draft is None else "eagle3",
-        draft=draft,
-        spec=spec,
-        max_batch=4,
-        max_context=96,
-        half_gemv=kinds,
-    )
-    state, rids = scheduler.new_state(engine), []
-    for prompt in ([1, 2, 3], [5, 9, 14, 7, 3, 30], [40]):
-        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=24)
-        rids.append(rid)
-    _, finished = run_to_completion(engine, state)
-    return [finished[rid].output for rid in rids]
+    prompts = ([1, 2, 3], [5, 9, 14, 7, 3, 30], [40])
+    limits = {"max_batch": 4, "max_context": 96}
+    return kc.decoded_with_gemv(target, kinds, prompts, 24, draft, spec, **limits)
 
 
 @pytest.mark.parametrize("speculative", [False, True])

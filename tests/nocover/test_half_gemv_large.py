@@ -16,9 +16,7 @@ from speculum.kernels import half
 from speculum.models.decoder import GEMV_KINDS
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
-from speculum.runtime import scheduler
-from speculum.runtime.engine import SpecOptions, engine_from_model
-from speculum.runtime.generate import run_to_completion
+from speculum.runtime.engine import SpecOptions
 
 pytest.importorskip("triton")
 from speculum.kernels.triton_fp8 import half_gemv  # noqa: E402
@@ -49,22 +47,9 @@ def test_wide_layers_are_within_float32_summation_and_row_independent(
 def decoded(target, draft, kinds) -> list[list[int]]:
     """Greedy tokens of two prompts: plain decoding, or EAGLE-3 trees with ``draft``."""
     spec = None if draft is None else SpecOptions(num_steps=3, topk=2, num_draft_tokens=6)
-    engine = engine_from_model(
-        target,
-        algorithm="plain" if draft is None else "eagle3",
-        draft=draft,
-        spec=spec,
-        max_batch=2,
-        max_context=64,
-        page_size=4,
-        half_gemv=kinds,
-    )
-    state, rids = scheduler.new_state(engine), []
-    for prompt in ([1, 2, 3], [7, 8, 9, 10, 11]):
-        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=12)
-        rids.append(rid)
-    _, finished = run_to_completion(engine, state)
-    return [finished[rid].output for rid in rids]
+    limits = {"max_batch": 2, "max_context": 64, "page_size": 4}
+    prompts = ([1, 2, 3], [7, 8, 9, 10, 11])
+    return kc.decoded_with_gemv(target, kinds, prompts, 12, draft, spec, **limits)
 
 
 def test_eagle3_trees_over_the_triton_gemv_emit_plain_decodings_tokens(monkeypatch) -> None:
