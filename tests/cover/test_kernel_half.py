@@ -105,47 +105,55 @@ def test_half_gemv_kinds_are_checked(capsys) -> None:
     assert "--half-gemv: half_gemv names unknown projections ['mlp']" in err
 
 
-MODEL = random_model(tiny_config(), seed=3, std=0.3)
 #: Two prompts decoded together: the prefill's and the decode steps' rows within GEMV_ROWS.
 PROMPTS = ([1, 2, 3], [7, 8, 9, 10, 11])
 
 
-def decoded(kinds: tuple[str, ...]) -> list[list[int]]:
-    """Greedy tokens of :data:`PROMPTS` over :data:`MODEL` with ``half_gemv=kinds``."""
+def decoded(model, kinds: tuple[str, ...], fuse: bool) -> list[list[int]]:
+    """Greedy tokens of :data:`PROMPTS` over ``model`` with ``half_gemv=kinds``, its
+    projections fused (in place) or left separate."""
     limits = {"max_batch": 2, "max_context": 32, "page_size": 4, "prefix_cache": False}
-    return kc.decoded_with_gemv(MODEL, kinds, PROMPTS, 6, **limits)
+    return kc.decoded_with_gemv(model, kinds, PROMPTS, 6, fuse_projections=fuse, **limits)
 
 
-@pytest.mark.parametrize("kinds", [GEMV_KINDS, ("o", "down")])
-def test_decoding_through_the_triton_gemv_emits_the_tokens_of_f_linear(monkeypatch, kinds):
+def projection_shapes(config, fused: bool) -> dict[str, set[tuple[tuple[int, ...], bool]]]:
+    """Each projection kind -> the (weight shape, float32 out) of its calls of the op."""
+    h, i = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    qkv = {(q_out + 2 * kv_out, h)} if fused else {(q_out, h), (kv_out, h)}
+    gate_up = {(2 * i, h)} if fused else {(i, h)}
+    shapes = {"qkv": qkv, "o": {(h, q_out)}, "gate_up": gate_up, "down": {(h, i)}}
+    return {kind: {(s, False) for s in found} for kind, found in shapes.items()} | {
+        "lm_head": {((config.vocab_size, h), True)}
+    }
+
+
+@pytest.mark.parametrize(
+    ("kinds", "fuse"), [(GEMV_KINDS, True), (("o", "down"), True), (("qkv", "gate_up"), False)]
+)
+def test_decoding_through_the_triton_gemv_emits_the_tokens_of_f_linear(monkeypatch, kinds, fuse):
     """With ``half_gemv`` naming projection kinds, exactly those projections of the target
-    call ``speculum::half_linear`` (made here to run the Triton kernel, as CUDA does: the
-    prefill's and the decode steps' rows are all within ``GEMV_ROWS``), and greedy decoding
-    emits the tokens of ``F.linear`` (float32). Building an engine without the option puts
-    every projection back on ``F.linear``; parameters and state-dict keys never change."""
-    calls: list[tuple[tuple[int, ...], bool]] = []
+    (fused or separate) call ``speculum::half_linear`` (made here to run the Triton kernel, as
+    CUDA does: the prefill's and the decode steps' rows are all within ``GEMV_ROWS``), and
+    greedy decoding emits the tokens of ``F.linear`` (float32). Building an engine without the
+    option puts every projection back on ``F.linear``; state-dict keys never change."""
+    # head_dim 12: no two projections' weights share a shape
+    model = random_model(tiny_config(head_dim=12), seed=3, std=0.3)
+    calls: set[tuple[tuple[int, ...], bool]] = set()
 
     def on_triton(x, weight, bias, float32_out):
-        calls.append((tuple(weight.shape), float32_out))
+        calls.add((tuple(weight.shape), float32_out))
         return half.half_linear_cuda(x, weight, bias, float32_out)
 
-    keys = list(MODEL.state_dict())
-    want = decoded(())
+    keys = list(model.state_dict())
+    want = decoded(model, (), fuse)
     monkeypatch.setattr(half, "half_linear", on_triton)
-    assert decoded(kinds) == want
-    c = MODEL.config
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {
-        "qkv": ((q_out + 2 * kv_out, c.hidden_size), False),
-        "o": ((c.hidden_size, q_out), False),
-        "gate_up": ((2 * c.intermediate_size, c.hidden_size), False),
-        "down": ((c.hidden_size, c.intermediate_size), False),
-        "lm_head": ((c.vocab_size, c.hidden_size), True),
-    }
-    assert set(calls) == {shapes[kind] for kind in kinds}
+    assert decoded(model, kinds, fuse) == want
+    shapes = projection_shapes(model.config, fuse)
+    assert calls == set().union(*(shapes[kind] for kind in kinds))
     calls.clear()
-    assert decoded(()) == want and calls == []
-    assert list(MODEL.state_dict()) == keys
+    assert decoded(model, (), fuse) == want and not calls
+    assert list(model.state_dict()) == keys
 
 
 def test_gradients_keep_f_linear(monkeypatch) -> None:
