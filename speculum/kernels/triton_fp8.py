@@ -54,7 +54,7 @@ class Tile(NamedTuple):
 #: --sweep`` on the H200 (docs/fp8.md), the best at 6 of the 8B shape's 12 (layer, rows)
 #: cases; 512 e4m3 weights a step are 32 loads of 16 bytes a row. ``"half"`` (bfloat16 and
 #: float16 weights): not measured yet; the same bytes a step (256 two-byte weights) until
-#: ``benchmarks/fp8_gemv.py --half --sweep`` picks one. float32 activations (parity tests)
+#: ``python benchmarks/half_gemv.py --sweep`` picks one. float32 activations (parity tests)
 #: take twice the shared memory a step: they run half the step.
 TILES = {"fp8": Tile(32, 512, 4, 3), "half": Tile(32, 256, 4, 3)}
 
@@ -132,6 +132,7 @@ def _launch(
     """Run :func:`_gemv` over ``x``'s rows (``scale`` None: unscaled weights) into a new
     ``out_dtype`` tensor."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    weight = weight.contiguous()  # unit stride along rows: already so for layers, fused or not
     n_out, n_in = weight.shape
     out = torch.empty(rows.shape[0], n_out, dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(rows.shape[0], _BLOCK_M), triton.cdiv(n_out, tile.block_n))
