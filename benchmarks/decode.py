@@ -55,7 +55,8 @@ its acceptance length in tokens where plain decoding emits one).
   on cuBLAS (``off``), then with each given set of projection kinds
   (``EngineConfig.half_gemv``: ``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``, or ``all``)
   on the Triton matrix-vector kernel at decode rows (``kernels.half``), each at every batch
-  size of ``--batches``, with its tokens/s over the ``off`` row's (``on/off``).
+  size of ``--batches``, with its tokens/s over the ``off`` row's (``on/off``); with
+  ``--profile``, the batch-1 kernel profiles of ``off`` and of the last set.
 
 - multi-step (``--decode-steps 1,4,8``): the scheduler's loop for plain decoding of K steps
   per round (one CUDA graph; ``SpecOptions.decode_steps``) at batch sizes 1, 8, 64
@@ -704,15 +705,17 @@ def peer_row(hf, batch: int, args, device: str) -> dict[str, Any]:
         return {"batch": batch, "tok/s": float("nan"), "error": f"{type(error).__name__}: {error}"}
 
 
-def profile(target, head, args, device: str) -> str:
+def profile(target, head, args, device: str, half_gemv: tuple[str, ...] = ()) -> str:
     """Kernel-time tables (torch.profiler) of eager plain steps and eager chain-3 rounds at
-    batch 1; eager so that every kernel is attributed, the launch gaps aside."""
+    batch 1, the projections of ``half_gemv`` on the Triton GEMV; eager so that every kernel
+    is attributed, the launch gaps aside."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     sections = []
     for label, rounds in (("plain step", None), ("eagle3 chain-3 round", ROUNDS[0][1:])):
-        engine = make_engine(target, head, 1, args.prompt + args.new_tokens + 64, rounds)
+        context = args.prompt + args.new_tokens + 64
+        engine = make_engine(target, head, 1, context, rounds, half_gemv=half_gemv)
         state = running(engine, 1, args.prompt, args.new_tokens).batch
         decode = engine.pipeline.decode
         decode = getattr(decode, "decode", decode)  # the eager round under the graph wrapper
@@ -966,7 +969,8 @@ def gemv_kinds(text: str) -> tuple[str, ...]:
 def half_gemv_table(target, head, args, device: str) -> None:
     """Plain decoding at each of ``args.batches`` with every projection on cuBLAS, then with
     each of ``args.half_gemv``'s sets on the Triton matrix-vector kernel: tokens/s, roofline,
-    and tokens/s over the cuBLAS row of the batch (``on/off``)."""
+    and tokens/s over the cuBLAS row of the batch (``on/off``); with ``--profile``, the
+    kernel profiles at batch 1 with every projection on cuBLAS and with the last set."""
     bandwidth = copy_bandwidth(device)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -979,6 +983,10 @@ def half_gemv_table(target, head, args, device: str) -> None:
             rows.append(row)
             print(table([row]), flush=True)
     print("\n## plain decoding, cuBLAS vs the Triton GEMV per projection kind\n\n" + table(rows))
+    if args.profile:
+        for kinds in [(), args.half_gemv[-1]]:
+            tables = profile(target, head, args, device, kinds)
+            print(f"\n## profile, batch 1, half_gemv {','.join(kinds) or 'off'}\n\n{tables}")
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

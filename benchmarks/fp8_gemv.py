@@ -44,10 +44,10 @@ def scaled_mm_ms(x, weight, scale, block) -> float:
         fp8.GEMV_ROWS = limit
 
 
-def sweep(kind: str, run, tiles=TILES) -> tuple[float, triton_fp8.Tile]:
-    """The fastest of ``tiles`` (those that compile) for the matrix-vector kernel's weight
-    ``kind`` (``triton_fp8.TILES``: ``"fp8"`` or ``"half"``), timing ``run`` (which calls the
-    kernel) under each: ``(ms, tile)``; the module's tile is restored after."""
+def sweep(kind: str, run, tiles=TILES) -> list[tuple[float, triton_fp8.Tile]]:
+    """``(ms, tile)`` of each of ``tiles`` that compiles, fastest first, for the matrix-vector
+    kernel's weight ``kind`` (``triton_fp8.TILES``: ``"fp8"`` or ``"half"``), timing ``run``
+    (which calls the kernel) under each; the module's tile is restored after."""
     default = triton_fp8.TILES[kind]
     timed = []
     try:
@@ -60,7 +60,7 @@ def sweep(kind: str, run, tiles=TILES) -> tuple[float, triton_fp8.Tile]:
             timed.append((ms, tile))
     finally:
         triton_fp8.TILES[kind] = default
-    return min(timed)
+    return sorted(timed)
 
 
 def row_line(name: str, rows: int, dense, q, scale, hbm: float, tiles: bool) -> str:
@@ -79,7 +79,7 @@ def row_line(name: str, rows: int, dense, q, scale, hbm: float, tiles: bool) -> 
         gbs = n_out * n_in * (2 if kernel == "bf16" else 1) / (ms / 1e3) / 1e9
         line += f"  {kernel} {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs * 1e9 / hbm:.2f})"
     if tiles:
-        ms, tile = sweep("fp8", lambda: triton_fp8.fp8_gemv(x, q, scale, block, None))
+        ms, tile = sweep("fp8", lambda: triton_fp8.fp8_gemv(x, q, scale, block, None))[0]
         line += f"  best tile {tile}: {ms * 1e3:.1f} us"
     return line
 

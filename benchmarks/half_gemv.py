@@ -13,7 +13,9 @@ kernel's time, the weight bandwidth it reaches (weight bytes over time) as a fra
 HBM copy bandwidth measured in the same run, the device kernels one call launches (cuBLAS's
 split-K adds a reduction kernel), and cuBLAS's time over the Triton kernel's. ``--sweep``
 also times the Triton kernel over a grid of tiles (output rows per program, input features
-per step, warps, pipeline stages) and prints the fastest::
+per step, warps, pipeline stages), prints each case's fastest, and last the one tile to set
+as ``triton_fp8.TILES["half"]``: the least geometric mean over the cases of its time over the
+case's best::
 
     python benchmarks/half_gemv.py [--rows 1,2,4,8] [--dtype bfloat16] [--sweep]
 """
@@ -77,9 +79,12 @@ def calls(name: str, x: torch.Tensor) -> dict:
     }
 
 
-def row_line(name: str, rows: int, weights: list[torch.Tensor], hbm: float, tiles: bool) -> str:
+def row_line(
+    name: str, rows: int, weights: list[torch.Tensor], hbm: float, swept: list[dict] | None
+) -> str:
     """One printed line: cuBLAS and the Triton kernel over ``rows`` random rows through
-    ``weights`` (copies of one projection's weight)."""
+    ``weights`` (copies of one projection's weight); with ``swept`` a list, each tile's time
+    over the case's best is appended to it (``{tile: ratio}``)."""
     n_out, n_in = weights[0].shape
     x = torch.randn(rows, n_in, device="cuda").to(weights[0].dtype)
     line = f"{name} {n_out}x{n_in} rows {rows}:"
@@ -90,11 +95,21 @@ def row_line(name: str, rows: int, weights: list[torch.Tensor], hbm: float, tile
         gbs = weights[0].numel() * weights[0].element_size() / (ms / 1e3) / 1e9
         line += f"  {kernel} {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs * 1e9 / hbm:.2f}) {launched}k"
     line += f"  cublas/triton {times['cublas'] / times['triton']:.2f}"
-    if tiles:
-        triton = calls(name, x)["triton"]
-        ms, tile = sweep("half", rotating(triton, weights))
-        line += f"  best tile {tuple(tile)}: {ms / len(weights) * 1e3:.1f} us"
+    if swept is not None:
+        timed = sweep("half", rotating(calls(name, x)["triton"], weights))
+        (best, tile), *_ = timed
+        swept.append({t: ms / best for ms, t in timed})
+        line += f"  best tile {tuple(tile)}: {best / len(weights) * 1e3:.1f} us"
     return line
+
+
+def overall_tile(swept: list[dict]) -> tuple[float, tuple[int, ...]]:
+    """The tile that compiled in every case with the least geometric mean of its time over
+    each case's best: ``(mean ratio, tile)``."""
+    common = set.intersection(*(set(case) for case in swept))
+    means = {t: math.exp(sum(math.log(case[t]) for case in swept) / len(swept)) for t in common}
+    tile = min(means, key=means.get)
+    return means[tile], tuple(tile)
 
 
 def main() -> None:
@@ -109,14 +124,18 @@ def main() -> None:
     hbm = _copy_bandwidth() / 2  # read bandwidth: half the copy's bytes are writes
     print(f"HBM read bandwidth (copy / 2): {hbm / 1e9:.0f} GB/s; tile {triton_fp8.TILES['half']}")
     print("per kernel: time, weight GB/s (fraction of the copy bandwidth), kernels per call")
+    swept: list[dict] | None = [] if args.sweep else None
     for name in args.shapes.split(","):
         n_out, n_in = SHAPES[name]
         copies = max(1, math.ceil(ROTATION_BYTES / (n_out * n_in * dtype.itemsize)))
         weights = [(torch.randn(n_out, n_in, device="cuda") * 0.02).to(dtype)]
         weights += [weights[0].clone() for _ in range(copies - 1)]
         for rows in (int(r) for r in args.rows.split(",")):
-            print(row_line(name, rows, weights, hbm, args.sweep), flush=True)
+            print(row_line(name, rows, weights, hbm, swept), flush=True)
         del weights
+    if swept:
+        ratio, tile = overall_tile(swept)
+        print(f"overall tile {tile}: {ratio:.3f}x each case's best (geometric mean)")
 
 
 if __name__ == "__main__":
