@@ -1,6 +1,7 @@
 """The half-precision matrix-vector kernel at wider shapes and under speculative decoding, on
-Triton's interpreter (slow: not part of the covered suite; ``tests/cover/test_kernel_half.py``
-has the fast cases, ``tests/gpu/test_half_gemv_cuda.py`` the device's)."""
+Triton's interpreter, and ``speculum::half_linear`` inside a compiled round (slow: not part of
+the covered suite; ``tests/cover/test_kernel_half.py`` has the fast cases,
+``tests/gpu/test_half_gemv_cuda.py`` the device's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from speculum.kernels import half
 from speculum.models.decoder import GEMV_KINDS
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
+from speculum.runtime.compiled import STAGES
 from speculum.runtime.engine import SpecOptions
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("triton")
 from speculum.kernels.triton_fp8 import half_gemv  # noqa: E402
@@ -60,3 +64,20 @@ def test_eagle3_trees_over_the_triton_gemv_emit_plain_decodings_tokens(monkeypat
     want = decoded(target, None, ())
     monkeypatch.setattr(half, "half_linear", half.half_linear_cuda)  # the Triton kernel on CPU
     assert decoded(target, draft, GEMV_KINDS) == want
+
+
+def test_a_compiled_round_traces_the_op_and_emits_the_eager_tokens() -> None:
+    """``torch.compile`` (every stage) traces the projections' routing and the op (opaque,
+    through its fake kernel) without a graph break or a second graph: the same tokens."""
+    from torch._dynamo.utils import counters
+
+    target = random_model(tiny_config(num_layers=1), seed=2, std=0.3)
+    limits = {"max_batch": 2, "max_context": 48, "page_size": 4, "graph_buckets": (2,)}
+    want = kc.decoded_with_gemv(target, (), ([1, 2, 3], [7, 8, 9, 10, 11]), 6, **limits)
+    torch._dynamo.reset()
+    counters.clear()
+    got = kc.decoded_with_gemv(
+        target, GEMV_KINDS, ([1, 2, 3], [7, 8, 9, 10, 11]), 6, compile_stages=STAGES, **limits
+    )
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert got == want
