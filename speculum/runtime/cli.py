@@ -69,20 +69,17 @@ def _number(flag: str, kind: type, least: float, most: float | None = None, *, a
     return parse
 
 
-def _stage_list(text: str) -> tuple[str, ...]:
-    """``--compile-stages``: comma-separated stage names (``runtime.compiled.STAGES``)."""
-    try:
-        return check_stages(tuple(n.strip() for n in text.split(",") if n.strip()))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--compile-stages: {error}") from None
+def _name_list(flag: str, check: Callable[[object], tuple[str, ...]]):
+    """An argparse type: comma-separated names, as ``check`` canonicalises them
+    (``runtime.compiled.check_stages``, ``models.decoder.check_gemv``); refusals name ``flag``."""
 
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            return check(tuple(n.strip() for n in text.split(",") if n.strip()))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{flag}: {error}") from None
 
-def _gemv_list(text: str) -> tuple[str, ...]:
-    """``--half-gemv``: comma-separated projection kinds (``models.decoder.GEMV_KINDS``)."""
-    try:
-        return check_gemv(tuple(n.strip() for n in text.split(",") if n.strip()))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--half-gemv: {error}") from None
+    return parse
 
 
 def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
@@ -524,14 +521,14 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--compile-stages",
-        type=_stage_list,
+        type=_name_list("--compile-stages", check_stages),
         default=(),
         help="compile parts of each decoding round with torch.compile, comma-separated: "
         f"{', '.join(STAGES)} (default: none, the hand-written path; see docs/gpu.md)",
     )
     gen.add_argument(
         "--half-gemv",
-        type=_gemv_list,
+        type=_name_list("--half-gemv", check_gemv),
         default=(),
         help="on CUDA, run these projections' decode-sized matmuls with speculum's Triton "
         f"matrix-vector kernel instead of cuBLAS, comma-separated: {', '.join(GEMV_KINDS)} "
