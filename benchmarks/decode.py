@@ -51,6 +51,13 @@ its acceptance length in tokens where plain decoding emits one).
   and the FP8 kernel its decode steps run (``kernels.fp8.cuda_kernel``: the Triton
   matrix-vector kernel up to 16 rows, ``_scaled_mm`` or the dequantizing reference above).
 
+- half-precision GEMV (``--half-gemv qkv,o [all ...]``): plain decoding with every projection
+  on cuBLAS (``off``), then with each given set of projection kinds
+  (``EngineConfig.half_gemv``: ``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``, or ``all``)
+  on the Triton matrix-vector kernel at decode rows (``kernels.half``), each at every batch
+  size of ``--batches``, with its tokens/s over the ``off`` row's (``on/off``); with
+  ``--profile``, the batch-1 kernel profiles of ``off`` and of the last set.
+
 - multi-step (``--decode-steps 1,4,8``): the scheduler's loop for plain decoding of K steps
   per round (one CUDA graph; ``SpecOptions.decode_steps``) at batch sizes 1, 8, 64
   (``--decode-batches``), each K against single steps in the same run: tokens/s, speedup,
@@ -73,8 +80,8 @@ its acceptance length in tokens where plain decoding emits one).
   planned on the host (``EngineConfig.mla_kernel``): decode tokens/s of each and their ratio
   (interleaved passes, the median; ``spread`` as in ``--adaptive``).
 
-``--adaptive``, ``--overlap``, ``--fp8``, ``--decode-steps``, ``--ragged-verify`` and
-``--mla-kernels`` run only their own tables.
+``--adaptive``, ``--overlap``, ``--fp8``, ``--half-gemv``, ``--decode-steps``,
+``--ragged-verify`` and ``--mla-kernels`` run only their own tables.
 Every other plain row times single steps (``decode_steps=1``: one token per decode call).
 
 Run on the GPU: ``python benchmarks/decode.py`` (``--batches 1,8`` to narrow it; ``--tiny`` for
@@ -127,6 +134,7 @@ from speculum.models.config import (  # noqa: E402
     MoEConfig,
 )
 from speculum.models.decoder import (  # noqa: E402
+    GEMV_KINDS,
     DecoderModel,
     Fp8Linear,
     SparseMoE,
@@ -479,10 +487,12 @@ def make_engine(
     context: int,
     rounds: tuple[int, int, int] | None,
     fuse: bool = True,
+    half_gemv: tuple[str, ...] = (),
 ) -> Engine:
     """A plain engine (``rounds`` None) or a speculative engine of ``head``'s algorithm
     (EAGLE-3, or MTP for an MoE target) with that (steps, topk, tokens);
-    ``fuse`` fuses the models' projections (in place, for every later engine too)."""
+    ``fuse`` fuses the models' projections (in place, for every later engine too),
+    ``half_gemv`` names the projections run by the Triton matrix-vector kernel."""
     spec = (
         SINGLE_STEPS
         if rounds is None
@@ -498,6 +508,7 @@ def make_engine(
         prefill_budget=2048,
         graph_buckets=(batch,),
         fuse_projections=fuse,
+        half_gemv=half_gemv,
     )
 
 
@@ -517,11 +528,18 @@ def running(engine: Engine, batch: int, prompt: int, new_tokens: int) -> Any:
 
 
 def plain_row(
-    target, head, batch: int, args, bandwidth: float, device: str, fuse: bool = True
+    target,
+    head,
+    batch: int,
+    args,
+    bandwidth: float,
+    device: str,
+    fuse: bool = True,
+    half_gemv: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Plain decoding's tokens/s over ``args.new_tokens`` steps, and its roofline ratio."""
     context = args.prompt + args.new_tokens + 64
-    engine = make_engine(target, head, batch, context, None, fuse)
+    engine = make_engine(target, head, batch, context, None, fuse, half_gemv)
     state = running(engine, batch, args.prompt, args.new_tokens + 8).batch
     decode = engine.pipeline.decode
     state, _ = decode(engine.resources, state)  # capture outside the timed loop
@@ -695,15 +713,17 @@ def peer_row(hf, batch: int, args, device: str) -> dict[str, Any]:
         return {"batch": batch, "tok/s": float("nan"), "error": f"{type(error).__name__}: {error}"}
 
 
-def profile(target, head, args, device: str) -> str:
+def profile(target, head, args, device: str, half_gemv: tuple[str, ...] = ()) -> str:
     """Kernel-time tables (torch.profiler) of eager plain steps and eager chain-3 rounds at
-    batch 1; eager so that every kernel is attributed, the launch gaps aside."""
+    batch 1, the projections of ``half_gemv`` on the Triton GEMV; eager so that every kernel
+    is attributed, the launch gaps aside."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     sections = []
     for label, rounds in (("plain step", None), ("eagle3 chain-3 round", ROUNDS[0][1:])):
-        engine = make_engine(target, head, 1, args.prompt + args.new_tokens + 64, rounds)
+        context = args.prompt + args.new_tokens + 64
+        engine = make_engine(target, head, 1, context, rounds, half_gemv=half_gemv)
         state = running(engine, 1, args.prompt, args.new_tokens).batch
         decode = engine.pipeline.decode
         decode = getattr(decode, "decode", decode)  # the eager round under the graph wrapper
@@ -790,6 +810,13 @@ def main() -> None:
         help="plain decoding bf16 vs the same weights in FP8 with these scales, only",
     )
     parser.add_argument(
+        "--half-gemv",
+        nargs="+",
+        type=gemv_kinds,
+        help="plain decoding only: every projection on cuBLAS, then each given set of "
+        "projection kinds (comma-separated, or all) on the Triton GEMV, e.g. qkv,o all",
+    )
+    parser.add_argument(
         "--decode-steps",
         help="multi-step plain decoding only: steps per round to compare with 1, e.g. 4,8",
     )
@@ -855,6 +882,9 @@ def measure(args: argparse.Namespace) -> None:
     target, head = build_models(config, device, dtype, tp)
     if args.fp8:
         fp8_table(target, head, args, device)
+        return
+    if args.half_gemv:
+        half_gemv_table(target, head, args, device)
         return
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -946,6 +976,34 @@ def fp8_kernel(target, batch: int, device: str) -> str:
         return "reference"
     x = torch.empty(batch, down.weight.shape[1], device=device, dtype=torch.bfloat16)
     return fp8_ops.cuda_kernel(x, down.weight, list(down.block))
+
+
+def gemv_kinds(text: str) -> tuple[str, ...]:
+    """``--half-gemv``'s sets: comma-separated projection kinds, ``all`` for every one."""
+    return GEMV_KINDS if text == "all" else tuple(t for t in text.split(",") if t)
+
+
+def half_gemv_table(target, head, args, device: str) -> None:
+    """Plain decoding at each of ``args.batches`` with every projection on cuBLAS, then with
+    each of ``args.half_gemv``'s sets on the Triton matrix-vector kernel: tokens/s, roofline,
+    and tokens/s over the cuBLAS row of the batch (``on/off``); with ``--profile``, the
+    kernel profiles at batch 1 with every projection on cuBLAS and with the last set."""
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        off = None
+        for kinds in [(), *args.half_gemv]:
+            row = {"half_gemv": ",".join(kinds) or "off"}
+            row |= plain_row(target, head, batch, args, bandwidth, device, half_gemv=kinds)
+            off = off or row["tok/s"]
+            row["on/off"] = row["tok/s"] / off
+            rows.append(row)
+            print(table([row]), flush=True)
+    print("\n## plain decoding, cuBLAS vs the Triton GEMV per projection kind\n\n" + table(rows))
+    if args.profile:
+        for kinds in [(), args.half_gemv[-1]]:
+            tables = profile(target, head, args, device, kinds)
+            print(f"\n## profile, batch 1, half_gemv {','.join(kinds) or 'off'}\n\n{tables}")
 
 
 #: Draft depths adaptive speculation chooses among (0: plain rounds that keep the draft caught

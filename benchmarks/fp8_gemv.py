@@ -9,6 +9,8 @@ bandwidth, and the kernel ``speculum::fp8_linear`` chooses (``kernels.fp8.cuda_k
 input features per step, warps, pipeline stages) and prints the fastest::
 
     python benchmarks/fp8_gemv.py [--rows 1,8,16] [--sweep]
+
+``benchmarks/half_gemv.py`` times the same kernel over unquantized bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from speculum.kernels import fp8
 
 #: Llama-3.1-8B's projections as the engine runs them: fused q/k/v, o, fused gate/up, down.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-#: The tiles ``--sweep`` tries: (_BLOCK_N, _BLOCK_K, _WARPS, _STAGES).
-TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4)))
+#: The tiles ``--sweep`` tries (``triton_fp8.Tile``: block_n, block_k, warps, stages).
+TILES = [
+    triton_fp8.Tile(*t) for t in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4))
+]
 
 
 def scaled_mm_ms(x, weight, scale, block) -> float:
@@ -40,25 +44,23 @@ def scaled_mm_ms(x, weight, scale, block) -> float:
         fp8.GEMV_ROWS = limit
 
 
-def sweep(x, weight, scale, block) -> tuple[float, tuple[int, int, int, int]]:
-    """The fastest of :data:`TILES` (those that compile) for the matrix-vector kernel:
-    ``(ms, tile)``; the module's tile is restored after."""
-    names = ("_BLOCK_N", "_BLOCK_K", "_WARPS", "_STAGES")
-    default = tuple(getattr(triton_fp8, name) for name in names)
+def sweep(kind: str, run, tiles=TILES) -> list[tuple[float, triton_fp8.Tile]]:
+    """``(ms, tile)`` of each of ``tiles`` that compiles, fastest first, for the matrix-vector
+    kernel's weight ``kind`` (``triton_fp8.TILES``: ``"fp8"`` or ``"half"``), timing ``run``
+    (which calls the kernel) under each; the module's tile is restored after."""
+    default = triton_fp8.TILES[kind]
     timed = []
     try:
-        for tile in TILES:
-            for name, value in zip(names, tile, strict=True):
-                setattr(triton_fp8, name, value)
+        for tile in tiles:
+            triton_fp8.TILES[kind] = tile
             try:
-                ms = _bench(lambda: triton_fp8.fp8_gemv(x, weight, scale, block, None))
+                ms = _bench(run)
             except OutOfResources:  # a tile past the SM's shared memory or registers
                 continue
             timed.append((ms, tile))
     finally:
-        for name, value in zip(names, default, strict=True):
-            setattr(triton_fp8, name, value)
-    return min(timed)
+        triton_fp8.TILES[kind] = default
+    return sorted(timed)
 
 
 def row_line(name: str, rows: int, dense, q, scale, hbm: float, tiles: bool) -> str:
@@ -77,7 +79,7 @@ def row_line(name: str, rows: int, dense, q, scale, hbm: float, tiles: bool) -> 
         gbs = n_out * n_in * (2 if kernel == "bf16" else 1) / (ms / 1e3) / 1e9
         line += f"  {kernel} {ms * 1e3:.1f} us {gbs:.0f} GB/s ({gbs * 1e9 / hbm:.2f})"
     if tiles:
-        ms, tile = sweep(x, q, scale, block)
+        ms, tile = sweep("fp8", lambda: triton_fp8.fp8_gemv(x, q, scale, block, None))[0]
         line += f"  best tile {tile}: {ms * 1e3:.1f} us"
     return line
 

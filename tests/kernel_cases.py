@@ -451,3 +451,60 @@ def commit_slots(
     valid = path >= 0
     source = slots_at(page_table, page_size, seq_lens[:, None] + path.clamp(min=0), valid)
     return source, cache_slots(page_table, page_size, seq_lens, valid)
+
+
+def linear_operands(
+    gen: torch.Generator, rows: int, n_out: int, n_in: int, dtype: torch.dtype, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x [rows, n_in]``, ``weight [n_out, n_in]`` and a bias or ``None``, normal, in
+    ``dtype``, on ``gen``'s device."""
+    x = randn(rows, n_in, dtype=dtype, gen=gen)
+    weight = randn(n_out, n_in, dtype=dtype, gen=gen)
+    return x, weight, randn(n_out, dtype=dtype, gen=gen) if bias else None
+
+
+def linear_bound(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """How far ``linear(x, weight, bias)`` summed in float32 from exact products (16-bit
+    operands; float32 ones rounded once) in any order, then rounded to ``out_dtype``, may be
+    from the exact value: ``(n + 2) * 2**-24`` times the sum of magnitudes (the classic bound
+    on recursive summation), plus, for a 16-bit output, half an ulp of its rounding and the
+    subnormals' step."""
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    bound = (x.shape[-1] + 2) * 2.0**-24 * magnitude
+    if out_dtype == torch.float32:
+        return bound
+    info = torch.finfo(out_dtype)
+    exact = torch.nn.functional.linear(
+        x.double(), weight.double(), None if bias is None else bias.double()
+    )
+    return bound * (1 + info.eps) + info.eps / 2 * exact.abs() + info.smallest_normal * info.eps
+
+
+def decoded_with_gemv(
+    target, kinds: tuple[str, ...], prompts, max_new_tokens: int, draft=None, spec=None, **limits
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, decoded together by an engine over ``target`` (plain
+    decoding, or EAGLE-3 rounds of ``spec`` with ``draft``) whose projections of ``kinds`` run
+    ``speculum::half_linear`` (``EngineConfig.half_gemv``); ``limits`` size the engine."""
+    from speculum.runtime import scheduler
+    from speculum.runtime.engine import engine_from_model
+    from speculum.runtime.generate import run_to_completion
+
+    engine = engine_from_model(
+        target,
+        algorithm="plain" if draft is None else "eagle3",
+        draft=draft,
+        spec=spec,
+        half_gemv=kinds,
+        **limits,
+    )
+    state, rids = scheduler.new_state(engine), []
+    for prompt in prompts:
+        state, rid = scheduler.add_request(engine, state, prompt, max_new_tokens=max_new_tokens)
+        rids.append(rid)
+    _, finished = run_to_completion(engine, state)
+    return [finished[rid].output for rid in rids]

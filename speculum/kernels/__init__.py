@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from speculum.kernels import fp8, model_ops
+from speculum.kernels import fp8, half, model_ops
 from speculum.kernels.attention import latent_attention, paged_attention, write_kv
 from speculum.kernels.recurrent import gated_delta_rule, mamba2_scan
 
@@ -25,6 +25,7 @@ __all__ = [
     "DEVICE_KERNELS",
     "fp8",
     "gated_delta_rule",
+    "half",
     "latent_attention",
     "mamba2_scan",
     "model_ops",
@@ -42,14 +43,16 @@ TRITON_MODULES = (
     "triton_sampling",
     "triton_tree",
 )
-#: Modules whose ``register()`` installs CUDA kernels built on torch alone (no Triton needed).
-TORCH_CUDA_MODULES = ("grouped_moe", "fp8")
+#: Modules whose ``register()`` installs CUDA kernels that run without Triton (``fp8`` and
+#: ``half`` use its matrix-vector kernel where it is installed, torch's matmuls elsewhere).
+TORCH_CUDA_MODULES = ("grouped_moe", "fp8", "half")
 
 
 def register_device_kernels() -> str:
-    """Install the CUDA kernels of speculum's ops (Triton's, and the torch-only grouped-GEMM
-    MoE and FP8 ``_scaled_mm`` linear); returns the path that CUDA tensors take: ``"triton"``,
-    or ``"reference"`` (with a warning) where Triton is missing."""
+    """Install the CUDA kernels of speculum's ops (Triton's, and the grouped-GEMM MoE and the
+    FP8 and half-precision linear layers, which run without Triton too); returns the path
+    that CUDA tensors take: ``"triton"``, or ``"reference"`` (with a warning) where Triton is
+    missing."""
     for name in TORCH_CUDA_MODULES:
         importlib.import_module(f"speculum.kernels.{name}").register()
     try:

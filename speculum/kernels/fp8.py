@@ -35,6 +35,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_cuda",
     "fp8_linear_reference",
+    "gemv_fits",
     "quantize_rows",
     "quantize_weight",
     "register",
@@ -149,12 +150,18 @@ def scaled_mm_supported(x: Tensor, weight: Tensor, block: list[int]) -> bool:
     )
 
 
+def gemv_fits(x: Tensor) -> bool:
+    """Whether the Triton matrix-vector kernel (``kernels.triton_fp8``) takes ``x``: Triton is
+    installed and ``x`` has at most :data:`GEMV_ROWS` rows (decode steps, small verifies)."""
+    return _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]
+
+
 def cuda_kernel(x: Tensor, weight: Tensor, block: list[int]) -> str:
     """Which kernel :func:`fp8_linear_cuda` runs for ``x``: ``"triton_gemv"`` (Triton is
     installed and ``x`` has at most :data:`GEMV_ROWS` rows, whatever the scales),
     ``"scaled_mm"`` (more rows, where :func:`scaled_mm_supported`) or ``"reference"``.
     Shapes, dtypes and the device alone decide, so a captured graph keeps the choice."""
-    if _TRITON and x.numel() <= GEMV_ROWS * x.shape[-1]:
+    if gemv_fits(x):
         return "triton_gemv"
     return "scaled_mm" if scaled_mm_supported(x, weight, block) else "reference"
 

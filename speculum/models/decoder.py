@@ -58,6 +58,7 @@ __all__ = [
     "float32_logits",
     "FusedLinear",
     "Fp8Linear",
+    "GEMV_KINDS",
     "apply_keeping_dtypes",
     "dense_weight",
     "GatedAttention",
@@ -74,10 +75,13 @@ __all__ = [
     "attention_block",
     "fuse_projections_",
     "fused_linear",
+    "check_gemv",
+    "gemv_projections_",
     "holds",
     "mla_softmax_scale",
     "mlp_block",
     "pool_for",
+    "project",
     "recurrent_pool_for",
     "rope_attention_factor",
     "rope_inv_freq",
@@ -216,9 +220,14 @@ class FusedLinear(NamedTuple):
     scale: Tensor | None = None
     block: tuple[int, int] | None = None
 
-    def __call__(self, x: Float[Tensor, "*rows in"]) -> Float[Tensor, "*rows out"]:
-        """Every projection of ``x`` at once, concatenated."""
+    def __call__(
+        self, x: Float[Tensor, "*rows in"], gemv: bool = False
+    ) -> Float[Tensor, "*rows out"]:
+        """Every projection of ``x`` at once, concatenated; float weights through
+        ``speculum::half_linear`` where ``gemv`` (see :func:`gemv_projections_`)."""
         if self.scale is None or self.block is None:
+            if gemv:
+                return kernels.half.half_linear(x, self.weight, self.bias, False)
             return F.linear(x, self.weight, self.bias)
         return kernels.fp8.fp8_linear(x, self.weight, self.scale, list(self.block), None, self.bias)
 
@@ -298,6 +307,60 @@ def fused_weights(fused: FusedLinear | None, first: nn.Linear) -> FusedLinear | 
     return fused if holds(fused, first) else None
 
 
+#: The projection kinds whose matmuls may run ``speculum::half_linear`` (``kernels.half``: the
+#: Triton matrix-vector kernel at decode rows on CUDA): attention's q/k/v (fused or not) and
+#: output projections, the MLP's gate/up (fused or not) and down projections, the logits.
+GEMV_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def check_gemv(value: object) -> tuple[str, ...]:
+    """``half_gemv`` (``EngineConfig``) as a sorted tuple of :data:`GEMV_KINDS`; empty, the
+    default, leaves every projection to ``F.linear``."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list, frozenset, set)):
+        raise ValueError(
+            f"half_gemv={value!r}: give a tuple of projection kinds from "
+            f"{', '.join(GEMV_KINDS)}, e.g. ('qkv', 'o')"
+        )
+    unknown = [v for v in value if v not in GEMV_KINDS]
+    if unknown:
+        raise ValueError(
+            f"half_gemv names unknown projections {unknown!r}: choose from {', '.join(GEMV_KINDS)}"
+        )
+    return tuple(sorted(set(value)))
+
+
+def gemv_projections_(module: nn.Module, kinds: tuple[str, ...]) -> nn.Module:
+    """Make the float projections of ``kinds`` (:data:`GEMV_KINDS`) inside ``module`` run
+    ``speculum::half_linear``, and every other kind ``F.linear``, in place; returns ``module``.
+
+    Each :class:`Attention`, :class:`MLP` and :class:`LMHead` records the kinds it has in
+    ``gemv``; parameters, state dicts and loading are untouched. FP8 layers (their own
+    kernel), tensor-parallel row shards (their own all-reduce) and calls that want gradients
+    keep their usual path (:func:`project`). Values are those of ``F.linear`` up to the order
+    of the float32 sums, and a row's values do not depend on how many rows share the call.
+    The setting is the model's: the last engine built over a model decides its eager calls
+    (CUDA graphs keep the kernels they captured)."""
+    parts = {Attention: {"qkv", "o"}, MLP: {"gate_up", "down"}, LMHead: {"lm_head"}}
+    for sub in module.modules():
+        for kind, names in parts.items():
+            if isinstance(sub, kind):
+                sub.gemv = frozenset(names.intersection(kinds))
+    return module
+
+
+def project(linear: nn.Module, x: Float[Tensor, "*rows in"], gemv: bool) -> Tensor:
+    """``linear(x)``, through ``speculum::half_linear`` where ``gemv`` is set and ``linear`` is
+    a plain ``nn.Linear`` called without gradients (the op has no backward); FP8 and
+    tensor-parallel layers (subclasses) run their own forward."""
+    if gemv and type(linear) is nn.Linear and not _wants_grad(linear.weight):
+        return kernels.half.half_linear(x, linear.weight, linear.bias, False)
+    return linear(x)
+
+
+def _wants_grad(weight: Tensor) -> bool:
+    return torch.is_grad_enabled() and weight.requires_grad
+
+
 def fuse_projections_(module: nn.Module) -> nn.Module:
     """Fuse the projections of every attention block (q, k, v) and MLP (gate, up) inside
     ``module`` into one matmul each, in place; returns ``module``.
@@ -347,6 +410,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.qkv: FusedLinear | None = None
+        #: The projection kinds run by ``speculum::half_linear`` (:func:`gemv_projections_`).
+        self.gemv: frozenset[str] = frozenset()
         # Gemma-3 scales scores by query_pre_attn_scalar rather than the head width.
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.scale = rope_attention_factor(config) ** 2 / math.sqrt(scalar)
@@ -381,12 +446,12 @@ class Attention(nn.Module):
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of ``x`` split into heads, q/k normed for qk-norm kinds,
         not yet rotated: one matmul when the projections are fused."""
-        weights = fused_weights(self.qkv, self.q_proj)
+        weights, gemv = fused_weights(self.qkv, self.q_proj), "qkv" in self.gemv
         if weights is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (project(p, x, gemv) for p in (self.q_proj, self.k_proj, self.v_proj))
         else:
             kv_out = self.num_kv_heads * self.head_dim
-            q, k, v = weights(x).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
+            q, k, v = weights(x, gemv).split([self.num_heads * self.head_dim, kv_out, kv_out], -1)
         return (self._query_heads(q), *self._key_value_heads(k, v))
 
     def _query_heads(self, projected: Tensor) -> Float[Tensor, "batch q head head_dim"]:
@@ -409,7 +474,11 @@ class Attention(nn.Module):
     ) -> Float[Tensor, "batch q hidden"]:
         """Attention of ``qs`` over layer ``self.layer``'s cache as ``batch`` shows it,
         projected back."""
-        return self.o_proj(self.attention_heads(qs, batch, pool).flatten(2))
+        return self.project_out(self.attention_heads(qs, batch, pool).flatten(2))
+
+    def project_out(self, heads: Float[Tensor, "batch q width"]) -> Float[Tensor, "batch q hidden"]:
+        """``o_proj`` of the heads' concatenated outputs (:func:`project`)."""
+        return project(self.o_proj, heads, "o" in self.gemv)
 
     def attention_heads(
         self, qs: Float[Tensor, "batch q head head_dim"], batch: ForwardBatch, pool: KVPool
@@ -443,7 +512,7 @@ class Attention(nn.Module):
             qs, ks = (apply_rope(t, batch.positions, inv_freq) for t in (qs, ks))
             _, mask = window_limits(batch.prefix_lens, batch.new_mask, self.window)
             out = dense_attention(qs, ks, vs, mask, self.scale, self.sinks)
-            return self.o_proj(out.flatten(2))
+            return self.project_out(out.flatten(2))
         qs = kernels.model_ops.rope_write_kv(
             qs,
             ks,
@@ -636,7 +705,7 @@ class GatedAttention(Attention):
             batch.slots,
         )
         out = self.attention_heads(qs, batch, pool) * torch.sigmoid(gate)
-        return self.o_proj(out.flatten(2))
+        return self.project_out(out.flatten(2))
 
 
 class GatedRMSNorm(nn.Module):
@@ -869,6 +938,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.gate_up: FusedLinear | None = None
+        #: The projection kinds run by ``speculum::half_linear`` (:func:`gemv_projections_`).
+        self.gemv: frozenset[str] = frozenset()
 
     def fuse_(self) -> None:
         """Keep the gate and up weights in one tensor (see :func:`fuse_projections_`), where
@@ -878,14 +949,16 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``down(act(gate(x)) * up(x))``: gate and up in one matmul when fused."""
-        weights = fused_weights(self.gate_up, self.gate_proj)
+        weights, gemv = fused_weights(self.gate_up, self.gate_proj), "gate_up" in self.gemv
         if weights is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = project(self.gate_proj, x, gemv), project(self.up_proj, x, gemv)
         else:
-            gate, up = weights(x).chunk(2, dim=-1)
+            gate, up = weights(x, gemv).chunk(2, dim=-1)
         if self.gelu:
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(kernels.model_ops.silu_mul(gate, up))
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = kernels.model_ops.silu_mul(gate, up)
+        return project(self.down_proj, hidden, "down" in self.gemv)
 
 
 def apply_keeping_dtypes(
@@ -1145,7 +1218,7 @@ class NoPEAttention(Attention):
         ``pool=None``, the queries attend to each other's keys under ``batch.new_mask``)."""
         qs, ks, vs = self.heads(x)
         if pool is None:
-            return self.o_proj(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
+            return self.project_out(dense_attention(qs, ks, vs, batch.new_mask).flatten(2))
         kernels.write_kv(pool.k[self.layer], batch.slots, ks)
         kernels.write_kv(pool.v[self.layer], batch.slots, vs)
         return self.attend(qs, batch, pool)
@@ -1391,9 +1464,15 @@ class LMHead(nn.Linear):
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
+        #: ``{"lm_head"}`` where :meth:`logits` runs ``speculum::half_linear``
+        #: (:func:`gemv_projections_`).
+        self.gemv: frozenset[str] = frozenset()
 
     def logits(self, hidden: Float[Tensor, "*rows hidden"]) -> Float[Tensor, "*rows vocab"]:
-        """Float32 logits of ``hidden`` over the whole vocabulary."""
+        """Float32 logits of ``hidden`` over the whole vocabulary: :func:`float32_logits`, or
+        ``speculum::half_linear`` writing float32 where ``gemv`` says so."""
+        if "lm_head" in self.gemv and not _wants_grad(self.weight):
+            return kernels.half.half_linear(hidden, self.weight, None, True)
         return float32_logits(hidden, self.weight)
 
 

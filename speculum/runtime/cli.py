@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from speculum.models.decoder import GEMV_KINDS, check_gemv
 from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
@@ -69,12 +70,17 @@ def _number(flag: str, kind: type, least: float, most: float | None = None, *, a
     return parse
 
 
-def _stage_list(text: str) -> tuple[str, ...]:
-    """``--compile-stages``: comma-separated stage names (``runtime.compiled.STAGES``)."""
-    try:
-        return check_stages(tuple(n.strip() for n in text.split(",") if n.strip()))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--compile-stages: {error}") from None
+def _name_list(flag: str, check: Callable[[object], tuple[str, ...]]):
+    """An argparse type: comma-separated names, as ``check`` canonicalises them
+    (``runtime.compiled.check_stages``, ``models.decoder.check_gemv``); refusals name ``flag``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            return check(tuple(n.strip() for n in text.split(",") if n.strip()))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{flag}: {error}") from None
+
+    return parse
 
 
 def _int_list(flag: str, example: str, least: int, what: str, outside: str = "out of range"):
@@ -516,7 +522,7 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--compile-stages",
-        type=_stage_list,
+        type=_name_list("--compile-stages", check_stages),
         default=(),
         help="compile parts of each decoding round with torch.compile, comma-separated: "
         f"{', '.join(STAGES)} (default: none, the hand-written path; see docs/gpu.md)",
@@ -528,6 +534,14 @@ def parser() -> argparse.ArgumentParser:
         help="kernel of a DeepSeek target's latent attention in decoding rounds: triton "
         "(default) or flashinfer, planned on the host before each round (CUDA, bfloat16, "
         "synchronous scheduling, plain decoding or chains; see docs/mla.md)",
+    )
+    gen.add_argument(
+        "--half-gemv",
+        type=_name_list("--half-gemv", check_gemv),
+        default=(),
+        help="on CUDA, run these projections' decode-sized matmuls with speculum's Triton "
+        f"matrix-vector kernel instead of cuBLAS, comma-separated: {', '.join(GEMV_KINDS)} "
+        "(default: none; see docs/gpu.md)",
     )
     gen.add_argument(
         "--overlap",
@@ -582,6 +596,7 @@ _ENGINE_DESTS = (
     "cuda_graphs",
     "compile_stages",
     "mla_kernel",
+    "half_gemv",
     "overlap",
     "prefix_cache",
     "tp",
@@ -1347,6 +1362,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         cuda_graphs=args.cuda_graphs,
         compile_stages=args.compile_stages,
         mla_kernel=args.mla_kernel,
+        half_gemv=args.half_gemv,
         overlap=args.overlap,
         prefix_cache=args.prefix_cache,
         tp=args.tp or int(os.environ.get("WORLD_SIZE", "1")),

@@ -14,7 +14,13 @@ import torch
 
 from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
-from speculum.models.decoder import DecoderModel, fuse_projections_, widest_window
+from speculum.models.decoder import (
+    DecoderModel,
+    check_gemv,
+    fuse_projections_,
+    gemv_projections_,
+    widest_window,
+)
 from speculum.models.draft_loading import load_draft
 from speculum.models.frozen_kv import load_frozen_kv
 from speculum.models.loading import DTYPES, load_model
@@ -110,6 +116,10 @@ class EngineConfig:
     latent kernel, or ``"flashinfer"``, flashinfer's MLA kernel planned on the host before
     each round (synchronous scheduling, plain decoding and chain verifies, CUDA, bfloat16 or
     float16).
+    ``half_gemv`` names the float projections (``models.decoder.GEMV_KINDS``: ``"qkv"``,
+    ``"o"``, ``"gate_up"``, ``"down"``, ``"lm_head"``) whose decode-sized matmuls run the
+    Triton matrix-vector kernel on CUDA instead of cuBLAS (``kernels.half``); empty, the
+    default, runs cuBLAS everywhere (``docs/gpu.md``, "Half-precision GEMV").
 
     Checked when built (``runtime.checks``): counts are integers, not floats or bools,
     ``num_pages >= 0`` (0 until :func:`engine_from_model` sizes the pool), ``max_context >= 2``
@@ -135,6 +145,7 @@ class EngineConfig:
     mla_kernel: str = attrs.field(
         default="triton", converter=checks.converter(checks.choice, among=MLA_KERNELS)
     )
+    half_gemv: tuple[str, ...] = attrs.field(default=(), converter=check_gemv)
 
     def __attrs_post_init__(self) -> None:
         # A compiled round runs padded to a bucket on every device; a captured one only on
@@ -596,6 +607,7 @@ def engine_from_model(
     compile_stages: tuple[str, ...] = (),
     free_window_pages: bool = True,
     mla_kernel: str = "triton",
+    half_gemv: tuple[str, ...] = (),
 ) -> Engine:
     """An engine over an already-built target model (and draft head, for speculative algorithms).
 
@@ -614,7 +626,9 @@ def engine_from_model(
     with ``torch.compile``, ``mla_kernel`` picks a DeepSeek target's latent-attention kernel
     in decoding rounds (:class:`EngineConfig`).
     ``fuse_projections`` fuses the target's and the draft's projections in place (values
-    unchanged; see ``models.decoder.fuse_projections_``).
+    unchanged; see ``models.decoder.fuse_projections_``). ``half_gemv`` sets, in place, which
+    of the target's and the draft's float projections run the Triton matrix-vector kernel at
+    decode rows (``models.decoder.gemv_projections_``; empty: none).
 
     Every limit is checked before anything is built or fused (:class:`EngineConfig`; a
     ``num_pages`` of at least 2, page 0 being the padding page); ``None`` is the default of
@@ -640,6 +654,7 @@ def engine_from_model(
         compile_stages=compile_stages,
         free_window_pages=free_window_pages,
         mla_kernel=mla_kernel,
+        half_gemv=half_gemv,
     )
     _check_limits(target, config)
     _check_hybrid(target, algorithm)
@@ -682,10 +697,11 @@ def engine_from_model(
         if variants
         else _with_controls(_pipeline(algorithm, target, draft, spec, ngram, steps), config, spec)
     )
-    if config.fuse_projections:
-        for model in (target, draft):
-            if isinstance(model, torch.nn.Module):
+    for model in (target, draft):
+        if isinstance(model, torch.nn.Module):
+            if config.fuse_projections:
                 fuse_projections_(model)
+            gemv_projections_(model, config.half_gemv)
     if config.num_pages == 0:  # not given: room for max_batch full contexts
         per_request = config.max_pages_per_request(reserved_lookahead(pipeline, config.overlap))
         config = attrs.evolve(config, num_pages=config.max_batch * per_request + 1)

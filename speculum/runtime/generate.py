@@ -166,6 +166,7 @@ def generate(
     dtype: str | None = None,
     cuda_graphs: bool = True,
     compile_stages: Sequence[str] = (),
+    half_gemv: Sequence[str] = (),
     overlap: bool = False,
     prefix_cache: bool = True,
     mla_kernel: str = "triton",
@@ -240,12 +241,14 @@ def generate(
     ``cuda_graphs`` is False; ``compile_stages`` compiles parts of each round with
     ``torch.compile`` (``EngineConfig.compile_stages``, ``docs/gpu.md``); ``mla_kernel``
     picks a DeepSeek target's latent-attention kernel in decoding rounds, ``"triton"`` or
-    ``"flashinfer"`` (``EngineConfig.mla_kernel``, ``docs/mla.md``). ``overlap`` makes
-    the scheduler prepare each step while the device runs the previous one (same tokens; see
-    ``docs/overlap.md``). ``prefix_cache`` (on by default) lets a prompt reuse the KV pages of
-    the prompt prefixes earlier prompts computed, in this call and, with an ``engine`` given,
-    in earlier calls on it (same tokens; ``stats["cached_tokens"]`` counts the prompt tokens
-    reused; ``docs/prefix_cache.md``).
+    ``"flashinfer"`` (``EngineConfig.mla_kernel``, ``docs/mla.md``); ``half_gemv`` names
+    the projections whose decode-sized matmuls run the Triton matrix-vector kernel
+    (``EngineConfig.half_gemv``). ``overlap`` makes the scheduler prepare each step while
+    the device runs the previous one (same tokens; see ``docs/overlap.md``). ``prefix_cache``
+    (on by default) lets a prompt reuse the KV pages of the prompt prefixes earlier prompts
+    computed, in this call and, with an ``engine`` given, in earlier calls on it (same
+    tokens; ``stats["cached_tokens"]`` counts the prompt tokens reused;
+    ``docs/prefix_cache.md``).
 
     Streaming: ``on_tokens(i, token_ids, text)`` is called as tokens come, after each step
     that emitted some for result ``i`` (prompt ``i`` when ``n`` is 1), with the new ids and
@@ -372,6 +375,7 @@ def _engine(
         ngram=a["ngram"],
         cuda_graphs=a["cuda_graphs"],
         compile_stages=tuple(a["compile_stages"]),
+        half_gemv=tuple(a["half_gemv"]),
         overlap=a["overlap"],
         prefix_cache=a["prefix_cache"],
         mla_kernel=a["mla_kernel"],
