@@ -38,6 +38,19 @@ def test_bucket_is_the_smallest_that_holds_the_batch(buckets, batch):
     assert all(b < batch or b >= bucket for b in buckets)
 
 
+def _engine(algorithm, topk, max_batch):
+    """A plain or EAGLE (chain or tree of ``topk``) engine over the Markov target."""
+    return engine_from_model(
+        TARGET,
+        algorithm=algorithm,
+        draft=HEAD if algorithm == "eagle" else None,
+        spec=SpecOptions(num_steps=3, topk=topk, num_draft_tokens=4),
+        page_size=4,
+        max_context=64,
+        max_batch=max_batch,
+    )
+
+
 def _running(engine, prompts):
     state = scheduler.new_state(engine)
     for prompt in prompts:
@@ -76,16 +89,7 @@ def test_padding_rows_change_nothing_real_rows_emit_or_own(algorithm, topk, prom
     """Real rows of a padded batch do not depend on what the padding rows hold (bit for bit:
     the padded batch has one shape, whatever the padding), and emit what the unpadded batch
     emits (token for token: a different batch size may round matrix products differently)."""
-    spec = SpecOptions(num_steps=3, topk=topk, num_draft_tokens=4)
-    engine = engine_from_model(
-        TARGET,
-        algorithm=algorithm,
-        draft=HEAD if algorithm == "eagle" else None,
-        spec=spec,
-        page_size=4,
-        max_context=64,
-        max_batch=4,
-    )
+    engine = _engine(algorithm, topk, max_batch=4)
     state = _running(engine, prompts)
     batch, bucket = batch_size(state.batch), batch_size(state.batch) + extra
     before = _pools(engine)
@@ -154,22 +158,9 @@ def test_graphed_rounds_emit_eager_tokens_as_the_batch_shrinks_and_grows(
     different rounds and others join: the batch moves within and across buckets, so static
     rows left over from larger batches (and rows the capture padded) sit after the real
     ones, and rows a finished request held are reset to padding."""
-    spec = SpecOptions(num_steps=3, topk=2, num_draft_tokens=4)
     sampling = scheduler.Sampling(temperature=1.0, top_p=0.9, seed=5) if sampled else None
-
-    def engine():
-        return engine_from_model(
-            TARGET,
-            algorithm=algorithm,
-            draft=HEAD if algorithm == "eagle" else None,
-            spec=spec,
-            page_size=4,
-            max_context=64,
-            max_batch=8,
-        )
-
-    eager = _tokens(engine(), requests, late, sampling)
-    graphed = engine()
+    eager = _tokens(_engine(algorithm, 2, max_batch=8), requests, late, sampling)
+    graphed = _engine(algorithm, 2, max_batch=8)
     graphed = attrs.evolve(
         graphed,
         pipeline=attrs.evolve(
