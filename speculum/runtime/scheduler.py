@@ -29,7 +29,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -1199,6 +1199,33 @@ def _failed(request: Request, faults: int) -> Request:
     return attrs.evolve(request, finish_reason="error", error=error)
 
 
+def completes_stop_string(
+    tokenizer: Any, output: Sequence[int], stop_strings: Sequence[str]
+) -> bool:
+    """Whether the newest token of ``output`` completed one of ``stop_strings``: one occurs in
+    the text from ``tail`` characters before that token's text to its end (``tail``: the
+    longest stop string and 16 more), only the newest text being able to hold a new match.
+
+    Only the output's last tokens are decoded: a window of them that, before the newest
+    token, decodes to more than ``tail`` characters (a token gives a character or a byte of
+    one; special tokens give none, so the window doubles while it falls short). What its
+    start may decode differently from the whole output (a character cut in its bytes, a
+    leading space) is then more than ``tail`` characters back, so the text checked is the
+    whole output's. Decoding the whole output for every token cost time growing with its
+    length, per request and token.
+    """
+    tail = max(map(len, stop_strings)) + 16
+    size = tail + 8
+    while True:
+        window = list(output[-size:])
+        previous = tokenizer.decode(window[:-1])
+        if len(previous) >= tail + 4 or size >= len(output):
+            break
+        size *= 2
+    text = tokenizer.decode(window)
+    return any(s in text[max(0, len(previous) - tail) :] for s in stop_strings)
+
+
 def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str | None:
     if request.constraint is not None and structured.finished(request.constraint, tuple(output)):
         return "stop"  # the grammar accepted EOS (which ignore_eos does not make a stop token)
@@ -1207,12 +1234,12 @@ def _finish_reason(engine: Engine, request: Request, output: list[int]) -> str |
     stoppable = len(output) >= request.sampling.min_tokens
     if stoppable and output[-1] in request.stop_token_ids:
         return "stop"
-    if stoppable and request.stop_strings:
-        text = engine.tokenizer.decode(output)
-        tail = max(map(len, request.stop_strings)) + 16  # only the newest text can hold a new match
-        previous = engine.tokenizer.decode(output[:-1])
-        if any(s in text[max(0, len(previous) - tail) :] for s in request.stop_strings):
-            return "stop"
+    if (
+        stoppable
+        and request.stop_strings
+        and completes_stop_string(engine.tokenizer, output, request.stop_strings)
+    ):
+        return "stop"
     if len(output) >= request.max_new_tokens:
         return "length"
     if len(request.prompt) + len(output) >= engine.config.max_context:

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speculum.models.loading import load_model, random_model
-from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer
+from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 from speculum.runtime import scheduler
+from speculum.runtime.default_model import default_model_dir
 from speculum.runtime.engine import engine_from_model
 from speculum.runtime.generate import generate, run_to_completion
 from speculum.state import KVPoolExhausted, tree_equal
@@ -160,6 +161,41 @@ def test_stop_strings_end_the_request_when_the_text_contains_them():
     assert needle in tokenizer.decode(stopped.token_ids)
     assert needle not in tokenizer.decode(stopped.token_ids[:-1])
     assert stopped.token_ids == free_run.token_ids[: len(stopped.token_ids)]
+
+
+def _completes_stop_string_reference(tokenizer, output, stop_strings):
+    """The stop-string check on the whole output's text (what the windowed one must equal)."""
+    tail = max(map(len, stop_strings)) + 16
+    text, previous = tokenizer.decode(output), tokenizer.decode(output[:-1])
+    return any(s in text[max(0, len(previous) - tail) :] for s in stop_strings)
+
+
+TOKENIZERS = {
+    "bundled BPE": load_tokenizer(default_model_dir()),
+    "bytes": Tokenizer(byte_level_tokenizer()),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(TOKENIZERS)),
+    data=st.data(),
+)
+def test_the_stop_string_check_reads_the_whole_outputs_text(name, data):
+    """Windowed over the output's last tokens, the stop-string check decides as one over the
+    whole output's text, at every length: with characters cut across byte tokens, runs of
+    special tokens (which decode to nothing) and stop strings taken from the text itself."""
+    tokenizer = TOKENIZERS[name]
+    ids = st.integers(0, tokenizer.vocab_size - 1)
+    output = data.draw(st.lists(ids, min_size=1, max_size=160))
+    text = tokenizer.decode(output)
+    start = data.draw(st.integers(0, len(text)))
+    found = text[start : start + data.draw(st.integers(1, 12))]
+    stops = [s for s in (found, data.draw(st.text(min_size=1, max_size=3))) if s]
+    for end in range(1, len(output) + 1):
+        assert scheduler.completes_stop_string(
+            tokenizer, output[:end], stops
+        ) == _completes_stop_string_reference(tokenizer, output[:end], stops)
 
 
 def test_the_context_limit_ends_a_request(tiny_model):
