@@ -1158,16 +1158,17 @@ def _emitted(
     return state, [(row[2 : 2 + row[0]], row[1], lp) for row, lp in zip(packed, logprobs)]
 
 
-def _extend(engine: Engine, request: Request, tokens: list[int]) -> tuple[Request, tuple[int, ...]]:
-    """Append emitted tokens one by one until a stop condition fires; returns what was kept."""
+def _extend(engine: Engine, request: Request, tokens: list[int]) -> dict[str, Any]:
+    """The changes to ``request`` of appending emitted tokens one by one until a stop
+    condition fires: its ``output`` and ``finish_reason`` (the caller makes them, with the
+    round's other changes, in one new record: one per request and round)."""
     output, reason = list(request.output), None
     for token in tokens:
         output.append(token)
         reason = _finish_reason(engine, request, output)
         if reason:
             break
-    kept = tuple(output[len(request.output) :])
-    return attrs.evolve(request, output=tuple(output), finish_reason=reason), kept
+    return {"output": tuple(output), "finish_reason": reason}
 
 
 def _with_logprobs(request: Request, kept: tuple[int, ...], logprobs: list | None) -> Request:
@@ -1359,18 +1360,17 @@ def _collect(
                 continue
             # A faulty row's tokens are those decided before its fault: a stop condition
             # among them still finishes the request normally, as it would have alone.
-            request, kept = _extend(engine, running[at[rid]], tokens)
-            request = _with_logprobs(request, kept, logprobs)
-            if faults and not request.finish_reason:
-                request = _failed(request, faults)
+            request = running[at[rid]]
+            changes = _extend(engine, request, tokens)
+            kept = changes["output"][len(request.output) :]
             if launched.decode and tokens:
                 # Plain steps count as plain decoding's would: a round per token kept.
                 lengths = [1] * len(kept) if launched.plain_steps else [len(tokens)]
-                request = attrs.evolve(
-                    request,
-                    num_forwards=request.num_forwards + len(lengths),
-                    round_lengths=functools.reduce(_count, lengths, request.round_lengths),
-                )
+                changes["num_forwards"] = request.num_forwards + len(lengths)
+                changes["round_lengths"] = functools.reduce(_count, lengths, request.round_lengths)
+            request = _with_logprobs(attrs.evolve(request, **changes), kept, logprobs)
+            if faults and not request.finish_reason:
+                request = _failed(request, faults)
             outputs.append(_output(request, kept))
             running[at[rid]] = request
             if request.finish_reason:
