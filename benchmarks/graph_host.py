@@ -4,12 +4,16 @@ Every captured round pays host work around its replay: flattening the batch stat
 bucket's graph, copying the state into the graph's static inputs and the rows out of its
 static outputs. This script measures that work alone, on any machine: ``runtime.graphs.capture``
 is replaced by a stand-in that records the call's outputs once and whose replay does nothing,
-so what is timed is exactly the wrapper's host work (plus, on a GPU, its copy launches).
+so what is timed is exactly the wrapper's host work (plus, on a GPU, its copy launches); and,
+over the same stand-in, a whole ``scheduler.step`` of a synchronous engine (the wrapper plus
+the scheduler's own bookkeeping: collecting tokens, stop checks, pages).
 
     python benchmarks/graph_host.py [--rounds 2000] [--batches 1,3,16]
 
 Prints microseconds per round for plain decoding and an EAGLE chain of 3 on a tiny model, per
-batch size (a batch below its bucket also pays the padding).
+batch size (a batch below its bucket runs in the bucket's graph). Then two host costs that grow
+with the engine rather than the batch: freeing a finished request's pages per pool size, and a
+request's stop-string check per emitted token per output length.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import torch.utils._pytree as pytree
 
 from speculum.models.draft import random_draft
 from speculum.models.loading import random_model
+from speculum.models.tokenizer import load_tokenizer
 from speculum.runtime import graphs, scheduler
-from speculum.runtime.default_model import TINY_CONFIG
+from speculum.runtime.default_model import TINY_CONFIG, default_model_dir
 from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.state.kv import allocate, free, new_allocator
 from speculum.state.record import snapshot
 
 
@@ -66,6 +72,44 @@ def microseconds_per_round(engine, batch: int, rounds: int) -> float:
     return (time.perf_counter() - begin) / rounds * 1e6
 
 
+def scheduler_microseconds_per_step(engine, batch: int, rounds: int) -> float:
+    """Host time of one synchronous ``scheduler.step`` of ``batch`` decoding requests whose
+    rounds run through the graph wrapper (captured first); at most 200 rounds, which the
+    requests' contexts hold (a round emits at most 4 tokens)."""
+    graphed = graphs.GraphedDecode(engine.pipeline.decode, graphs.DEFAULT_BUCKETS)
+    engine = attrs.evolve(engine, pipeline=attrs.evolve(engine.pipeline, decode=graphed))
+    state = scheduler.new_state(engine)
+    for row in range(batch):
+        state, _ = scheduler.add_request(engine, state, [1 + row, 2, 3], max_new_tokens=10**6)
+    for _ in range(8):  # prefill, capture
+        state, _ = scheduler.step(engine, state)
+    rounds = min(rounds, 200)
+    begin = time.perf_counter()
+    for _ in range(rounds):
+        state, _ = scheduler.step(engine, state)
+    return (time.perf_counter() - begin) / rounds * 1e6
+
+
+def free_microseconds(num_pages: int, repeats: int = 200) -> float:
+    """Host time of freeing a finished request's 20 pages in a pool of ``num_pages``."""
+    allocator, pages = allocate(new_allocator(num_pages), 40)
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        free(allocator, pages[:20])
+    return (time.perf_counter() - begin) / repeats * 1e6
+
+
+def stop_check_microseconds(length: int, repeats: int = 200) -> float:
+    """Host time of one emitted token's stop-string check after ``length`` output tokens
+    (the bundled tokenizer, one stop string)."""
+    tokenizer = load_tokenizer(default_model_dir())
+    output = [(7919 * i) % tokenizer.vocab_size for i in range(length)]
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        scheduler.completes_stop_string(tokenizer, output, ["</answer>"])
+    return (time.perf_counter() - begin) / repeats * 1e6
+
+
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,23 +122,30 @@ def main() -> None:
     config = attrs.evolve(config, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     target = random_model(config, seed=0)
     engines = {
-        "plain": engine_from_model(target, max_batch=16, max_context=128),
+        "plain": engine_from_model(target, max_batch=16, max_context=1024),
         "eagle chain 3": engine_from_model(
             target,
             algorithm="eagle",
             draft=random_draft(target, "eagle", seed=1),
             spec=SpecOptions(num_steps=3),
             max_batch=16,
-            max_context=128,
+            max_context=1024,
         ),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
-    print("| round | batch | wrapper host us/round |")
-    print("|---|---:|---:|")
+    print("| round | batch | wrapper host us/round | scheduler step host us |")
+    print("|---|---:|---:|---:|")
     for name, engine in engines.items():
         for batch in (int(b) for b in args.batches.split(",")):
-            cost = microseconds_per_round(engine, batch, args.rounds)
-            print(f"| {name} | {batch} | {cost:.0f} |", flush=True)
+            wrapper = microseconds_per_round(engine, batch, args.rounds)
+            step = scheduler_microseconds_per_step(engine, batch, args.rounds)
+            print(f"| {name} | {batch} | {wrapper:.0f} | {step:.0f} |", flush=True)
+    print("\n| KV pages in the pool | free a request's pages, us |\n|---:|---:|")
+    for num_pages in (1024, 16384, 65536):
+        print(f"| {num_pages} | {free_microseconds(num_pages):.0f} |", flush=True)
+    print("\n| output tokens | stop-string check per token, us |\n|---:|---:|")
+    for length in (100, 1000, 4000):
+        print(f"| {length} | {stop_check_microseconds(length):.0f} |", flush=True)
 
 
 if __name__ == "__main__":
