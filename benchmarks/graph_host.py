@@ -13,7 +13,8 @@ the scheduler's own bookkeeping: collecting tokens, stop checks, pages).
 Prints microseconds per round for plain decoding and an EAGLE chain of 3 on a tiny model, per
 batch size (a batch below its bucket runs in the bucket's graph). Then two host costs that grow
 with the engine rather than the batch: freeing a finished request's pages per pool size, and a
-request's stop-string check per emitted token per output length.
+request's stop-string check per emitted token and its streamed text per step, per output
+length.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from speculum.models.tokenizer import load_tokenizer
 from speculum.runtime import graphs, scheduler
 from speculum.runtime.default_model import TINY_CONFIG, default_model_dir
 from speculum.runtime.engine import SpecOptions, engine_from_model
+from speculum.runtime.generate import IncrementalText
 from speculum.state.kv import allocate, free, new_allocator
 from speculum.state.record import snapshot
 
@@ -110,6 +112,19 @@ def stop_check_microseconds(length: int, repeats: int = 200) -> float:
     return (time.perf_counter() - begin) / repeats * 1e6
 
 
+def stream_step_microseconds(length: int, repeats: int = 200) -> float:
+    """Host time of one step's streamed text (3 new tokens) of a request ``length`` output
+    tokens long (``generate.IncrementalText``, the bundled tokenizer)."""
+    tokenizer = load_tokenizer(default_model_dir())
+    output = [(7919 * i) % tokenizer.vocab_size for i in range(length + 3 * repeats)]
+    text = IncrementalText()
+    text.extend(tokenizer, output[:length])
+    begin = time.perf_counter()
+    for step in range(repeats):
+        text.extend(tokenizer, output[length + 3 * step : length + 3 * step + 3])
+    return (time.perf_counter() - begin) / repeats * 1e6
+
+
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,9 +158,11 @@ def main() -> None:
     print("\n| KV pages in the pool | free a request's pages, us |\n|---:|---:|")
     for num_pages in (1024, 16384, 65536):
         print(f"| {num_pages} | {free_microseconds(num_pages):.0f} |", flush=True)
-    print("\n| output tokens | stop-string check per token, us |\n|---:|---:|")
+    print("\n| output tokens | stop-string check per token, us | streamed text per step, us |")
+    print("|---:|---:|---:|")
     for length in (100, 1000, 4000):
-        print(f"| {length} | {stop_check_microseconds(length):.0f} |", flush=True)
+        check, stream = stop_check_microseconds(length), stream_step_microseconds(length)
+        print(f"| {length} | {check:.0f} | {stream:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

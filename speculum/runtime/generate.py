@@ -84,6 +84,39 @@ def run_to_completion(
     return state, finished
 
 
+@attrs.define
+class IncrementalText:
+    """The text of a growing list of token ids, decoded a few tokens at a time: what
+    ``tokenizer.decode(ids)`` gives, without decoding every id again at each step (which cost
+    time growing with the output, per request and step, for every streamed request).
+
+    ``settled`` is the text of ``ids[:read]``, which ended on a whole character; the tokens
+    after ``read`` are decoded together with those from ``start`` (the previous settled
+    stretch), and the text they add is the difference, so that what a tokenizer decodes
+    differently at the start of a call (a leading space, a character cut in its bytes) is the
+    same on both sides of it.
+    """
+
+    ids: list[int] = attrs.Factory(list)
+    settled: str = ""
+    start: int = 0
+    read: int = 0
+
+    def extend(self, tokenizer: Any, new_ids: Sequence[int]) -> str:
+        """Append ``new_ids``; the text of all the ids so far."""
+        self.ids.extend(new_ids)
+        context = tokenizer.decode(self.ids[self.start : self.read])
+        text = tokenizer.decode(self.ids[self.start :])
+        if not text.startswith(context):  # a tokenizer that does not decode piecewise here
+            return tokenizer.decode(self.ids)
+        added = text[len(context) :]
+        if added and not added.endswith("\ufffd"):  # ends on a whole character
+            self.settled += added
+            self.start, self.read = self.read, len(self.ids)
+            return self.settled
+        return self.settled + added
+
+
 class _TextStream:
     """Turns each step's new token ids of one batch into the text they complete, for
     ``generate``'s ``on_tokens``: a tail that decodes to a replacement character (a multi-byte
@@ -97,17 +130,17 @@ class _TextStream:
     ) -> None:
         self.engine, self.on_tokens = engine, on_tokens
         self.index = {rid: i for i, rid in enumerate(rids)}  # request id -> prompt index
-        self.ids: dict[int, list[int]] = {}
+        self.texts: dict[int, IncrementalText] = {}
         self.shown: dict[int, str] = {}
 
     def __call__(self, output: scheduler.RequestOutput) -> None:
         """Hand ``output``'s new ids and newly completed text to ``on_tokens``."""
         rid, tokenizer = output.rid, self.engine.tokenizer
-        ids = self.ids.setdefault(rid, [])
-        ids.extend(output.new_token_ids)
         new = ""
         if tokenizer is not None:
-            text, shown = tokenizer.decode(ids), self.shown.get(rid, "")
+            decoded = self.texts.setdefault(rid, IncrementalText())
+            text = decoded.extend(tokenizer, output.new_token_ids)
+            shown = self.shown.get(rid, "")
             text = _shown_text(text, output.request)  # a stop string is never shown
             complete = output.finished or not text.endswith("\ufffd")
             if complete and text.startswith(shown):

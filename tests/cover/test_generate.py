@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import attrs
 import pytest
 import torch
@@ -15,7 +17,7 @@ from speculum.models.tokenizer import Tokenizer, byte_level_tokenizer, load_toke
 from speculum.runtime import scheduler
 from speculum.runtime.default_model import default_model_dir
 from speculum.runtime.engine import engine_from_model
-from speculum.runtime.generate import generate, run_to_completion
+from speculum.runtime.generate import IncrementalText, generate, run_to_completion
 from speculum.state import KVPoolExhausted, tree_equal
 from speculum.state.kv import allocated_pages
 
@@ -196,6 +198,34 @@ def test_the_stop_string_check_reads_the_whole_outputs_text(name, data):
         assert scheduler.completes_stop_string(
             tokenizer, output[:end], stops
         ) == _completes_stop_string_reference(tokenizer, output[:end], stops)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(TOKENIZERS)), data=st.data())
+def test_streamed_text_is_the_whole_outputs_text_at_every_step(name, data):
+    """Decoded a few tokens at a time, a streamed request's text is, after every step, what
+    decoding all its tokens gives: with characters cut across byte tokens, special tokens
+    (which decode to nothing) and steps of any number of tokens."""
+    tokenizer = TOKENIZERS[name]
+    ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=80))
+    text, done = IncrementalText(), 0
+    while done < len(ids):
+        step = data.draw(st.integers(1, 5))
+        assert text.extend(tokenizer, ids[done : done + step]) == tokenizer.decode(
+            ids[: done + step]
+        )
+        done += step
+
+
+def test_streamed_text_decodes_only_the_newest_tokens():
+    """Once the text ends on a whole character, a step decodes only its own tokens and the
+    step's before (here ASCII bytes, each a character), however long the output grows."""
+    tokenizer, widths = TOKENIZERS["bytes"], []
+    counting = SimpleNamespace(decode=lambda ids: widths.append(len(ids)) or tokenizer.decode(ids))
+    text, ids = IncrementalText(), [ord(c) for c in "def f(x):\n    return x * 2\n" * 20]
+    for done in range(0, len(ids), 3):
+        assert text.extend(counting, ids[done : done + 3]) == tokenizer.decode(ids[: done + 3])
+    assert max(widths) <= 6
 
 
 def test_the_context_limit_ends_a_request(tiny_model):
