@@ -75,7 +75,6 @@ __all__ = [
     "attention_block",
     "fuse_projections_",
     "fused_linear",
-    "check_gemv",
     "gemv_projections_",
     "holds",
     "mla_softmax_scale",
@@ -311,22 +310,6 @@ def fused_weights(fused: FusedLinear | None, first: nn.Linear) -> FusedLinear | 
 #: Triton matrix-vector kernel at decode rows on CUDA): attention's q/k/v (fused or not) and
 #: output projections, the MLP's gate/up (fused or not) and down projections, the logits.
 GEMV_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
-
-
-def check_gemv(value: object) -> tuple[str, ...]:
-    """``half_gemv`` (``EngineConfig``) as a sorted tuple of :data:`GEMV_KINDS`; empty, the
-    default, leaves every projection to ``F.linear``."""
-    if isinstance(value, str) or not isinstance(value, (tuple, list, frozenset, set)):
-        raise ValueError(
-            f"half_gemv={value!r}: give a tuple of projection kinds from "
-            f"{', '.join(GEMV_KINDS)}, e.g. ('qkv', 'o')"
-        )
-    unknown = [v for v in value if v not in GEMV_KINDS]
-    if unknown:
-        raise ValueError(
-            f"half_gemv names unknown projections {unknown!r}: choose from {', '.join(GEMV_KINDS)}"
-        )
-    return tuple(sorted(set(value)))
 
 
 def gemv_projections_(module: nn.Module, kinds: tuple[str, ...]) -> nn.Module:

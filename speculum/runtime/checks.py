@@ -32,6 +32,7 @@ __all__ = [
     "flag",
     "instance",
     "choice",
+    "names",
     "converter",
 ]
 
@@ -164,6 +165,24 @@ def choice(field: str, value: object, *, among: tuple[str, ...]) -> str:
     if value not in among:
         raise ValueError(f"{field}={value!r}: choose one of {', '.join(among)}")
     return value
+
+
+def names(
+    field: str, value: object, *, among: tuple[str, ...], items: str, kinds: str, example: str
+) -> tuple[str, ...]:
+    """``value``, a collection of the words ``among`` (not a bare string), as a sorted tuple
+    without repeats; ``items`` names what it holds and ``kinds`` its unknown members, for the
+    messages (``"stage names"``, ``"stages"``), and ``example`` shows a good value."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list, frozenset, set)):
+        raise ValueError(
+            f"{field}={value!r}: give a tuple of {items} from {', '.join(among)}, e.g. {example}"
+        )
+    unknown = [v for v in value if v not in among]
+    if unknown:
+        raise ValueError(
+            f"{field} names unknown {kinds} {unknown!r}: choose from {', '.join(among)}"
+        )
+    return tuple(sorted(set(value)))
 
 
 def converter(check: Callable[..., Any], *, optional: bool = False, **rule: Any) -> attrs.Converter:

@@ -14,14 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from speculum.models.decoder import GEMV_KINDS, check_gemv
+from speculum.models.decoder import GEMV_KINDS
 from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
 from speculum.pipelines import ADAPTIVE, ALGORITHMS, BLOCK, SPECULATIVE
 from speculum.runtime import distributed, scheduler
 from speculum.runtime.compiled import STAGES, check_stages
 from speculum.runtime.default_model import DEFAULT_ALGORITHM, default_model_dir
-from speculum.runtime.engine import GPU_DECODE_STEPS, GRAMMAR_DRAFTS, NgramOptions
+from speculum.runtime.engine import GPU_DECODE_STEPS, GRAMMAR_DRAFTS, NgramOptions, check_gemv
 from speculum.runtime.generate import (
     REQUEST_SETTINGS,
     Comparison,
@@ -72,7 +72,7 @@ def _number(flag: str, kind: type, least: float, most: float | None = None, *, a
 
 def _name_list(flag: str, check: Callable[[object], tuple[str, ...]]):
     """An argparse type: comma-separated names, as ``check`` canonicalises them
-    (``runtime.compiled.check_stages``, ``models.decoder.check_gemv``); refusals name ``flag``."""
+    (``runtime.compiled.check_stages``, ``runtime.engine.check_gemv``); refusals name ``flag``."""
 
     def parse(text: str) -> tuple[str, ...]:
         try:

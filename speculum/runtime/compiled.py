@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from speculum.kernels import model_ops
+from speculum.runtime import checks
 from speculum.runtime.graphs import DEFAULT_BUCKETS, bucket_for, pad_batch
 from speculum.spec import accept, sampling, tree
 from speculum.state.batch import batch_size, take_rows
@@ -100,17 +101,15 @@ def check_stages(value: object) -> tuple[str, ...]:
     """``compile_stages`` as a sorted tuple of known names (:data:`STAGES`); an empty one
     compiles nothing. Any kernel stage needs :data:`ROUND`, the compiled round it is traced
     into: it is added, not required."""
-    if isinstance(value, str) or not isinstance(value, (tuple, list, frozenset, set)):
-        raise ValueError(
-            f"compile_stages={value!r}: give a tuple of stage names from {', '.join(STAGES)}, "
-            "e.g. ('round',) or ('round', 'sampling')"
-        )
-    unknown = [v for v in value if v not in STAGES]
-    if unknown:
-        raise ValueError(
-            f"compile_stages names unknown stages {unknown!r}: choose from {', '.join(STAGES)}"
-        )
-    return tuple(sorted({*value, ROUND})) if value else ()
+    stages = checks.names(
+        "compile_stages",
+        value,
+        among=STAGES,
+        items="stage names",
+        kinds="stages",
+        example="('round',) or ('round', 'sampling')",
+    )
+    return tuple(sorted({*stages, ROUND})) if stages else ()
 
 
 def _decompositions(stages: tuple[str, ...]) -> dict[Any, Callable[..., Any]]:

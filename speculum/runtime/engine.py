@@ -15,8 +15,8 @@ import torch
 from speculum.models.block_draft import load_block_draft
 from speculum.models.config import UnsupportedModel
 from speculum.models.decoder import (
+    GEMV_KINDS,
     DecoderModel,
-    check_gemv,
     fuse_projections_,
     gemv_projections_,
     widest_window,
@@ -57,6 +57,7 @@ __all__ = [
     "decode_steps",
     "GPU_DECODE_STEPS",
     "GRAMMAR_DRAFTS",
+    "check_gemv",
 ]
 
 
@@ -71,6 +72,19 @@ def _optional_count(minimum: int) -> attrs.Converter:
 
 
 _FLAG = checks.converter(checks.flag)
+
+
+def check_gemv(value: object) -> tuple[str, ...]:
+    """``half_gemv`` (``EngineConfig``) as a sorted tuple of :data:`GEMV_KINDS`; empty, the
+    default, leaves every projection to ``F.linear``."""
+    return checks.names(
+        "half_gemv",
+        value,
+        among=GEMV_KINDS,
+        items="projection kinds",
+        kinds="projections",
+        example="('qkv', 'o')",
+    )
 
 
 def _buckets(value: object) -> tuple[int, ...]:

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from test_cli import run_cli
 
 from speculum.kernels import half
-from speculum.models.decoder import GEMV_KINDS, check_gemv, gemv_projections_
+from speculum.models.decoder import GEMV_KINDS, gemv_projections_
 from speculum.models.loading import random_model
-from speculum.runtime.engine import EngineConfig
+from speculum.runtime.engine import EngineConfig, check_gemv
 
 pytest.importorskip("triton")
 from speculum.kernels.triton_fp8 import _BLOCK_M, TILES, half_gemv  # noqa: E402
