@@ -47,6 +47,7 @@ __all__ = [
     "Captured",
     "GraphedDecode",
     "MaskCut",
+    "NO_CACHE",
     "bucket_for",
     "capture",
     "capture_cut",
@@ -217,18 +218,22 @@ def pad_batch(state: Any, bucket: int) -> Any:
     return without_cache(take_rows(state, torch.where(rows < batch, rows, 0)), rows >= batch)
 
 
+#: What a row that owns no cache holds in its ``PagedKV`` fields: the padding page in every
+#: page-table entry, an empty sequence, the padding recurrent-state slot.
+NO_CACHE = {"page_table": PADDING_PAGE, "seq_lens": 0, "state_slots": PADDING_SLOT}
+
+
 def without_cache(state: Any, rows: Tensor) -> Any:
     """``state`` with the rows flagged in ``rows`` (bool ``[batch]``) moved onto the padding
-    page (and recurrent-state slot) with an empty sequence: everything they write lands in the
-    padding sinks and nothing they read belongs to a request."""
+    page (and recurrent-state slot) with an empty sequence (:data:`NO_CACHE`): everything they
+    write lands in the padding sinks and nothing they read belongs to a request."""
     kv = state.kv
-    kv = replace(
-        kv,
-        page_table=torch.where(rows[:, None], PADDING_PAGE, kv.page_table),
-        seq_lens=torch.where(rows, 0, kv.seq_lens),
-        state_slots=torch.where(rows, PADDING_SLOT, kv.state_slots),
-    )
-    return replace(state, kv=kv)
+    changes = {}
+    for name, value in NO_CACHE.items():
+        field = getattr(kv, name)
+        flagged = rows.view(-1, *[1] * (field.ndim - 1))
+        changes[name] = torch.where(flagged, value, field)
+    return replace(state, kv=replace(kv, **changes))
 
 
 @attrs.define(slots=True, eq=False)
@@ -352,13 +357,12 @@ class GraphedDecode:
         return graph
 
 
-def _cache_leaves(state: Any, inputs: Sequence[Any]) -> tuple[Tensor, Tensor, Tensor]:
-    """The static buffers, among ``inputs`` (``state``'s leaves copied), of ``state.kv``'s
-    page table, sequence lengths and recurrent-state slots: what a padding row must hold."""
+def _cache_leaves(state: Any, inputs: Sequence[Any]) -> dict[str, Tensor]:
+    """The static buffers, among ``inputs`` (``state``'s leaves copied), of the ``state.kv``
+    fields a padding row must hold :data:`NO_CACHE` in, by field name."""
     leaves, _ = pytree.tree_flatten((state,))
-    kv = state.kv
     position = {id(x): i for i, x in enumerate(leaves)}
-    return tuple(inputs[position[id(x)]] for x in (kv.page_table, kv.seq_lens, kv.state_slots))
+    return {name: inputs[position[id(getattr(state.kv, name))]] for name in NO_CACHE}
 
 
 @attrs.define(slots=True, eq=False)
@@ -377,7 +381,7 @@ class BucketGraph:
     """
 
     captured: Captured
-    cache_leaves: tuple[Tensor, Tensor, Tensor]  # static page table, seq_lens, state_slots
+    cache_leaves: dict[str, Tensor]  # the static buffers of NO_CACHE's fields
     padding_from: int = 0  # captured on an all-padding state
     # The static input tensors' first rows, per batch size seen (views made once, not per round).
     _rows: dict[int, list[Tensor]] = attrs.field(factory=dict)
@@ -386,10 +390,8 @@ class BucketGraph:
         """Copy ``batch`` rows of argument ``leaves`` into the static inputs, make the rows
         after them padding (as needed), and replay."""
         if batch < self.padding_from:
-            page_table, seq_lens, state_slots = self.cache_leaves
-            page_table[batch : self.padding_from].fill_(PADDING_PAGE)
-            seq_lens[batch : self.padding_from].zero_()
-            state_slots[batch : self.padding_from].fill_(PADDING_SLOT)
+            for name, value in NO_CACHE.items():
+                self.cache_leaves[name][batch : self.padding_from].fill_(value)
         self.padding_from = batch
         static = self._rows.get(batch)
         if static is None:
