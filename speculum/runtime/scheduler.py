@@ -701,9 +701,11 @@ def cancel(engine: Engine, state: SchedulerState, rid: int) -> SchedulerState:
 
 def _release_pages(state: SchedulerState, requests: list[Request]) -> SchedulerState:
     """``state`` with every page and state slot of ``requests`` let go of: cached pages lose a
-    holder and stay cached (``state.prefix.release``), the others are freed in one call (a call
-    scans the free stack once); a hybrid model's state slots are freed (a waiting request holds
-    neither)."""
+    holder and stay cached (``state.prefix.release``), the others are freed in one call; a
+    hybrid model's state slots are freed (a waiting request holds neither). No requests, the
+    round's usual case, leave ``state`` as it is."""
+    if not requests:
+        return state
     pages = [p for request in requests for p in request.pages if p != PADDING_PAGE]
     index, private = release(state.prefix, pages)
     allocator = free(state.allocator, torch.tensor(private, dtype=torch.int64))
@@ -1380,8 +1382,7 @@ def _collect(
             running=tuple(r for i, r in enumerate(running) if i not in finished),
             batch=_drop_rows(engine, state.batch, len(running), finished),
         )
-        if finished:
-            state = _release_pages(state, [running[i] for i in finished])
+        state = _release_pages(state, [running[i] for i in finished])
     return state, outputs
 
 
