@@ -172,7 +172,7 @@ def round_times(engine: Engine, batch: int, args, device: str) -> tuple[float, f
     first = time.perf_counter() - begin
     call = median_ms(lambda: decode(resources, state), device, args.repeat)
     graphs = getattr(decode, "graphs", None)
-    replay = median_ms(graphs[0][2].graph.replay, device, args.repeat) if graphs else call
+    replay = median_ms(graphs[0][2].captured.graph.replay, device, args.repeat) if graphs else call
     return first, replay, call
 
 

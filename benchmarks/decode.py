@@ -608,9 +608,8 @@ def round_row(target, head, batch: int, label, rounds, args, plain_ms: float, de
     floor = target_ms + draft_floor_ms(res, padded, config, device, n)
     decode = engine.pipeline.decode
     call_ms = median_ms(lambda: decode(res, state)[1].tokens.tolist(), device, n)
-    replay_ms = (
-        median_ms(decode.graphs[0][2].graph.replay, device, n) if device == "cuda" else call_ms
-    )
+    replay = decode.graphs[0][2].captured.graph.replay if device == "cuda" else None
+    replay_ms = median_ms(replay, device, n) if replay else call_ms
     times["host"] = call_ms - replay_ms
     return {
         "batch": batch,

@@ -69,7 +69,7 @@ def test_rounds_are_captured_per_bucket():
     engine = engine_from_model(target, page_size=4, max_context=96, max_batch=8)
     assert isinstance(engine.pipeline.decode, GraphedDecode)
     generate(PROMPTS, engine=engine, max_new_tokens=8)
-    buckets = sorted(c.inputs[0].shape[0] for _, _, c in engine.pipeline.decode.graphs)
+    buckets = sorted(c.captured.inputs[0].shape[0] for _, _, c in engine.pipeline.decode.graphs)
     assert buckets == [4, 8]
 
 
@@ -129,7 +129,7 @@ def test_ngram_captured_device_rounds_equal_eager_ones_sampled_and_penalized():
     assert [r.logprobs for r in captured] == [r.logprobs for r in reference]
     graphed = engine.pipeline.decode.keywords["device_round"]
     # Requests finish at different rounds, so the batch shrinks through the smaller buckets.
-    buckets = {c.inputs[0].shape[0] for _, _, c in graphed.graphs}
+    buckets = {c.captured.inputs[0].shape[0] for _, _, c in graphed.graphs}
     assert 8 in buckets and buckets <= set(engine.config.graph_buckets)
 
 

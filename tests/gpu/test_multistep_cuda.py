@@ -60,7 +60,7 @@ def _decoded(target, steps: int, graphs: bool, sampled: bool, mixed: bool) -> li
     state, finished = run_to_completion(engine, state)
     assert int(state.allocator.num_free) == engine.config.num_pages - 1, "a page leaked"
     if graphs:  # one graph per bucket: the K steps are one capture
-        buckets = {c.inputs[0].shape[0] for *_, c in engine.pipeline.decode.graphs}
+        buckets = {c.captured.inputs[0].shape[0] for *_, c in engine.pipeline.decode.graphs}
         # Mixed requests finish at different rounds: the batch passes through smaller buckets.
         assert 8 in buckets and buckets <= ({1, 2, 4, 8} if mixed else {8})
     return [(finished[r].output, finished[r].finish_reason) for r in rids]

@@ -67,7 +67,7 @@ def test_whole_rounds_are_captured_per_bucket_and_replay_without_a_host_sync():
     expected = generate(prompts, engine=plain, max_new_tokens=24)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert max(r.stats["accept_length_mean"] for r in results) > 1.0  # drafts accepted
-    buckets = sorted({c.inputs[0].shape[0] for _, _, c in engine.pipeline.decode.graphs})
+    buckets = sorted({c.captured.inputs[0].shape[0] for _, _, c in engine.pipeline.decode.graphs})
     assert 8 in buckets and set(buckets) <= set(engine.config.graph_buckets)
     # A captured round asks the host nothing: replayed with CUDA's sync check set to error.
     state = scheduler.new_state(engine)

@@ -85,7 +85,7 @@ def test_captured_grammar_rounds_equal_eager_constrained_decoding(label):
         options = {"algorithm": algorithm, "draft": draft, "spec": spec}
     captured, decode = _constrained(target, **options)
     assert captured == eager
-    assert any(c.cuts for _, _, c in decode.graphs), "no round was captured with its cuts"
+    assert any(c.captured.cuts for _, _, c in decode.graphs), "no round was captured with its cuts"
 
 
 @pytest.mark.parametrize("label", ["eagle chain", "eagle3 tree", "multi_layer_eagle"])
@@ -99,12 +99,12 @@ def test_captured_rounds_with_free_drafts_are_cut_once_and_equal_eager(label):
     free = attrs.evolve(spec, grammar_drafts="free")
     captured, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=free)
     assert captured == eager
-    cuts = [len(c.cuts) for _, _, c in decode.graphs]
+    cuts = [len(c.captured.cuts) for _, _, c in decode.graphs]
     assert cuts and set(cuts) == {1}, cuts
     if label == "eagle chain":
         masked, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=spec)
         assert masked == eager
-        assert {len(c.cuts) for _, _, c in decode.graphs} == {spec.num_steps + 1}
+        assert {len(c.captured.cuts) for _, _, c in decode.graphs} == {spec.num_steps + 1}
 
 
 def test_captured_ngram_grammar_rounds_are_uncut_and_equal_eager():
@@ -117,7 +117,7 @@ def test_captured_ngram_grammar_rounds_are_uncut_and_equal_eager():
     captured, decode = _constrained(target, algorithm=algorithm, draft=draft, spec=spec)
     assert captured == eager
     graphs = decode.keywords["device_round"].graphs
-    assert graphs and not any(c.cuts for _, _, c in graphs)
+    assert graphs and not any(c.captured.cuts for _, _, c in graphs)
 
 
 def test_masks_copied_from_pinned_memory_equal_the_hosts():
