@@ -3,13 +3,12 @@ DeepSeek-V3-shaped target in bfloat16 (16 heads, kv_lora_rank 512, qk_rope_head_
 shapes flashinfer's kernel is built for):
 
 - one target forward planned for a decode step and for a 4-token chain verify, over requests
-  of several lengths and a batch padded to a bucket, equals the Triton latent kernel's within
-  bfloat16 rounding (relative error of the hidden states);
+  of several lengths and a batch padded to a bucket, is as close to the float32 model's as the
+  Triton latent kernel's bfloat16 forward is (relative error of the hidden states);
 - whole engines, synchronously scheduled: plain decoding (4 steps a round, captured) and an MTP
-  chain round (captured) emit the Triton path's tokens, and the eagerly run rounds emit the
-  captured ones, up to near-ties (the two kernels round differently, and flashinfer's split of
-  the keys follows the batch, so a top-2 logit gap below 0.05 may flip; ``check_divergences``'
-  bars: 99% of tokens matched, every divergence a near-tie). The planned wrappers ran.
+  chain round (captured) agree with the float32 model's greedy tokens as long as the Triton
+  path's do (within 3% of the tokens: the kernels round differently, so near-ties flip on
+  either), and the eagerly run rounds emit the captured ones exactly. The planned wrappers ran.
 
 Skipped without CUDA or without flashinfer.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from test_graphs_cuda import _logit_gap, check_divergences
 
 from speculum.kernels.flashinfer_mla import RoundForward
 from speculum.models.config import MLAConfig
@@ -60,15 +58,15 @@ def _target():
     return random_model(config, seed=5, std=0.3).to("cuda", torch.bfloat16)
 
 
-@pytest.mark.parametrize("width", [1, 4])
-def test_a_planned_forward_equals_the_triton_kernels(width):
-    """Three requests of 5, 37 and 90 cached tokens, padded to 4 rows (the fourth on the
-    padding page), run ``width`` causal queries through every layer: planned flashinfer and
-    the Triton kernel give the same hidden states within bfloat16 rounding."""
-    target = _target()
+def _forward(target, width: int, kernel: str) -> torch.Tensor:
+    """Three requests of 5, 37 and 90 cached tokens (filled by one Triton prompt forward each),
+    padded to 4 rows (the fourth on the padding page), run ``width`` causal queries through
+    every layer of ``target``, with the latent attention of the queries run by ``kernel``;
+    the hidden states, float32."""
     stride = 32
     pool = target.new_pool(3 * stride + 1, PAGE_SIZE)
-    planned = with_latent_plans(pool, target, (RoundForward(width, 0),), stride=stride, max_rows=4)
+    if kernel == "flashinfer":
+        pool = with_latent_plans(pool, target, (RoundForward(width, 0),), stride=stride, max_rows=4)
     committed = [5, 37, 90]
     pages = torch.arange(1, 3 * stride + 1, device="cuda").view(3, stride)
     kv = PagedKV(
@@ -76,7 +74,6 @@ def test_a_planned_forward_equals_the_triton_kernels(width):
         seq_lens=torch.tensor([*committed, 0], device="cuda"),
         page_size=PAGE_SIZE,
     )
-    # Fill the caches: one prompt forward per request (Triton, no plan is active).
     gen = torch.Generator(device="cuda").manual_seed(0)
     for row, length in enumerate(committed):
         prompt = torch.randint(0, VOCAB, (1, length), device="cuda", generator=gen)
@@ -92,12 +89,30 @@ def test_a_planned_forward_equals_the_triton_kernels(width):
     positions = kv.seq_lens[:, None] + torch.arange(width, device="cuda")
     mask = torch.ones(width, width, dtype=torch.bool, device="cuda").tril().expand(4, -1, -1)
     batch = tail_batch(kv, tokens, positions, mask)
-    expected, _ = target(batch, pool)
-    with planned.latent_plans.planned(committed, rows=4):
-        got, _ = target(batch, planned)
-    error = (got.float() - expected.float()).norm() / expected.float().norm()
-    assert error < 2e-2, error
-    assert planned.latent_plans.wrappers  # the wrapper ran, not the Triton kernel
+    if kernel == "triton":
+        return target(batch, pool)[0].float()
+    with pool.latent_plans.planned(committed, rows=4):
+        hidden = target(batch, pool)[0].float()
+    assert pool.latent_plans.wrappers  # the wrapper ran, not the Triton kernel
+    return hidden
+
+
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_planned_forward_is_as_close_to_float32_as_the_triton_kernels(width):
+    """One forward of a decode step (``width`` 1) and of a 4-token chain verify: the planned
+    flashinfer kernel's bfloat16 hidden states are as close to the float32 model's (the same
+    bfloat16 weights, widened) as the Triton kernel's bfloat16 ones are, within a quarter."""
+    target = _target()
+    exact = _forward(target.float(), width, "triton")
+    target = _target()
+    triton = _relative_error(_forward(target, width, "triton"), exact)
+    flashinfer = _relative_error(_forward(target, width, "flashinfer"), exact)
+    print(f"relative error vs float32: triton {triton:.4f}, flashinfer {flashinfer:.4f}")
+    assert flashinfer <= 1.25 * triton, (flashinfer, triton)
 
 
 def _tokens(target, engine_options, prompts=PROMPTS, new_tokens=32):
@@ -117,21 +132,28 @@ ROUNDS = {
 
 
 @pytest.mark.parametrize("label", sorted(ROUNDS))
-def test_planned_rounds_emit_the_triton_paths_tokens_captured_and_eager(label):
+def test_planned_rounds_stray_from_float32_no_more_than_triton_and_replay_eagerly(label):
+    """Whole engines in bfloat16: the planned flashinfer rounds, captured, emit tokens that
+    agree with the float32 model's greedy tokens (the same weights, widened) as long as the
+    Triton path's do, within 3% of the tokens (the kernels round differently, so near-ties
+    flip on either); the eagerly run flashinfer rounds emit the captured ones exactly (the
+    same plans for the same batches)."""
+    exact, _ = _tokens(_target().float(), {})
     target = _target()
     options = ROUNDS[label](target)
     triton, _ = _tokens(target, options)
     captured, engine = _tokens(target, {**options, "mla_kernel": "flashinfer"})
     eager, _ = _tokens(target, {**options, "mla_kernel": "flashinfer", "cuda_graphs": False})
     assert engine.resources.target_pool.latent_plans.wrappers  # planned and run
-    rows, matched, total = [], 0, 0
-    for name, ours, reference in (("captured", captured, triton), ("eager", eager, captured)):
-        for prompt, a, b in zip(PROMPTS, reference, ours):
-            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-            matched, total = matched + same, total + len(a)
-            if same < len(a):
-                gap = _logit_gap(target, prompt + a[:same])
-                rows.append((name, PROMPTS.index(prompt), same, a[same], b[same], gap))
-    check_divergences(
-        "run | prompt | first mismatch at | reference | flashinfer", rows, matched, total
-    )
+    assert eager == captured
+    total = sum(len(t) for t in exact)
+    matched = {
+        name: sum(_agreeing_prefix(a, b) for a, b in zip(exact, ours))
+        for name, ours in (("triton", triton), ("flashinfer", captured))
+    }
+    print(f"tokens before the first disagreement with float32, of {total}: {matched}")
+    assert matched["flashinfer"] >= matched["triton"] - 0.03 * total, matched
+
+
+def _agreeing_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
