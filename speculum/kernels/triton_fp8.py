@@ -50,13 +50,14 @@ class Tile(NamedTuple):
     stages: int
 
 
-#: The tile of each weight kind. ``"fp8"``: chosen by ``python benchmarks/fp8_gemv.py
-#: --sweep`` on the H200 (docs/fp8.md), the best at 6 of the 8B shape's 12 (layer, rows)
-#: cases; 512 e4m3 weights a step are 32 loads of 16 bytes a row. ``"half"`` (bfloat16 and
-#: float16 weights): not measured yet; the same bytes a step (256 two-byte weights) until
-#: ``python benchmarks/half_gemv.py --sweep`` picks one. float32 activations (parity tests)
-#: take twice the shared memory a step: they run half the step.
-TILES = {"fp8": Tile(32, 512, 4, 3), "half": Tile(32, 256, 4, 3)}
+#: The tile of each weight kind, each chosen by its sweep on the H200. ``"fp8"``: ``python
+#: benchmarks/fp8_gemv.py --sweep`` (docs/fp8.md), the best at 6 of the 8B shape's 12 (layer,
+#: rows) cases; 512 e4m3 weights a step are 32 loads of 16 bytes a row. ``"half"`` (bfloat16
+#: and float16 weights): ``python benchmarks/half_gemv.py --sweep --rows 1,8`` (docs/gpu.md),
+#: the tile nearest each case's best (1.05x of it, geometric mean), one stage short of the best
+#: for o and down, where it beats cuBLAS. float32 activations (parity tests) take twice the
+#: shared memory a step: they run half the step.
+TILES = {"fp8": Tile(32, 512, 4, 3), "half": Tile(32, 512, 4, 3)}
 
 
 @triton.jit(do_not_specialize=["n_rows"])
