@@ -20,7 +20,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from moe_kernel import _bench, _copy_bandwidth
+from decode import copy_bandwidth
+from moe_kernel import _bench
 from triton.runtime.errors import OutOfResources
 
 import speculum.kernels.triton_fp8 as triton_fp8
@@ -90,8 +91,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16", help="comma-separated row counts")
     parser.add_argument("--sweep", action="store_true", help="also sweep the GEMV's tiles")
     args = parser.parse_args()
-    hbm = _copy_bandwidth() / 2  # read bandwidth: half the copy's bytes are writes
-    print(f"HBM read bandwidth (copy / 2): {hbm / 1e9:.0f} GB/s")
+    # What HBM moves per second, reads and writes together: the most a weight read can reach.
+    hbm = copy_bandwidth("cuda")
+    print(f"HBM copy bandwidth (read + written): {hbm / 1e9:.0f} GB/s")
     for name, (n_out, n_in) in SHAPES.items():
         weight = torch.randn(n_out, n_in, device="cuda") * 0.02
         q, scale = fp8.quantize_weight(weight, (1, n_in))

@@ -27,9 +27,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from decode import copy_bandwidth
 from fp8_gemv import SHAPES as FP8_SHAPES
 from fp8_gemv import sweep
-from moe_kernel import _bench, _copy_bandwidth
+from moe_kernel import _bench
 
 import speculum.kernels.triton_fp8 as triton_fp8
 
@@ -121,8 +122,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated projections")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    hbm = _copy_bandwidth() / 2  # read bandwidth: half the copy's bytes are writes
-    print(f"HBM read bandwidth (copy / 2): {hbm / 1e9:.0f} GB/s; tile {triton_fp8.TILES['half']}")
+    # What HBM moves per second, reads and writes together: the most a weight read can reach.
+    hbm = copy_bandwidth("cuda")
+    tile = triton_fp8.TILES["half"]
+    print(f"HBM copy bandwidth (read + written): {hbm / 1e9:.0f} GB/s; tile {tile}")
     print("per kernel: time, weight GB/s (fraction of the copy bandwidth), kernels per call")
     swept: list[dict] | None = [] if args.sweep else None
     for name in args.shapes.split(","):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from decode import copy_bandwidth
 
 from speculum.kernels.grouped_moe import few_pairs, grouped_experts
 from speculum.kernels.model_ops import moe_reference, moe_row_weights
@@ -40,15 +41,6 @@ def _bench(fn, iters: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-def _copy_bandwidth() -> float:
-    """Measured device-to-device copy bandwidth, bytes per second (read + write), over random
-    bytes (never zeros: they can run faster than real data)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() / (ms / 1e3)
 
 
 def _row(rows: int, router, gate_up, down, k: int, bandwidth: float) -> str:
@@ -95,7 +87,7 @@ def main() -> None:
     router = torch.randn(e, h, device=dev, dtype=dtype) * h**-0.5
     gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=dtype) * h**-0.5
     down = torch.randn(e, h, i, device=dev, dtype=dtype) * i**-0.5
-    bandwidth = _copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; shape E={e} k={k} H={h} I={i} bf16")
     print(
         "| rows | experts read (max) | floor us | reference us (err) | grouped us (err) | "
