@@ -35,7 +35,7 @@ from speculum.models.draft_loading import (
     save_draft,
 )
 from speculum.models.loading import CheckpointError, load_model, random_model, save_model
-from speculum.spec.draft import top_children
+from speculum.spec.draft import likeliest, top_children
 from speculum.spec.paged import extend_batch
 from speculum.state.kv import PADDING_PAGE, PagedKV
 
@@ -725,3 +725,23 @@ def test_reduced_vocabulary_heads_rank_over_their_own_ids(target, seed, topk, ro
     assert torch.equal(tokens, full.indices)
     torch.testing.assert_close(probs, full.values)
     assert bool(torch.isin(tokens, ids).all())
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0]), min_size=1, max_size=12),
+    rows=st.integers(1, 3),
+    k=st.integers(1, 4),
+)
+def test_likeliest_ranks_as_topk_and_a_chain_breaks_ties_to_the_lowest_id(values, rows, k):
+    """``likeliest`` gives ``torch.topk``'s values (largest first) for every ``k``, ids holding
+    those values; for one child (a chain's max reduction) the id is the lowest of the row's
+    largest entries, whatever the device (topk leaves the order of ties unspecified)."""
+    probs = torch.tensor(values).roll(1).expand(rows, -1) * torch.arange(1, rows + 1)[:, None]
+    k = min(k, probs.shape[-1])
+    top, ids = likeliest(probs, k)
+    assert torch.equal(top, probs.topk(k, dim=-1).values)
+    assert torch.equal(probs.gather(-1, ids), top)
+    if k == 1:
+        lowest = (probs == probs.max(dim=-1, keepdim=True).values).int().argmax(dim=-1)
+        assert torch.equal(ids[:, 0], lowest)
