@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import torch
+
 from speculum.models.decoder import GEMV_KINDS
 from speculum.models.draft_kind import draft_algorithm
 from speculum.models.loading import DTYPES
@@ -512,7 +514,12 @@ def parser() -> argparse.ArgumentParser:
         default=16,
         help="tokens per KV-cache page (%(default)s)",
     )
-    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs: auto (the default) is cuda when a GPU is visible, else cpu",
+    )
     gen.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's")
     gen.add_argument(
         "--no-cuda-graphs",
@@ -1156,7 +1163,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         options = _engine_options(args, algorithm)
         # flashinfer's MLA plans need synchronous steps: no overlap unless asked for.
         synchronous = args.no_overlap or args.mla_kernel == "flashinfer"
-        options["overlap"] = args.overlap or (args.device == "cuda" and not synchronous)
+        options["overlap"] = args.overlap or (options["device"] == "cuda" and not synchronous)
         engine = engine_for(
             **options,
             max_logprobs=args.max_logprobs,
@@ -1338,6 +1345,15 @@ def _generate_call(args: argparse.Namespace, algorithm: str) -> tuple[list, dict
     )
 
 
+def resolved_device(name: str) -> str:
+    """``--device``'s value as the engine takes it: ``"auto"`` is ``"cuda"`` when torch sees a
+    GPU, else ``"cpu"`` (as vLLM and SGLang pick the accelerator without being told); ``"cpu"``
+    and ``"cuda"`` stay as given."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, object]:
     """The keyword arguments of ``generate`` that build the engine, from the command's flags
     (:data:`_ENGINE_DESTS` and the drafting options ``algorithm`` reads)."""
@@ -1357,7 +1373,7 @@ def _engine_options(args: argparse.Namespace, algorithm: str) -> dict[str, objec
         max_context=args.max_context,
         max_batch=args.max_batch,
         page_size=args.page_size,
-        device=args.device,
+        device=resolved_device(args.device),
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         compile_stages=args.compile_stages,

@@ -2,7 +2,7 @@
 
 ``speculum generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--algorithm plain]
 [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--seed S]
-[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--json]``: with ``--json`` stdout is
+[--device auto|cpu|cuda] [--dtype float32|bfloat16|float16] [--json]``: with ``--json`` stdout is
 exactly one JSON object with ``token_ids`` (generated ids only), ``text`` (their decoding) and
 ``stats`` (at least ``num_forward_steps`` and ``tokens_per_second``). Bad input exits with
 status 2 and one line on stderr naming the cause. Most cases call ``cli.main`` in-process; a few
@@ -302,6 +302,23 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, model_dir, model_dir_
     assert err.startswith("speculum: error: ")
     for word in words:
         assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_device_auto_is_cuda_exactly_when_torch_sees_a_gpu(monkeypatch, gpu):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert cli.resolved_device("auto") == ("cuda" if gpu else "cpu")
+    assert [cli.resolved_device(name) for name in ("cpu", "cuda")] == ["cpu", "cuda"]
+
+
+def test_the_default_device_decodes_as_the_device_it_resolves_to(capsys, model_dir):
+    """Without ``--device`` the command runs where ``auto`` points (the CPU on a machine
+    without a GPU), with that device's tokens."""
+    args = ("--model", str(model_dir), "--prompt-ids", "1,2", "--max-new-tokens", "6", "--json")
+    status, out, _ = run_cli(capsys, *args)
+    explicit, out_explicit, _ = run_cli(capsys, *args, "--device", cli.resolved_device("auto"))
+    assert status == explicit == 0
+    assert parse_one_object(out)["token_ids"] == parse_one_object(out_explicit)["token_ids"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA exists here")
