@@ -47,6 +47,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """Print a GPU test's failure the moment it happens, not only in the summary at the end:
+    device runs are cut by their time limits (``tests/gpu/run_lanes.sh``), and a cut run never
+    prints its summary."""
+    if report.failed and "gpu" in report.keywords:
+        print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+
 def tiny_config(**changes):
     """A 2-layer, 32-wide Llama over 64 token ids (no EOS unless asked)."""
     import attrs
