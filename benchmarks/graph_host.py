@@ -11,15 +11,18 @@ the scheduler's own bookkeeping: collecting tokens, stop checks, pages).
     python benchmarks/graph_host.py [--rounds 2000] [--batches 1,3,16]
 
 Prints microseconds per round for plain decoding and an EAGLE chain of 3 on a tiny model, per
-batch size (a batch below its bucket runs in the bucket's graph). Then two host costs that grow
-with the engine rather than the batch: freeing a finished request's pages per pool size, and a
-request's stop-string check per emitted token and its streamed text per step, per output
+batch size (a batch below its bucket runs in the bucket's graph): the wrapper's whole host work
+and the part before the replay, which a GPU waits through (the rest overlaps the replay).
+Then two host costs that grow with the engine rather than the batch: freeing a finished
+request's pages per pool size, and a request's stop-string check per emitted token and its
+streamed text per step, per output
 length.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -39,10 +42,16 @@ from speculum.state.record import snapshot
 
 
 class _NoReplay:
-    """A graph whose replay does nothing: the static outputs keep the recorded call's."""
+    """A graph whose replay does nothing (the static outputs keep the recorded call's) but
+    note when it was asked for, in ``REPLAYED``."""
 
     def replay(self) -> None:
-        """Nothing: only the wrapper's host work is timed."""
+        """Note the time: only the wrapper's host work is timed."""
+        REPLAYED.append(time.perf_counter())
+
+
+#: When each replay was asked for (``perf_counter``), for the host time before it.
+REPLAYED: list[float] = []
 
 
 def recorded_once(fn, args, *, pool=None, warmup=2) -> graphs.Captured:
@@ -63,15 +72,20 @@ def decoding_state(engine, batch: int) -> Any:
     return state.batch
 
 
-def microseconds_per_round(engine, batch: int, rounds: int) -> float:
-    """Host time of one wrapped round over a ``batch``-row state (its graph captured first)."""
+def microseconds_per_round(engine, batch: int, rounds: int) -> tuple[float, float]:
+    """Host time of one wrapped round over a ``batch``-row state (its graph captured first),
+    whole and before the replay (what a GPU waits through; the rest overlaps the replay), the
+    median of ``rounds`` µs each: this machine's noise moves a mean far more."""
     wrapped = graphs.GraphedDecode(engine.pipeline.decode, graphs.DEFAULT_BUCKETS)
     state = decoding_state(engine, batch)
     wrapped(engine.resources, state)  # captures
-    begin = time.perf_counter()
+    whole, before = [], []
     for _ in range(rounds):
+        begin = time.perf_counter()
         wrapped(engine.resources, state)
-    return (time.perf_counter() - begin) / rounds * 1e6
+        whole.append(time.perf_counter() - begin)
+        before.append(REPLAYED[-1] - begin)
+    return statistics.median(whole) * 1e6, statistics.median(before) * 1e6
 
 
 def scheduler_microseconds_per_step(engine, batch: int, rounds: int) -> float:
@@ -146,13 +160,13 @@ def main() -> None:
         ),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds")
-    print("| round | batch | wrapper host us/round | scheduler step host us |")
-    print("|---|---:|---:|---:|")
+    print("| round | batch | wrapper host us/round | before the replay | scheduler step host us |")
+    print("|---|---:|---:|---:|---:|")
     for name, engine in engines.items():
         for batch in (int(b) for b in args.batches.split(",")):
-            wrapper = microseconds_per_round(engine, batch, args.rounds)
+            wrapper, before = microseconds_per_round(engine, batch, args.rounds)
             step = scheduler_microseconds_per_step(engine, batch, args.rounds)
-            print(f"| {name} | {batch} | {wrapper:.0f} | {step:.0f} |", flush=True)
+            print(f"| {name} | {batch} | {wrapper:.0f} | {before:.0f} | {step:.0f} |", flush=True)
     print("\n| KV pages in the pool | free a request's pages, us |\n|---:|---:|")
     for num_pages in (1024, 16384, 65536):
         print(f"| {num_pages} | {free_microseconds(num_pages):.0f} |", flush=True)

@@ -36,9 +36,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from speculum.state.batch import batch_size, leading_size, take_rows
+from speculum.state.batch import batch_size, take_rows
 from speculum.state.kv import PADDING_PAGE
-from speculum.state.record import replace
+from speculum.state.record import leaves_and_structure, replace
 from speculum.state.recurrent import PADDING_SLOT
 
 __all__ = [
@@ -92,15 +92,25 @@ class Captured:
         return pytree.tree_unflatten(leaves, self._out_spec)
 
 
-def _signature(leaves: Sequence[Any], rows: int | None = None) -> tuple[Any, ...]:
-    """Each leaf's shape, dtype and device (a non-tensor leaf itself); with ``rows``, the
-    shapes as a batch of that many rows would have them (every tensor leaf is batch-major)."""
-    return tuple(
-        (tuple(x.shape) if rows is None else (rows, *x.shape[1:]), x.dtype, x.device)
-        if isinstance(x, Tensor)
-        else x
-        for x in leaves
-    )
+def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """Each leaf's shape, dtype and device (a non-tensor leaf itself)."""
+    return tuple((x.shape, x.dtype, x.device) if isinstance(x, Tensor) else x for x in leaves)
+
+
+def _rows_and_signature(leaves: Sequence[Any]) -> tuple[int, tuple[Any, ...]]:
+    """For a batch record's leaves (every tensor batch-major): the rows they share, and each
+    leaf's shape past the rows, dtype and device (a non-tensor leaf itself), in one pass: a
+    graph-replayed round computes both on every call."""
+    rows, signature = set(), []
+    for x in leaves:
+        if isinstance(x, Tensor):
+            rows.add(x.shape[0])
+            signature.append((x.shape[1:], x.dtype, x.device))
+        else:
+            signature.append(x)
+    if len(rows) != 1:
+        raise ValueError(f"batch record has inconsistent leading axes {sorted(rows)}")
+    return rows.pop(), tuple(signature)
 
 
 def capture(
@@ -150,20 +160,14 @@ def replay(captured: Captured, args: tuple[Any, ...]) -> Any:
             "or dtypes; capture again for this shape"
         )
     static = [s for s in captured.inputs if isinstance(s, Tensor)]
-    return _run(captured, static, [v for v in leaves if isinstance(v, Tensor)])
+    copy_all(static, [v for v in leaves if isinstance(v, Tensor)])
+    return _run(captured)
 
 
-def _run(
-    captured: Captured,
-    static: Sequence[Tensor],
-    values: Sequence[Tensor],
-    masks: MaskCut | None = None,
-) -> Any:
-    """Copy already-checked argument tensors ``values`` into ``static`` (the static inputs'
-    tensors, or their leading rows) and replay; a round cut at its grammar masks asks
-    ``masks`` for each cut's (one host round trip, one packed copy into the cut's static
+def _run(captured: Captured, masks: MaskCut | None = None) -> Any:
+    """Replay ``captured``, its inputs already copied in; a round cut at its grammar masks
+    asks ``masks`` for each cut's (one host round trip, one packed copy into the cut's static
     buffer) before replaying the graph after it."""
-    copy_all(static, values)
     captured.graph.replay()
     for paths, static_masks, graph in captured.cuts:
         assert masks is not None, "a round cut at grammar masks needs its MaskCut"
@@ -172,19 +176,38 @@ def _run(
     return captured.outputs
 
 
-def copy_all(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
-    """``destinations[i].copy_(sources[i])`` for every ``i``, as one foreach copy per dtype.
+#: Copy destinations of one dtype, and the positions of their sources in a list of values.
+CopyGroups = list[tuple[list[Tensor], list[int]]]
 
-    A round's state and outputs are ~15 small tensors each; copied one by one, they cost a
-    kernel launch each, several microseconds of host time apiece on every round.
+
+def copy_groups(destinations: Sequence[Tensor | None]) -> CopyGroups:
+    """``destinations`` (``None`` where a value is not copied) grouped by dtype, each
+    destination with its position: :func:`copy_grouped` copies each group at once."""
+    groups: dict[torch.dtype, tuple[list[Tensor], list[int]]] = {}
+    for position, destination in enumerate(destinations):
+        if destination is not None:
+            group = groups.setdefault(destination.dtype, ([], []))
+            group[0].append(destination)
+            group[1].append(position)
+    return list(groups.values())
+
+
+def copy_grouped(groups: CopyGroups, sources: Sequence[Any]) -> None:
+    """Each group's ``destination.copy_(sources[position])``, as one foreach copy per group
+    (the sources of the destinations' dtypes).
+
+    A round's state and outputs are ~20 small tensors each; copied one by one, they cost a
+    kernel launch each, several microseconds of host time apiece on every round. Grouping them
+    costs host time too, so a caller that copies into the same destinations every round groups
+    them once.
     """
-    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-    for destination, source in zip(destinations, sources, strict=True):
-        group = groups.setdefault((destination.dtype, source.dtype), ([], []))
-        group[0].append(destination)
-        group[1].append(source)
-    for group_destinations, group_sources in groups.values():
-        torch._foreach_copy_(group_destinations, group_sources, non_blocking=True)
+    for destinations, positions in groups:
+        torch._foreach_copy_(destinations, [sources[p] for p in positions], non_blocking=True)
+
+
+def copy_all(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``destinations[i].copy_(sources[i])`` for every ``i``, one foreach copy per dtype."""
+    copy_grouped(copy_groups(destinations), sources)
 
 
 def fresh_rows(captured: Captured, rows: int) -> Any:
@@ -328,11 +351,11 @@ class GraphedDecode:
             self.cut.fill, self.cut.rows = grammar, batch_size(state)
             state = replace(state, sampling=replace(state.sampling, grammar=self.cut))
         # Flattened once per round: this is host work on every round, and the lookup key is
-        # the check replay() would repeat.
-        leaves, spec = pytree.tree_flatten((state,))
-        batch = leading_size(leaves)
+        # the check replay() would repeat (structure, static fields, shapes past the rows).
+        leaves, structure = leaves_and_structure((state,))
+        batch, signature = _rows_and_signature(leaves)
         bucket = bucket_for(batch, self.buckets)
-        key = (spec, _signature(leaves, rows=bucket))
+        key = (structure, bucket, signature)
         graph = self._graph_for(resources, state, bucket, key)
         graph.run(leaves, batch, self.cut)
         # The real rows are the static buffers' first ones (BucketGraph.run).
@@ -383,8 +406,9 @@ class BucketGraph:
     captured: Captured
     cache_leaves: dict[str, Tensor]  # the static buffers of NO_CACHE's fields
     padding_from: int = 0  # captured on an all-padding state
-    # The static input tensors' first rows, per batch size seen (views made once, not per round).
-    _rows: dict[int, list[Tensor]] = attrs.field(factory=dict)
+    # Per batch size seen, the static input tensors' first rows grouped for the copy of a
+    # round's leaves into them (views made and grouped once, not per round).
+    _copies: dict[int, CopyGroups] = attrs.field(factory=dict)
 
     def run(self, leaves: Sequence[Any], batch: int, masks: MaskCut) -> None:
         """Copy ``batch`` rows of argument ``leaves`` into the static inputs, make the rows
@@ -393,8 +417,9 @@ class BucketGraph:
             for name, value in NO_CACHE.items():
                 self.cache_leaves[name][batch : self.padding_from].fill_(value)
         self.padding_from = batch
-        static = self._rows.get(batch)
-        if static is None:
-            static = [s[:batch] for s in self.captured.inputs if isinstance(s, Tensor)]
-            self._rows[batch] = static
-        _run(self.captured, static, [v for v in leaves if isinstance(v, Tensor)], masks)
+        copies = self._copies.get(batch)
+        if copies is None:
+            rows = [s[:batch] if isinstance(s, Tensor) else None for s in self.captured.inputs]
+            copies = self._copies[batch] = copy_groups(rows)
+        copy_grouped(copies, leaves)
+        _run(self.captured, masks)

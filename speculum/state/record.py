@@ -28,6 +28,7 @@ __all__ = [
     "tree_equal",
     "snapshot",
     "fields_of",
+    "leaves_and_structure",
     "tree_map_tensors",
     "TYPECHECK_ENV",
 ]
@@ -39,6 +40,8 @@ T = TypeVar("T")
 TYPECHECK_ENV = "SPECULUM_TYPECHECK"
 
 _STATIC = "speculum_static"
+#: Each record class's (data, static) field names, for :func:`leaves_and_structure`.
+_LAYOUTS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
 def static(**kwargs: Any) -> Any:
@@ -73,6 +76,7 @@ def record(cls: type[T]) -> type[T]:
     """
     cls = attrs.define(frozen=True, slots=True, kw_only=True, eq=False, repr=True)(cls)
     data_names, static_names = fields_of(cls)
+    _LAYOUTS[cls] = data_names, static_names
 
     def flatten(rec: Any) -> tuple[list[Any], tuple[Any, ...]]:
         children = [getattr(rec, n) for n in data_names]
@@ -145,6 +149,54 @@ def replace(rec: T, **changes: Any) -> T:
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}; fields are {names}")
     return _build(cls, {n: changes[n] if n in changes else getattr(rec, n) for n in names})
+
+
+class _OtherNode(Exception):
+    """A node :func:`leaves_and_structure` leaves to pytree (a dict, a named tuple...)."""
+
+
+#: Marks a leaf's place in a walked tree's structure.
+_LEAF = object()
+
+
+def leaves_and_structure(tree: Any) -> tuple[list[Any], Any]:
+    """``tree``'s leaves in ``pytree.tree_flatten``'s order, and a value standing for its
+    treespec: two trees' structures are equal exactly when their treespecs are.
+
+    Records, tuples and lists, what the decoding state is made of, are walked directly: a
+    graph-replayed round flattens its state on every call, and pytree's generic walk (a
+    registry lookup and named-tuple checks per node, a ``TreeSpec`` built per node) was most
+    of that host work. The structure is then the walk's tuple of node markers (a record's class
+    with its static fields, a container's type and length, one mark per leaf). A tree with any
+    other node (a dict, a named tuple, another registered type) is flattened by pytree, and its
+    treespec is the structure.
+    """
+    leaves: list[Any] = []
+    marks: list[Any] = []
+    try:
+        _walk(tree, leaves, marks)
+    except _OtherNode:
+        return pytree.tree_flatten(tree)
+    return leaves, tuple(marks)
+
+
+def _walk(node: Any, leaves: list[Any], marks: list[Any]) -> None:
+    cls = type(node)
+    layout = _LAYOUTS.get(cls)
+    if layout is not None:
+        data_names, static_names = layout
+        marks.append((cls, tuple(getattr(node, n) for n in static_names)))
+        for name in data_names:
+            _walk(getattr(node, name), leaves, marks)
+    elif cls is tuple or cls is list:
+        marks.append((cls, len(node)))
+        for child in node:
+            _walk(child, leaves, marks)
+    elif isinstance(node, (tuple, list, dict)) or cls in pytree.SUPPORTED_NODES:
+        raise _OtherNode
+    else:
+        leaves.append(node)
+        marks.append(_LEAF)
 
 
 def _leaf_equal(a: Any, b: Any) -> bool:

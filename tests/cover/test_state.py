@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+
 import attrs
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import tiny_config
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -28,6 +30,7 @@ from speculum.state import (
     tree_equal,
 )
 from speculum.state.kv import KVPoolExhausted, allocate, allocated_pages, free, new_allocator
+from speculum.state.record import leaves_and_structure
 
 
 @record
@@ -73,6 +76,65 @@ def test_static_fields_live_in_the_treespec():
     assert spec != other
     rebuilt = pytree.tree_unflatten(leaves, spec)
     assert isinstance(rebuilt, Pair) and tree_equal(rebuilt, pair(width=2))
+
+
+@record
+class Node:
+    """A test record holding any two subtrees, with a static tag."""
+
+    left: object
+    right: object
+    tag: int = static()
+
+
+Point = collections.namedtuple("Point", "x y")
+
+_leaves = st.one_of(
+    st.none(), st.integers(0, 2), st.integers(1, 3).map(lambda n: torch.zeros(n, 2))
+)
+_trees = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.tuples(children, children),
+        st.lists(children, max_size=3),
+        st.builds(
+            lambda a, b, tag: Node(left=a, right=b, tag=tag), children, children, st.integers(0, 1)
+        ),
+        st.dictionaries(st.sampled_from("ab"), children, max_size=2),
+        st.builds(Point, children, children),
+    ),
+    max_leaves=8,
+)
+
+
+def _retagged(tree, tag: int):
+    """``tree`` with its first record's tag set to ``tag`` (the same tree if it has none)."""
+    if isinstance(tree, Node):
+        return replace(tree, tag=tag)
+    if type(tree) in (tuple, list):
+        return type(tree)(_retagged(child, tag) for child in tree)
+    if isinstance(tree, Point):
+        return Point(*(_retagged(child, tag) for child in tree))
+    if isinstance(tree, dict):
+        return {key: _retagged(child, tag) for key, child in tree.items()}
+    return tree
+
+
+@given(first=_trees, other=_trees, how=st.sampled_from(["same", "retag", "other"]))
+@example(first=(0, (0,)), other=((0,), 0), how="other")  # one leaf and one tuple, placed apart
+def test_the_fast_flatten_gives_pytrees_leaves_and_structures_equal_as_treespecs(first, other, how):
+    """``leaves_and_structure`` (what a graph-replayed round flattens its state with) gives
+    pytree's leaves, the same objects in the same order, and structures equal exactly when the
+    treespecs are: for the same tree rebuilt, a record's static field changed, another tree."""
+    second = {"same": pytree.tree_map(lambda x: x, first), "retag": _retagged(first, 2)}.get(
+        how, other
+    )
+    for tree in (first, second):
+        leaves, _ = leaves_and_structure(tree)
+        expected, _ = pytree.tree_flatten(tree)
+        assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
+    same_spec = pytree.tree_flatten(first)[1] == pytree.tree_flatten(second)[1]
+    assert (leaves_and_structure(first)[1] == leaves_and_structure(second)[1]) == same_spec
 
 
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(-2, 2))
