@@ -15,8 +15,7 @@ batch size (a batch below its bucket runs in the bucket's graph): the wrapper's 
 and the part before the replay, which a GPU waits through (the rest overlaps the replay).
 Then two host costs that grow with the engine rather than the batch: freeing a finished
 request's pages per pool size, and a request's stop-string check per emitted token and its
-streamed text per step, per output
-length.
+streamed text per step, per output length.
 """
 
 from __future__ import annotations
