@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from speculum.state.batch import batch_size, take_rows
 from speculum.state.kv import PADDING_PAGE
-from speculum.state.record import leaves_and_structure, replace
+from speculum.state.record import leaves_and_structure, rebuilder, replace
 from speculum.state.recurrent import PADDING_SLOT
 
 __all__ = [
@@ -76,20 +76,20 @@ class Captured:
     # the static ``masks`` and replays the cut's graph, the rest of the round.
     cuts: tuple[tuple[Tensor, Tensor, torch.cuda.CUDAGraph], ...] = ()
     output_leaves: list[Tensor | None] = attrs.field(init=False)
-    _out_spec: pytree.TreeSpec = attrs.field(init=False)
+    _rebuild: Callable[[Sequence[Any]], Any] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        leaves, spec = pytree.tree_flatten(self.outputs)
+        leaves = pytree.tree_leaves(self.outputs)
         if not all(x is None or isinstance(x, Tensor) for x in leaves):
             raise TypeError(
                 "a captured call must return records whose leaves are all tensors (or None)"
             )
         object.__setattr__(self, "output_leaves", leaves)
-        object.__setattr__(self, "_out_spec", spec)
+        object.__setattr__(self, "_rebuild", rebuilder(self.outputs))
 
-    def unflatten_outputs(self, leaves: list[Tensor | None]) -> Any:
+    def unflatten_outputs(self, leaves: Sequence[Tensor | None]) -> Any:
         """The outputs' structure over other ``leaves`` (in ``output_leaves`` order)."""
-        return pytree.tree_unflatten(leaves, self._out_spec)
+        return self._rebuild(leaves)
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -176,47 +176,52 @@ def _run(captured: Captured, masks: MaskCut | None = None) -> Any:
     return captured.outputs
 
 
-#: Copy destinations of one dtype, and the positions of their sources in a list of values.
-CopyGroups = list[tuple[list[Tensor], list[int]]]
+#: Positions of a list's tensors, one list per dtype (see :func:`copy_grouped`).
+CopyGroups = list[list[int]]
 
 
-def copy_groups(destinations: Sequence[Tensor | None]) -> CopyGroups:
-    """``destinations`` (``None`` where a value is not copied) grouped by dtype, each
-    destination with its position: :func:`copy_grouped` copies each group at once."""
-    groups: dict[torch.dtype, tuple[list[Tensor], list[int]]] = {}
-    for position, destination in enumerate(destinations):
-        if destination is not None:
-            group = groups.setdefault(destination.dtype, ([], []))
-            group[0].append(destination)
-            group[1].append(position)
+def copy_groups(tensors: Sequence[Any]) -> CopyGroups:
+    """The positions of ``tensors``' tensors (other entries are not copied), grouped by
+    dtype: :func:`copy_grouped` copies each group at once."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        if isinstance(tensor, Tensor):
+            groups.setdefault(tensor.dtype, []).append(position)
     return list(groups.values())
 
 
-def copy_grouped(groups: CopyGroups, sources: Sequence[Any]) -> None:
-    """Each group's ``destination.copy_(sources[position])``, as one foreach copy per group
-    (the sources of the destinations' dtypes).
+def copy_grouped(groups: CopyGroups, destinations: Sequence[Any], sources: Sequence[Any]) -> None:
+    """``destinations[p].copy_(sources[p])`` for every position ``p`` of ``groups``
+    (:func:`copy_groups` of either side), as one foreach copy per group.
 
     A round's state and outputs are ~20 small tensors each; copied one by one, they cost a
     kernel launch each, several microseconds of host time apiece on every round. Grouping them
-    costs host time too, so a caller that copies into the same destinations every round groups
-    them once.
+    costs host time too, so a caller that copies between the same kinds of lists every round
+    groups them once.
     """
-    for destinations, positions in groups:
-        torch._foreach_copy_(destinations, [sources[p] for p in positions], non_blocking=True)
+    for positions in groups:
+        torch._foreach_copy_(
+            [destinations[p] for p in positions],
+            [sources[p] for p in positions],
+            non_blocking=True,
+        )
 
 
 def copy_all(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
     """``destinations[i].copy_(sources[i])`` for every ``i``, one foreach copy per dtype."""
-    copy_grouped(copy_groups(destinations), sources)
+    copy_grouped(copy_groups(destinations), destinations, sources)
 
 
-def fresh_rows(captured: Captured, rows: int) -> Any:
-    """The first ``rows`` rows of ``captured``'s outputs, in new tensors (the static outputs
-    are overwritten by the next replay)."""
-    leaves = [x if x is None else x[:rows] for x in captured.output_leaves]
-    fresh = [x if x is None else torch.empty_like(x) for x in leaves]
-    copy_all([x for x in fresh if x is not None], [x for x in leaves if x is not None])
-    return captured.unflatten_outputs(fresh)
+class _BatchRows(NamedTuple):
+    """A bucket graph's static buffers as a batch of some size uses them: the first rows of
+    the input tensors and of the output tensors (``None`` for other leaves), each with their
+    :func:`copy_groups`. Made once per batch size: slicing and grouping ~20 leaves a round cost
+    more host time than the copies' launches."""
+
+    inputs: list[Tensor | None]
+    input_groups: CopyGroups
+    outputs: list[Tensor | None]
+    output_groups: CopyGroups
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -359,7 +364,7 @@ class GraphedDecode:
         graph = self._graph_for(resources, state, bucket, key)
         graph.run(leaves, batch, self.cut)
         # The real rows are the static buffers' first ones (BucketGraph.run).
-        return fresh_rows(graph.captured, batch)
+        return graph.fresh_outputs(batch)
 
     def _graph_for(self, resources: Any, state: Any, bucket: int, key: Any) -> BucketGraph:
         for owner, known, graph in self.graphs:
@@ -406,9 +411,8 @@ class BucketGraph:
     captured: Captured
     cache_leaves: dict[str, Tensor]  # the static buffers of NO_CACHE's fields
     padding_from: int = 0  # captured on an all-padding state
-    # Per batch size seen, the static input tensors' first rows grouped for the copy of a
-    # round's leaves into them (views made and grouped once, not per round).
-    _copies: dict[int, CopyGroups] = attrs.field(factory=dict)
+    # The static buffers' first rows per batch size seen (views made and grouped once).
+    _rows: dict[int, _BatchRows] = attrs.field(factory=dict)
 
     def run(self, leaves: Sequence[Any], batch: int, masks: MaskCut) -> None:
         """Copy ``batch`` rows of argument ``leaves`` into the static inputs, make the rows
@@ -417,9 +421,23 @@ class BucketGraph:
             for name, value in NO_CACHE.items():
                 self.cache_leaves[name][batch : self.padding_from].fill_(value)
         self.padding_from = batch
-        copies = self._copies.get(batch)
-        if copies is None:
-            rows = [s[:batch] if isinstance(s, Tensor) else None for s in self.captured.inputs]
-            copies = self._copies[batch] = copy_groups(rows)
-        copy_grouped(copies, leaves)
+        rows = self._rows_of(batch)
+        copy_grouped(rows.input_groups, rows.inputs, leaves)
         _run(self.captured, masks)
+
+    def fresh_outputs(self, batch: int) -> Any:
+        """The outputs' first ``batch`` rows, in new tensors (the static outputs are
+        overwritten by the next replay)."""
+        rows = self._rows_of(batch)
+        fresh = [x if x is None else torch.empty_like(x) for x in rows.outputs]
+        copy_grouped(rows.output_groups, fresh, rows.outputs)
+        return self.captured.unflatten_outputs(fresh)
+
+    def _rows_of(self, batch: int) -> _BatchRows:
+        rows = self._rows.get(batch)
+        if rows is None:
+            inputs = [x[:batch] if isinstance(x, Tensor) else None for x in self.captured.inputs]
+            outputs = [x if x is None else x[:batch] for x in self.captured.output_leaves]
+            rows = _BatchRows(inputs, copy_groups(inputs), outputs, copy_groups(outputs))
+            self._rows[batch] = rows
+        return rows

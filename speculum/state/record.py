@@ -13,7 +13,7 @@ inside compiled stages (dynamo cannot trace attrs' generated ``__init__``, but i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -29,6 +29,7 @@ __all__ = [
     "snapshot",
     "fields_of",
     "leaves_and_structure",
+    "rebuilder",
     "tree_map_tensors",
     "TYPECHECK_ENV",
 ]
@@ -197,6 +198,44 @@ def _walk(node: Any, leaves: list[Any], marks: list[Any]) -> None:
     else:
         leaves.append(node)
         marks.append(_LEAF)
+
+
+def rebuilder(example: Any) -> Callable[[Sequence[Any]], Any]:
+    """A function rebuilding trees shaped like ``example`` from their leaves, in pytree's
+    order: the same tree ``pytree.tree_unflatten(leaves, spec)`` gives for ``example``'s
+    treespec, faster when called many times (a graph-replayed round rebuilds its output records
+    on every call). Records are built field by field as :func:`replace` builds them, without
+    validation; tuples and lists directly; any other node by pytree.
+    """
+    build = _node_builder(example)
+    return lambda leaves: build(iter(leaves))
+
+
+def _node_builder(node: Any) -> Callable[[Iterator[Any]], Any]:
+    cls = type(node)
+    layout = _LAYOUTS.get(cls)
+    if layout is not None:
+        data_names, static_names = layout
+        children = [(name, _node_builder(getattr(node, name))) for name in data_names]
+        statics = [(name, getattr(node, name)) for name in static_names]
+
+        def build_record(leaves: Iterator[Any]) -> Any:
+            rec = object.__new__(cls)
+            for name, child in children:
+                object.__setattr__(rec, name, child(leaves))
+            for name, value in statics:
+                object.__setattr__(rec, name, value)
+            return rec
+
+        return build_record
+    if cls is tuple or cls is list:
+        items = [_node_builder(child) for child in node]
+        return lambda leaves: cls(item(leaves) for item in items)
+    if isinstance(node, (tuple, list, dict)) or cls in pytree.SUPPORTED_NODES:
+        count = len(pytree.tree_leaves(node))
+        spec = pytree.tree_structure(node)
+        return lambda leaves: pytree.tree_unflatten([next(leaves) for _ in range(count)], spec)
+    return next
 
 
 def _leaf_equal(a: Any, b: Any) -> bool:

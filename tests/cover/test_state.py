@@ -30,7 +30,7 @@ from speculum.state import (
     tree_equal,
 )
 from speculum.state.kv import KVPoolExhausted, allocate, allocated_pages, free, new_allocator
-from speculum.state.record import leaves_and_structure
+from speculum.state.record import leaves_and_structure, rebuilder
 
 
 @record
@@ -135,6 +135,20 @@ def test_the_fast_flatten_gives_pytrees_leaves_and_structures_equal_as_treespecs
         assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
     same_spec = pytree.tree_flatten(first)[1] == pytree.tree_flatten(second)[1]
     assert (leaves_and_structure(first)[1] == leaves_and_structure(second)[1]) == same_spec
+
+
+@given(tree=_trees)
+def test_a_rebuilder_rebuilds_what_pytree_unflattens(tree):
+    """``rebuilder`` (what a graph-replayed round rebuilds its output records with) gives, over
+    other leaves, the tree ``pytree.tree_unflatten`` gives: the same treespec, the same leaf
+    objects in place, records of the same classes with the same static fields."""
+    leaves, spec = pytree.tree_flatten(tree)
+    others = [object() for _ in leaves]
+    rebuilt = rebuilder(tree)(others)
+    expected = pytree.tree_unflatten(others, spec)
+    got_leaves, got_spec = pytree.tree_flatten(rebuilt)
+    assert got_spec == spec == pytree.tree_structure(expected)
+    assert all(a is b for a, b in zip(got_leaves, others, strict=True))
 
 
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(-2, 2))
