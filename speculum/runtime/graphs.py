@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from speculum.state.batch import batch_size, take_rows
+from speculum.state.batch import batch_size, shared_size, take_rows
 from speculum.state.kv import PADDING_PAGE
 from speculum.state.record import leaves_and_structure, rebuilder, replace
 from speculum.state.recurrent import PADDING_SLOT
@@ -108,9 +108,7 @@ def _rows_and_signature(leaves: Sequence[Any]) -> tuple[int, tuple[Any, ...]]:
             signature.append((x.shape[1:], x.dtype, x.device))
         else:
             signature.append(x)
-    if len(rows) != 1:
-        raise ValueError(f"batch record has inconsistent leading axes {sorted(rows)}")
-    return rows.pop(), tuple(signature)
+    return shared_size(rows), tuple(signature)
 
 
 def capture(

@@ -12,23 +12,25 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["take_rows", "concat_rows", "batch_size", "leading_size"]
+__all__ = ["take_rows", "concat_rows", "batch_size", "shared_size"]
 
 T = TypeVar("T")
 
 
 def batch_size(tree: object) -> int:
     """The leading-axis size shared by every tensor leaf of ``tree``."""
-    return leading_size(pytree.tree_leaves(tree))
+    return shared_size(
+        {x.shape[0] for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)}
+    )
 
 
-def leading_size(leaves: Sequence[object]) -> int:
-    """The leading-axis size shared by every tensor among a record's flattened ``leaves``
-    (for callers that flatten it anyway: flattening is most of :func:`batch_size`'s cost)."""
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor)}
+def shared_size(sizes: set[int]) -> int:
+    """The one leading-axis size among a batch record's tensors' ``sizes`` (for callers that
+    collect them while walking the record anyway); a record whose tensors disagree is an
+    error."""
     if len(sizes) != 1:
         raise ValueError(f"batch record has inconsistent leading axes {sorted(sizes)}")
-    return sizes.pop()
+    return next(iter(sizes))
 
 
 def take_rows(tree: T, rows: torch.Tensor) -> T:

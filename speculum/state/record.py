@@ -193,11 +193,18 @@ def _walk(node: Any, leaves: list[Any], marks: list[Any]) -> None:
         marks.append((cls, len(node)))
         for child in node:
             _walk(child, leaves, marks)
-    elif isinstance(node, (tuple, list, dict)) or cls in pytree.SUPPORTED_NODES:
+    elif _left_to_pytree(node):
         raise _OtherNode
     else:
         leaves.append(node)
         marks.append(_LEAF)
+
+
+def _left_to_pytree(node: Any) -> bool:
+    """Whether ``node``, neither a record nor a plain tuple or list, is a node pytree flattens
+    (a dict, a named tuple, another registered type) rather than a leaf: the walks of
+    :func:`leaves_and_structure` and :func:`rebuilder` leave it to pytree."""
+    return isinstance(node, (tuple, list, dict)) or type(node) in pytree.SUPPORTED_NODES
 
 
 def rebuilder(example: Any) -> Callable[[Sequence[Any]], Any]:
@@ -231,7 +238,7 @@ def _node_builder(node: Any) -> Callable[[Iterator[Any]], Any]:
     if cls is tuple or cls is list:
         items = [_node_builder(child) for child in node]
         return lambda leaves: cls(item(leaves) for item in items)
-    if isinstance(node, (tuple, list, dict)) or cls in pytree.SUPPORTED_NODES:
+    if _left_to_pytree(node):
         count = len(pytree.tree_leaves(node))
         spec = pytree.tree_structure(node)
         return lambda leaves: pytree.tree_unflatten([next(leaves) for _ in range(count)], spec)
